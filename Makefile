@@ -1,0 +1,25 @@
+# The two commands a fresh machine needs (see README.md):
+#   make demo   # a real Muon training run on CPU: GPT, TP=2 x DP=2, DistributedOptimizer, 4 ranks
+#   make test   # the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install fork demo test lint check-patches bench
+
+install:
+	@tools/bootstrap.sh
+
+fork: install  # after editing patches/ or adding a file under megatron/
+	@$(PY) tools/fork.py assemble
+
+demo: install
+	@$(PY) examples/cpu_quickstart.py
+
+test: install
+	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	@$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+check-patches: install
+	@$(PY) tools/fork.py check
