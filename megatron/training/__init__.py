@@ -1,0 +1,1 @@
+"""Our training stack on megatron-core: arguments, loop, data, tokenizers, checkpoint glue."""
