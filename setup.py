@@ -1,4 +1,4 @@
-"""Build megatron-core 0.16.1 + the Muon patch set as one distribution, ``megatron-core==0.16.1+muon``.
+"""Build megatron-core 0.16.1 + the Muon patches as one distribution, megatron-core==0.16.1+muon.
 
 The pinned upstream archive must be fetched first (``python tools/fork.py fetch``; ``make install``
 does it): inside pip's isolated build environment there is no pip to download it with. This file

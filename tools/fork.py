@@ -62,7 +62,9 @@ def fetch() -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         cmd += ["--no-build-isolation", "--require-hashes", "-r", str(req), "-d", str(CACHE_DIR)]
         # upstream's setup.py runs `python3 -m pybind11` while pip reads its metadata
-        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        env = dict(
+            os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+        )
         if subprocess.run(cmd, env=env).returncode != 0:
             raise ForkError(f"could not download {ARCHIVE} from the package index: {' '.join(cmd)}")
     verify(target)

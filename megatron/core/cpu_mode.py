@@ -1,0 +1,135 @@
+"""CPU mode: run megatron-core 0.16.1 on a machine without CUDA (development, CI, laptops).
+
+    from megatron.core import cpu_mode
+    cpu_mode.enable_if_needed()   # before building models; a no-op where CUDA is available
+
+Active only when ``torch.cuda.is_available()`` is false, or when ``MEGATRON_CPU_MODE=1`` asks for
+it. It leaves the GPU path untouched: nothing here runs unless enabled.
+
+What it redirects (the CUDA assumptions of megatron-core 0.16.1 found on CPU):
+
+* ``device='cuda'``, ``device=torch.cuda.current_device()`` (an int) and ``Tensor.cuda()``: a
+  ``TorchFunctionMode`` rewrites CUDA devices to the CPU at the call, wherever the call is.
+* ``param.type() == 'torch.cuda.FloatTensor'`` checks (optimizers, grad clipping): ``Tensor.type()``
+  answers with the ``torch.cuda.*`` name of the CPU tensor's type.
+* ``torch.cuda.current_device / synchronize / nvtx``: the device index 0 and no-ops.
+* The CUDA RNG behind ``tensor_parallel.random``'s tracker: the CPU default generator, the one that
+  CPU kernels (dropout, init) draw from, so forking the tracker swaps the state those kernels use.
+
+Why a shim and not patches: the assumptions are spread over a dozen upstream files, none of them
+about Muon. Patching each site (``device=get_device()``) would be the right upstream change, but it
+would bury the Muon patch series under unrelated device plumbing and conflict with every upstream
+release. One mode, enabled in one place, keeps ``patches/`` about Muon and is easy to delete.
+"""
+
+import contextlib
+import logging
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_mode = None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # Megatron passes torch.cuda.current_device(), an int, as a device
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cuda_type_name(name: str) -> str:
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU in every torch call made while the mode is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _cuda_type_name(func(*args))
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """Stands in for ``torch.cuda.Stream``/``Event``: work on the CPU is already in order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda device=None: None
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda s, device="cuda": torch.set_rng_state(s)
+    cuda.manual_seed = cuda.random.manual_seed = lambda seed: torch.manual_seed(seed)
+    cuda.Stream = cuda.Event = _NoStream
+    cuda.current_stream = cuda.default_stream = lambda device=None: _NoStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *args, **kwargs: None
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: (
+        torch.set_rng_state(state)
+    )
+    tp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    # With one generator for "CPU" and "CUDA", the tracker's check that the CPU state is unchanged
+    # inside fork() fires on every dropout; it is meaningless here.
+    logging.getLogger(tp_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
+    )
+
+
+def requested() -> bool:
+    """True when CPU mode should be on: no CUDA, or ``MEGATRON_CPU_MODE=1``."""
+    forced = os.environ.get("MEGATRON_CPU_MODE", "").lower() in ("1", "true", "yes")
+    return forced or not torch.cuda.is_available()
+
+
+def is_enabled() -> bool:
+    return _mode is not None
+
+
+def enable() -> None:
+    """Turn CPU mode on for this process (idempotent); the mode is entered for this thread."""
+    global _mode
+    if _mode is not None:
+        return
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    _mode = CudaToCpuMode()
+    _mode.__enter__()
+
+
+def enable_if_needed() -> bool:
+    """Enable CPU mode where CUDA is unavailable (or asked for); return whether it is on."""
+    if requested():
+        enable()
+    return is_enabled()
+
+
+def device() -> torch.device:
+    """The device models and batches should live on: the current CUDA device, or the CPU."""
+    if is_enabled():
+        return _CPU
+    return torch.device("cuda", torch.cuda.current_device())

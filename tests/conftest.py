@@ -1,0 +1,21 @@
+"""Test-wide setup: CPU mode for the test process, quiet upstream warnings, shared fixtures."""
+
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message=".*Apex.*")
+
+import torch  # noqa: E402
+
+from megatron.core import cpu_mode  # noqa: E402
+
+cpu_mode.enable_if_needed()
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+    yield

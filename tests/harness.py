@@ -1,0 +1,173 @@
+"""Run a function on N gloo ranks with a (TP, PP, EP) layout; DP is what remains.
+
+    results = run_distributed(fn, world_size=8, tp=2, pp=2, args=(cfg,))
+
+Ranks are *forked* from the test process after its imports (about 0.6 s for 8 ranks on 2 cores,
+against ~21 s for spawn, which re-imports torch and megatron in every rank). Each rank sets one
+intra-op thread first: forked children must not touch the parent's OpenMP pool, and 8 ranks on 2
+cores gain nothing from more. A failure in any rank is raised in the test with that rank's
+traceback; the other ranks (likely blocked in a collective) are killed, and a run that exceeds
+``timeout`` seconds is killed and reported with the ranks that never answered: no hangs.
+"""
+
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+
+class RankFailure(AssertionError):
+    """A rank raised, or ranks did not finish in time; the message carries their tracebacks."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel size; None = same as tp
+    vpp: int | None = None
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
+    import datetime
+
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron.core import cpu_mode, parallel_state, tensor_parallel
+
+    cpu_mode.enable()
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=layout.world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _teardown_rank() -> None:
+    import torch
+
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _to_bytes(value) -> bytes:
+    # Tensors would otherwise travel as shared-memory handles that die with the exiting rank.
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes):
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_main(rank, layout, port, seed, fn, args, kwargs, results):
+    try:
+        _init_rank(rank, layout, port, seed)
+        out = fn(*args, **kwargs)
+        results.put((rank, True, _to_bytes(out)))
+        _teardown_rank()
+    except BaseException:  # report everything, including SystemExit and asserts
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()  # flush the queue's feeder thread before the hard exit
+        os._exit(0)  # skip atexit handlers inherited from pytest
+
+
+def run_distributed(
+    fn,
+    world_size,
+    *,
+    tp=1,
+    pp=1,
+    ep=1,
+    etp=None,
+    vpp=None,
+    args=(),
+    kwargs=None,
+    seed=1234,
+    timeout=180.0,
+):
+    """Run ``fn(*args, **kwargs)`` on every rank; return the list of per-rank results."""
+    layout = Layout(world_size, tp, pp, ep, etp, vpp)
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main, args=(r, layout, port, seed, fn, args, kwargs or {}, results)
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(results, procs, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def _collect(results, procs, world_size, timeout):
+    outputs, deadline = {}, time.monotonic() + timeout
+    while len(outputs) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise RankFailure(
+                    f"timeout after {timeout:.0f}s; ranks {missing} did not finish"
+                ) from None
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise RankFailure(
+                    f"ranks {dead} died without a report (exit {procs[dead[0]].exitcode})"
+                ) from None
+            continue
+        if not ok:
+            raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
+        outputs[rank] = _from_bytes(value)
+    return [outputs[r] for r in range(world_size)]

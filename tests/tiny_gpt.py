@@ -1,0 +1,347 @@
+"""A tiny real Megatron GPT (local spec, GQA, SwiGLU) that trains identically under any layout.
+
+Used inside ranks started by ``harness.run_distributed``. The pieces that make runs comparable
+across (TP, PP, DP, DistOpt, buckets) layouts:
+
+* ``layout_invariant_init``: each weight is drawn from a generator seeded by its *global* name
+  (global layer number, global expert index) at its *global* shape, then sliced to the local TP
+  shard. Any layout therefore starts from the same model as one process.
+* ``global_batches``: the same token data everywhere; each DP rank takes its contiguous slice of
+  every global batch, so DP ranks x micro-batches cover exactly the reference's micro-batches.
+* ``full_params``: the inverse of the slicing, to compare whole tensors by global name.
+"""
+
+import re
+import zlib
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+
+@dataclass
+class TinyGPT:
+    """Model, data and run settings; every field is layout-independent."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 96
+    vocab_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    tie_embeddings: bool = False
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    extra: dict = field(default_factory=dict)  # further TransformerConfig fields
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config(spec: TinyGPT) -> TransformerConfig:
+    dtype = DTYPES[spec.dtype]
+    moe = {}
+    if spec.num_moe_experts:
+        moe = dict(
+            num_moe_experts=spec.num_moe_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_aux_loss_coeff=0.0,
+        )
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=spec.dtype == "bf16",
+        fp16=spec.dtype == "fp16",
+        **moe,
+        **spec.extra,
+    )
+
+
+def build_model(
+    spec: TinyGPT,
+    *,
+    distopt=False,
+    bucket_size=None,
+    overlap_grad_reduce=False,
+    overlap_param_gather=False,
+    seed=0,
+    invariant_init=True,
+):
+    """One DDP-wrapped GPT chunk for this rank's pipeline stage, initialized layout-invariantly."""
+    config = transformer_config(spec)
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+    )
+    if spec.dtype != "fp32":
+        model = model.to(DTYPES[spec.dtype])
+    if invariant_init:  # else Megatron's own init, which depends on the layout (negative control)
+        layout_invariant_init(model, spec, seed)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        use_distributed_optimizer=distopt,
+        bucket_size=bucket_size,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return [ddp]
+
+
+# ---------------------------------------------------------------- layout-invariant initialization
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"experts\.local_experts\.(\d+)\.")
+
+
+def global_name(model: GPTModel, local_name: str, spec: TinyGPT) -> str:
+    """The parameter's name in a one-process model (global layer number, global expert index)."""
+    name = local_name.removeprefix("module.")
+    match = _LAYER.search(name)
+    if match:
+        layer = model.decoder.layers[int(match.group(1))].layer_number - 1
+        name = _LAYER.sub(f"decoder.layers.{layer}.", name, count=1)
+    match = _EXPERT.search(name)
+    if match:
+        per_rank = spec.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        expert = ps.get_expert_model_parallel_rank() * per_rank + int(match.group(1))
+        name = _EXPERT.sub(f"experts.local_experts.{expert}.", name, count=1)
+    if spec.tie_embeddings and name == "output_layer.weight":
+        name = "embedding.word_embeddings.weight"  # the same tensor in a one-process model
+    return name
+
+
+def _tp_world(param) -> tuple:
+    """(size, rank, group) of the TP group that shards this param, or (1, 0, None)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return 1, 0, None
+    if not getattr(param, "allreduce", True):  # expert params use the expert-TP group
+        return (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
+def _is_swiglu_fc1(name: str) -> bool:
+    # Each TP rank holds [gate_r; up_r] of the full [gate; up]: slice both halves, not the whole.
+    return name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")
+
+
+def _full_shape(param, tp: int) -> list:
+    shape = list(param.shape)
+    if tp > 1:
+        shape[param.partition_dim] *= tp
+    return shape
+
+
+def _draw(name: str, shape, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
+    if "norm" in name:  # RMSNorm weights near one, as a trained model has them
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    return 0.05 * torch.randn(shape, generator=gen)
+
+
+def shard(full: torch.Tensor, name: str, dim: int, tp: int, rank: int) -> torch.Tensor:
+    if tp == 1:
+        return full
+    if _is_swiglu_fc1(name):
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim)[rank], up.chunk(tp, dim)[rank]], dim=dim)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def unshard(shards: list, name: str, dim: int) -> torch.Tensor:
+    if len(shards) == 1:
+        return shards[0]
+    if _is_swiglu_fc1(name):
+        halves = [s.chunk(2, dim=dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+@torch.no_grad()
+def layout_invariant_init(model: GPTModel, spec: TinyGPT, seed: int = 0) -> None:
+    for local_name, param in model.named_parameters():
+        name = global_name(model, local_name, spec)
+        tp, rank, _ = _tp_world(param)
+        full = _draw(name, _full_shape(param, tp), seed)
+        param.copy_(shard(full, name, getattr(param, "partition_dim", 0), tp, rank))
+
+
+@torch.no_grad()
+def full_params(model_chunks, spec: TinyGPT) -> dict:
+    """{global name: full fp32 tensor} of this rank's stage (all TP/expert-TP shards gathered)."""
+    out = {}
+    for chunk in model_chunks:
+        model = chunk.module
+        for local_name, param in model.named_parameters():
+            name = global_name(model, local_name, spec)
+            tp, _, group = _tp_world(param)
+            shards = [torch.empty_like(param) for _ in range(tp)]
+            if tp > 1:
+                torch.distributed.all_gather(shards, param.data.contiguous(), group=group)
+            else:
+                shards = [param.data]
+            out[name] = unshard(shards, name, getattr(param, "partition_dim", 0)).float().clone()
+    return out
+
+
+def gather_all_params(model_chunks, spec: TinyGPT) -> dict:
+    """Every stage's and every expert rank's full params, merged, on every rank."""
+    mine = full_params(model_chunks, spec)
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    merged = {}
+    for params in everyone:
+        merged.update(params)
+    return merged
+
+
+# ---------------------------------------------------------------------------- data and training
+
+
+def global_batches(spec: TinyGPT, steps: int, seed: int = 0) -> list:
+    """``steps`` global batches of tokens [global_batch_size, seq_length + 1], same everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (steps, spec.global_batch_size, spec.seq_length + 1)
+    return list(torch.randint(0, spec.vocab_size, shape, generator=gen))
+
+
+def _micro_batches(spec: TinyGPT, batch: torch.Tensor) -> list:
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = batch.chunk(dp)[rank]
+    return list(mine.split(spec.micro_batch_size))
+
+
+def _forward_step(data_iterator, model):
+    tokens = next(data_iterator)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+    loss = model(inputs, positions, None, labels=labels)
+
+    def loss_func(per_token):
+        mean = per_token.float().mean()
+        # the schedule divides the returned loss in place by the micro-batch count: report a copy
+        return mean, {"lm loss": mean.detach().clone()}
+
+    return loss, partial(loss_func)
+
+
+def train_step(spec: TinyGPT, model_chunks, optimizer, batch: torch.Tensor) -> dict:
+    """One optimizer step on a global batch; returns loss (last stage; else nan) and step info."""
+    micro = _micro_batches(spec, batch)
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(micro),
+        model=model_chunks,
+        num_microbatches=len(micro),
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+        forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    return {"loss": _dp_mean_loss(losses), "ok": ok, "grad_norm": grad_norm}
+
+
+def _dp_mean_loss(losses: list) -> float:
+    """The global batch's mean loss on last-stage ranks (each DP rank saw 1/dp of it); else nan."""
+    if not losses:
+        return float("nan")
+    loss = torch.stack([x["lm loss"] for x in losses]).mean()
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+    return loss.item() / ps.get_data_parallel_world_size()
+
+
+def build_optimizer(spec: TinyGPT, model_chunks, **overrides):
+    params = dict(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0)
+    params.update(bf16=spec.dtype == "bf16", fp16=spec.dtype == "fp16")
+    params.update(overrides)
+    optimizer = get_megatron_optimizer(OptimizerConfig(**params), model_chunks)
+    for chunk in model_chunks:
+        chunk.module.config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def train(
+    spec: TinyGPT,
+    steps: int,
+    *,
+    distopt=False,
+    bucket_size=None,
+    overlap=False,
+    seed=0,
+    invariant_init=True,
+    **optimizer_overrides,
+):
+    """Train ``steps`` steps on the shared data; return (initial params, final params, losses)."""
+    model = build_model(
+        spec,
+        distopt=distopt,
+        bucket_size=bucket_size,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        seed=seed,
+        invariant_init=invariant_init,
+    )
+    initial = gather_all_params(model, spec)
+    optimizer = build_optimizer(
+        spec, model, use_distributed_optimizer=distopt, **optimizer_overrides
+    )
+    losses = [train_step(spec, model, optimizer, b)["loss"] for b in global_batches(spec, steps)]
+    if overlap:  # the last step's param all-gather otherwise waits for the next forward
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
+    return initial, gather_all_params(model, spec), losses
