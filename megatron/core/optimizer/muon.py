@@ -1,0 +1,393 @@
+"""Muon for megatron-core: one optimizer holding Muon and AdamW param groups.
+
+Replaces upstream 0.16.1's emerging_optimizers-based ``muon.py``; ``TensorParallelMuon`` keeps
+upstream's constructor. The math lives in ``newton_schulz.py`` (pure Newton-Schulz) and
+``muon_functional.py`` (the three stages of a step, AdamW).
+"""
+
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, Optional
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from .muon_functional import (
+    SCALE_MODES,
+    LocalOrthogonalizer,
+    MuonParamInfo,
+    Orthogonalizer,
+    OrthoSpec,
+    adamw_,
+    muon_apply_,
+    muon_momentum_,
+    orthogonalize_matrices,
+    resolve_scale,
+)
+from .newton_schulz import DEFAULT_EPS, DEFAULT_STEPS, Triple, coefficient_set, compute_dtype
+
+__all__ = [
+    "Muon",
+    "MuonParamInfo",
+    "LocalOrthogonalizer",
+    "Orthogonalizer",
+    "TensorParallelMuon",
+]
+
+MUON_STATE_KEYS = ("momentum_buffer",)
+ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+ADAMW_SCALAR_STATE_KEYS = ("step",)
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+DEFAULT_MOMENTUM = 0.95
+DEFAULT_MATCHED_ADAMW_RMS = 0.2
+
+
+class Muon(Optimizer):
+    r"""Muon for 2-D weights (``use_muon=True`` groups, the default) and AdamW for the rest.
+
+    Muon, per 2-D weight W (m x n) with gradient G, momentum buffer B (zero at start)::
+
+        B = mu B + G                                   (l2: G = G + wd W first)
+        U = G + mu B        if nesterov else   U = B
+        O = s * NS_k(U)                                (per Q/K/V block for a fused QKV weight)
+        W = W (1 - lr wd)                              (decoupled weight decay)
+        W = W - lr O
+
+    ``NS_k``: ``X = U / (||U||_F + eps)``, transposed if m > n, then k steps of
+    ``A = X X^T; X = a X + (b A + c A A) X`` (see ``newton_schulz.py``). Scale ``s``:
+    ``matched_adamw_rms * sqrt(max(m, n))`` (default r = {rms}, Moonlight's rule: the update
+    RMS matches AdamW's, so AdamW's lr and wd carry over), or with ``matched_adamw_rms=None``
+    ``scale_mode`` {modes} times ``extra_scale_factor``; ``('spectral', r)`` equals matched
+    RMS ``r``. ``m, n`` come from ``param_info``, not the tensor, so shards can be stepped.
+
+    AdamW (``use_muon=False`` groups): ``torch.optim.AdamW``'s math (decoupled wd, bias
+    correction, per-param ``step``).
+
+    State, created lazily in ``exp_avg_dtype`` (default: the param's dtype): Muon params keep
+    ``{muon_keys}``; AdamW params ``{adamw_keys}`` plus a scalar ``step``. ``state_keys(p)``
+    declares them for checkpoint code.
+
+    Non-finite gradients (``on_nonfinite_grad``): ``'raise'`` (default) raises
+    ``FloatingPointError`` before anything is updated; ``'skip'`` skips the whole step (params
+    and state untouched, ``skipped_steps`` counts it), as Megatron's grad scaler does;
+    ``'ignore'`` does not check (the caller already did, e.g. the grad scaler's ``found_inf``).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        momentum: float = DEFAULT_MOMENTUM,
+        nesterov: bool = True,
+        ns_steps: int = DEFAULT_STEPS,
+        ns_coefficients: str | Sequence[Triple] = "simple",
+        ns_precision: str = "fp32",
+        ns_eps: float = DEFAULT_EPS,
+        matched_adamw_rms: Optional[float] = DEFAULT_MATCHED_ADAMW_RMS,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        decoupled_weight_decay: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        *,
+        param_info: Optional[Mapping[Tensor, MuonParamInfo]] = None,
+        orthogonalizer: Optional[Orthogonalizer] = None,
+        exp_avg_dtype: Optional[torch.dtype] = None,
+        on_nonfinite_grad: Literal["raise", "skip", "ignore"] = "raise",
+    ) -> None:
+        if exp_avg_dtype is not None and not exp_avg_dtype.is_floating_point:
+            raise ValueError(f"exp_avg_dtype must be a floating dtype or None, got {exp_avg_dtype}")
+        if on_nonfinite_grad not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"on_nonfinite_grad must be one of {NONFINITE_POLICIES}, got {on_nonfinite_grad!r}"
+            )
+        self.exp_avg_dtype = exp_avg_dtype
+        self.on_nonfinite_grad = on_nonfinite_grad
+        self.orthogonalizer = orthogonalizer or LocalOrthogonalizer()
+        self.skipped_steps = 0
+        self._given_info = dict(param_info or {})
+        self.param_info: dict[Tensor, MuonParamInfo] = {}  # Muon params only
+        defaults = dict(
+            use_muon=True,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_precision=ns_precision,
+            ns_eps=ns_eps,
+            matched_adamw_rms=matched_adamw_rms,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            decoupled_weight_decay=decoupled_weight_decay,
+            betas=betas,
+            eps=eps,
+        )
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups and state
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (``use_muon`` picks the rule) after validating its settings."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+            if group["use_muon"]:
+                for p in group["params"]:
+                    self.param_info[p] = self._given_info.get(p) or MuonParamInfo.of(p)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def is_muon(self, param: Tensor) -> bool:
+        return param in self.param_info
+
+    def state_keys(self, param: Tensor) -> tuple[str, ...]:
+        """Names of the param-shaped state tensors (what a sharded checkpoint must carry)."""
+        return MUON_STATE_KEYS if self.is_muon(param) else ADAMW_STATE_KEYS
+
+    def scalar_state_keys(self, param: Tensor) -> tuple[str, ...]:
+        """Names of per-param scalar state (not sharded: one value per param)."""
+        return () if self.is_muon(param) else ADAMW_SCALAR_STATE_KEYS
+
+    def state_dtype(self, param: Tensor) -> torch.dtype:
+        return self.exp_avg_dtype or param.dtype
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        """Create the param's state if absent (lazy by default; checkpoint code may call it)."""
+        state = self.state[param]
+        if not state:
+            for key in self.state_keys(param):
+                state[key] = torch.zeros_like(param, dtype=self.state_dtype(param))
+            for key in self.scalar_state_keys(param):
+                # A CPU float32 scalar, like torch's AdamW: reading it never syncs a device.
+                state[key] = torch.zeros((), dtype=torch.float32)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load, then restore state dtypes and give each param its own tensors.
+
+        torch casts loaded state to the param's dtype (undoing ``exp_avg_dtype``) and may alias
+        the source's tensors, e.g. one ``step`` shared by all params.
+        """
+        super().load_state_dict(state_dict)
+        for param, state in self.state.items():
+            for key in self.state_keys(param):
+                if key in state:
+                    state[key] = state[key].to(dtype=self.state_dtype(param), copy=True)
+            for key in self.scalar_state_keys(param):
+                if key in state:
+                    state[key] = state[key].to(dtype=torch.float32, copy=True)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._grads_usable():
+            self.skipped_steps += 1
+            return loss
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self._muon_step if group["use_muon"] else self._adamw_step)(group, params)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        decoupled = group["decoupled_weight_decay"]
+        wd = group["weight_decay"]
+        updates = muon_momentum_(
+            params,
+            [p.grad for p in params],
+            [self.init_state(p)["momentum_buffer"] for p in params],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            l2_weight_decay=0.0 if decoupled else wd,
+        )
+        matrix_fn = functools.partial(orthogonalize_matrices, spec=_ortho_spec(group))
+        infos = [self.param_info[p] for p in params]
+        orth = self.orthogonalizer(updates, infos, matrix_fn)
+        muon_apply_(params, orth, lr=group["lr"], weight_decay=wd if decoupled else 0.0)
+
+    def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        states = [self.init_state(p) for p in params]
+        beta1, beta2 = group["betas"]
+        adamw_(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _grads_usable(self) -> bool:
+        """False when the step must be skipped; raises under 'raise'. One sync for all grads."""
+        if self.on_nonfinite_grad == "ignore":
+            return True
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+            return True
+        if self.on_nonfinite_grad == "skip":
+            return False
+        raise FloatingPointError(
+            f"non-finite gradient in {self._first_nonfinite()}; nothing "
+            "was updated. Use on_nonfinite_grad='skip' to skip such steps"
+        )
+
+    def _first_nonfinite(self) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and not p.grad.isfinite().all():
+                    return f"param group {gi}, param {pi} (shape {tuple(p.shape)})"
+        raise AssertionError("no non-finite gradient found")
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """ValueError naming the bad setting and what is allowed."""
+    _require(group["lr"] >= 0, f"lr must be >= 0, got {group['lr']}")
+    _require(group["weight_decay"] >= 0, f"weight_decay must be >= 0, got {group['weight_decay']}")
+    if not group["use_muon"]:
+        beta1, beta2 = group["betas"]
+        _require(
+            0 <= beta1 < 1 and 0 <= beta2 < 1, f"betas must be in [0, 1), got {group['betas']}"
+        )
+        _require(group["eps"] >= 0, f"eps must be >= 0, got {group['eps']}")
+        return
+    mu, steps = group["momentum"], group["ns_steps"]
+    _require(0 <= mu < 1, f"momentum must be in [0, 1), got {mu}")
+    _require(isinstance(steps, int) and steps >= 1, f"ns_steps must be an int >= 1, got {steps}")
+    _require(group["ns_eps"] > 0, f"ns_eps must be > 0, got {group['ns_eps']}")
+    coefficient_set(group["ns_coefficients"])
+    compute_dtype(group["ns_precision"])
+    resolve_scale(group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"])
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:
+    mode, factor = resolve_scale(
+        group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"]
+    )
+    return OrthoSpec(
+        steps=group["ns_steps"],
+        coefficients=group["ns_coefficients"],
+        precision=group["ns_precision"],
+        eps=group["ns_eps"],
+        scale_mode=mode,
+        scale_factor=factor,
+    )
+
+
+Muon.__doc__ = Muon.__doc__.format(
+    rms=DEFAULT_MATCHED_ADAMW_RMS,
+    modes=set(SCALE_MODES),
+    muon_keys=MUON_STATE_KEYS,
+    adamw_keys=ADAMW_STATE_KEYS,
+)
+
+
+TP_MODES = ("blockwise", "duplicated", "distributed")
+
+
+class TensorParallelMuon(Muon):
+    """Upstream 0.16.1's constructor on our Muon (no emerging_optimizers).
+
+    Every param here is a Muon param (upstream keeps AdamW in a separate optimizer). Upstream's
+    names map as: ``momentum_beta`` -> momentum, ``use_nesterov`` -> nesterov,
+    ``fp32_matmul_prec`` -> ns_precision ('highest'/'high' fp32, 'medium'/'low' bf16),
+    ``coefficient_type`` -> ns_coefficients, ``num_ns_steps`` -> ns_steps, ``scale_mode`` and
+    ``extra_scale_factor`` as is (matched_adamw_rms is None), ``use_decoupled_weight_decay=False``
+    -> L2 decay added to the gradient. ``split_qkv`` orthogonalizes params for which
+    ``is_qkv_fn(p)`` holds per ``qkv_split_shapes`` block.
+
+    Tensor parallelism: with a TP group of size 1 (or none) every mode is exact and local;
+    ``blockwise`` orthogonalizes a TP-local slice as is. Exact TP modes with TP > 1 come with the
+    tensor-parallel work and raise ``NotImplementedError`` for now.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        momentum_beta: float = 0.95,
+        use_nesterov: bool = True,
+        weight_decay: float = 0.01,
+        use_decoupled_weight_decay: bool = True,
+        split_qkv: bool = False,
+        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
+        qkv_split_shapes: tuple[int, int, int] | None = None,
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        pg_collection: Optional[Any] = None,
+        mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
+    ) -> None:
+        if mode not in TP_MODES:
+            raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
+        if split_qkv and (is_qkv_fn is None or qkv_split_shapes is None):
+            raise ValueError("split_qkv=True needs is_qkv_fn and qkv_split_shapes")
+        _require_local_tp(pg_collection, mode)
+        params = list(params)
+        infos = {
+            p: MuonParamInfo.of(p, qkv_split_shapes)
+            for p in _iter_params(params)
+            if split_qkv and is_qkv_fn(p)
+        }
+        self.pg_collection = pg_collection
+        self.mode = mode
+        self.split_qkv = split_qkv
+        self.is_qkv_fn = is_qkv_fn
+        self.qkv_split_shapes = qkv_split_shapes
+        super().__init__(
+            params,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum_beta,
+            nesterov=use_nesterov,
+            ns_steps=num_ns_steps,
+            ns_coefficients=coefficient_type,
+            ns_precision=fp32_matmul_prec,
+            matched_adamw_rms=None,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            decoupled_weight_decay=use_decoupled_weight_decay,
+            param_info=infos,
+        )
+
+
+def _iter_params(params: list) -> Iterable[Tensor]:
+    for item in params:
+        yield from item["params"] if isinstance(item, dict) else [item]
+
+
+def _require_local_tp(pg_collection: Optional[Any], mode: str) -> None:
+    from megatron.core.utils import get_pg_size
+
+    sizes = [get_pg_size(getattr(pg_collection, name, None)) for name in ("tp", "expt_tp")]
+    if mode != "blockwise" and max(sizes) > 1:
+        raise NotImplementedError(
+            f"TensorParallelMuon mode={mode!r} with tensor-parallel size {max(sizes)} is not "
+            "implemented yet; use mode='blockwise' or TP=1"
+        )
+
+
+# get_megatron_muon_optimizer(config, model_chunks, config_overrides=None,
+# use_gloo_process_groups=True, layer_wise_distributed_optimizer=False, pg_collection=None)
+# is upstream's public factory; it belongs here and comes with the Megatron-integration issue,
+# built on Muon's two kinds of groups (use_muon) rather than on two chained optimizers.

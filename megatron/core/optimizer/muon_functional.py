@@ -1,0 +1,253 @@
+"""Muon's functional core: per-param records and the three stages of a Muon step, plus AdamW.
+
+A Muon step is split so that a distributed caller can run stages 1 and 3 on any shard of a
+parameter and only stage 2 on whole matrices:
+
+1. ``muon_momentum_``  elementwise: ``B = mu B + G``; ``U = G + mu B`` (Nesterov) or ``U = B``.
+2. an *orthogonalizer* hands whole matrices to ``orthogonalize_matrices``:
+   ``O = s * NS_k(U)`` per matrix, or per Q/K/V block of a fused QKV weight.
+3. ``muon_apply_``     elementwise: ``W = W (1 - lr wd)``; ``W = W - lr O``.
+
+The scale ``s`` is applied in stage 2, the only stage that knows the block boundaries (a fused
+QKV weight scales each block by its own shape); it comes from ``MuonParamInfo``, never from the
+local tensor's shape, so a shard's stage 2 can be fed the global layout.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from .newton_schulz import CoefficientSet, Triple, newton_schulz
+
+# Update scale s = SCALE_MODES[mode](m, n) * factor, m x n the (block's) global shape.
+SCALE_MODES: dict[str, Callable[[int, int], float]] = {
+    # Moonlight / Keller Jordan: RMS(O) = 1 / sqrt(max(m, n)), so this gives RMS(s O) = factor.
+    "spectral": lambda m, n: math.sqrt(max(m, n)),
+    # Keller Jordan's original Muon (torch.optim.Muon adjust_lr_fn="original").
+    "shape_scaling": lambda m, n: math.sqrt(max(1.0, m / n)),
+    # Scion / Bernstein: unit RMS->RMS operator norm.
+    "unit_rms_norm": lambda m, n: math.sqrt(m / n),
+}
+
+
+@dataclass(frozen=True)
+class MuonParamInfo:
+    """What stage 2 needs to know about a Muon parameter, independent of how it is sharded.
+
+    ``shape`` is the global 2-D (rows = outputs, cols = inputs) shape of the whole matrix.
+    ``qkv_split`` gives the row counts of the blocks of ONE query group of a fused QKV weight,
+    e.g. ``(heads_per_group * head_dim, head_dim, head_dim)``: Megatron lays out the rows of
+    ``linear_qkv.weight`` as ``[q; k; v]`` per query group, repeated ``num_query_groups`` times.
+    """
+
+    shape: tuple[int, int]
+    qkv_split: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 2 or min(self.shape) < 1:
+            raise ValueError(f"Muon needs a 2-D matrix shape, got {tuple(self.shape)}")
+        split = self.qkv_split
+        if split is None:
+            return
+        if not split or min(split) < 1:
+            raise ValueError(f"qkv_split must be positive row counts, got {split}")
+        if self.shape[0] % sum(split):
+            raise ValueError(
+                f"qkv_split {split} (sum {sum(split)}) does not divide the {self.shape[0]} rows "
+                f"of a {self.shape} QKV weight"
+            )
+
+    @classmethod
+    def of(cls, param: Tensor, qkv_split: Optional[Sequence[int]] = None) -> "MuonParamInfo":
+        """Info for a parameter that is its whole matrix (no sharding)."""
+        if param.ndim != 2:
+            raise ValueError(
+                f"Muon only takes 2-D parameters, got shape {tuple(param.shape)}; put it in an "
+                "AdamW group (use_muon=False) or pass its MuonParamInfo"
+            )
+        split = None if qkv_split is None else tuple(int(r) for r in qkv_split)
+        return cls((int(param.shape[0]), int(param.shape[1])), split)
+
+
+@dataclass(frozen=True)
+class OrthoSpec:
+    """Stage-2 settings of one param group: Newton-Schulz and the update scale."""
+
+    steps: int
+    coefficients: str | CoefficientSet | Sequence[Triple]
+    precision: str
+    eps: float
+    scale_mode: str
+    scale_factor: float
+
+    def scale(self, rows: int, cols: int) -> float:
+        return SCALE_MODES[self.scale_mode](rows, cols) * self.scale_factor
+
+
+def resolve_scale(
+    matched_adamw_rms: Optional[float], scale_mode: str, extra_scale_factor: float
+) -> tuple[str, float]:
+    """Map both naming families onto (scale_mode, factor).
+
+    ``matched_adamw_rms=r`` means ``s = r sqrt(max(m, n))``, i.e. exactly ``('spectral', r)``;
+    it fixes the scale, so it may only be combined with the defaults ``scale_mode='spectral'``,
+    ``extra_scale_factor=1.0``. With ``matched_adamw_rms=None``: ``(scale_mode,
+    extra_scale_factor)``.
+    """
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; allowed: {list(SCALE_MODES)}")
+    if not extra_scale_factor > 0:
+        raise ValueError(f"extra_scale_factor must be > 0, got {extra_scale_factor}")
+    if matched_adamw_rms is None:
+        return scale_mode, float(extra_scale_factor)
+    if not matched_adamw_rms > 0:
+        raise ValueError(f"matched_adamw_rms must be > 0 or None, got {matched_adamw_rms}")
+    if scale_mode != "spectral" or extra_scale_factor != 1.0:
+        raise ValueError(
+            f"matched_adamw_rms={matched_adamw_rms} fixes the scale to r*sqrt(max(m, n)); it "
+            f"cannot be combined with scale_mode={scale_mode!r}, extra_scale_factor="
+            f"{extra_scale_factor}: set matched_adamw_rms=None to use those"
+        )
+    return "spectral", float(matched_adamw_rms)
+
+
+# ----------------------------------------------------------------------------- stage 1
+def muon_momentum_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    *,
+    momentum: float,
+    nesterov: bool,
+    l2_weight_decay: float = 0.0,
+) -> list[Tensor]:
+    """Update momentum buffers in place; return the Newton-Schulz inputs U (elementwise)."""
+    updates = []
+    for p, g, buf in zip(params, grads, bufs):
+        if l2_weight_decay:
+            g = g.add(p, alpha=l2_weight_decay)
+        b = buf.to(p.dtype)  # the buffer itself unless a narrower state dtype was asked for
+        b.mul_(momentum).add_(g)
+        if b is not buf:
+            buf.copy_(b)
+        updates.append(g.add(b, alpha=momentum) if nesterov else b)
+    return updates
+
+
+# ----------------------------------------------------------------------------- stage 2
+MatrixFn = Callable[[list[Tensor], list[MuonParamInfo]], list[Tensor]]
+
+
+class Orthogonalizer(Protocol):
+    """Runs ``matrix_fn`` on whole matrices and returns results laid out like ``updates``.
+
+    A distributed implementation gathers shards into whole matrices, calls ``matrix_fn`` on the
+    ones it owns and scatters the results back; all collectives live there, none in the math.
+    """
+
+    def __call__(
+        self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
+    ) -> list[Tensor]: ...
+
+
+class LocalOrthogonalizer:
+    """Single process: every update already is its whole matrix."""
+
+    def __call__(
+        self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
+    ) -> list[Tensor]:
+        for u, info in zip(updates, infos):
+            if tuple(u.shape) != info.shape:
+                raise ValueError(
+                    f"LocalOrthogonalizer needs whole matrices: tensor {tuple(u.shape)} vs "
+                    f"MuonParamInfo.shape {info.shape}; sharded params need a distributed "
+                    "orthogonalizer"
+                )
+        return matrix_fn(updates, infos)
+
+
+def orthogonalize_matrices(
+    updates: list[Tensor], infos: list[MuonParamInfo], spec: OrthoSpec
+) -> list[Tensor]:
+    """``s * NS_k(U)`` for each whole matrix, QKV weights block by block."""
+    return [
+        _scaled_ns(u, info.shape, spec) if info.qkv_split is None else _qkv(u, info, spec)
+        for u, info in zip(updates, infos)
+    ]
+
+
+def _scaled_ns(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
+    # Scaled after the cast back to x's dtype (not folded into the bf16 polynomial) so that the
+    # update rounds exactly as torch.optim.Muon's ``add_(O, alpha=-lr * s)``, up to fp32 ulps.
+    out = newton_schulz(x, spec.steps, spec.coefficients, spec.precision, spec.eps)
+    return out.mul_(spec.scale(*shape))
+
+
+def _qkv(u: Tensor, info: MuonParamInfo, spec: OrthoSpec) -> Tensor:
+    """Orthogonalize each of the Q, K, V blocks (all query groups of a block together).
+
+    Blocks with the same row count (K and V; also Q under MHA) run as one batched NS.
+    """
+    rows, cols = info.shape
+    split = info.qkv_split
+    groups = rows // sum(split)
+    per_group = u.view(groups, sum(split), cols)
+    out = torch.empty(per_group.shape, dtype=u.dtype, device=u.device)
+    starts = [sum(split[:i]) for i in range(len(split))]
+    for r in dict.fromkeys(split):  # unique row counts, in order
+        ids = [i for i, ri in enumerate(split) if ri == r]
+        blocks = [per_group[:, starts[i] : starts[i] + r].reshape(groups * r, cols) for i in ids]
+        orth = _scaled_ns(torch.stack(blocks), (groups * r, cols), spec)
+        for j, i in enumerate(ids):
+            out[:, starts[i] : starts[i] + r] = orth[j].view(groups, r, cols)
+    return out.view(rows, cols)
+
+
+# ----------------------------------------------------------------------------- stage 3
+def muon_apply_(
+    params: list[Tensor], updates: list[Tensor], *, lr: float, weight_decay: float
+) -> None:
+    """``W = W (1 - lr wd) - lr O`` in place (elementwise; O already carries the scale)."""
+    for p, o in zip(params, updates):
+        if weight_decay:
+            p.mul_(1 - lr * weight_decay)
+        p.add_(o, alpha=-lr)
+
+
+# ----------------------------------------------------------------------------- AdamW
+def adamw_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """torch.optim.AdamW's single-tensor update, op for op (bit-exact on CPU), any state dtype.
+
+    State narrower than the param is widened for the arithmetic and rounded back once.
+    """
+    for p, g, m_state, v_state, step_t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        step_t += 1
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        g = g.to(p.dtype)
+        m, v = m_state.to(p.dtype), v_state.to(p.dtype)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step = step_t.item()
+        step_size = lr / (1 - beta1**step)
+        denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        for state, full in ((m_state, m), (v_state, v)):
+            if state is not full:
+                state.copy_(full)

@@ -1,0 +1,185 @@
+"""Newton-Schulz orthogonalization for Muon: pure functions, no process groups.
+
+``newton_schulz(X)`` approximates the orthogonal polar factor ``U V^T`` of ``X = U S V^T`` by an
+odd quintic polynomial iteration on the singular values:
+
+    X_0 = X / (||X||_F + eps)                    (all singular values now in [0, 1])
+    A_t = X_t X_t^T
+    X_{t+1} = a_t X_t + (b_t A_t + c_t A_t A_t) X_t    for t = 0 .. k-1
+
+Each step maps a singular value ``s`` to ``a s + b s^3 + c s^5``. Tall inputs (m > n) are
+transposed first, so the Gram matrix is the smaller ``min(m, n)`` square. Every matmul is a fused
+``addmm``/``baddbmm`` into preallocated buffers: the cost is the bare matmul floor,
+``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Triple = tuple[float, float, float]
+
+DEFAULT_STEPS = 5
+DEFAULT_EPS = 1e-7
+
+
+@dataclass(frozen=True)
+class CoefficientSet:
+    """Per-step (a, b, c) triples; steps beyond the list repeat the last triple.
+
+    ``norm_safety`` > 1 divides the normalized input by that factor (Polar Express guards against
+    ||X||_2 slightly above 1 after rounding); it is folded into the first step's coefficients,
+    since ``p(x / s) = (a / s) x + (b / s^3) x^3 + (c / s^5) x^5``, so it costs nothing.
+    """
+
+    triples: tuple[Triple, ...]
+    norm_safety: float = 1.0
+
+    def schedule(self, steps: int) -> list[Triple]:
+        """The ``steps`` triples to run, safety folded into the first."""
+        picked = [self.triples[min(i, len(self.triples) - 1)] for i in range(steps)]
+        picked[0] = _shrink_input(picked[0], self.norm_safety)
+        return picked
+
+
+def _shrink_input(triple: Triple, s: float) -> Triple:
+    a, b, c = triple
+    return (a / s, b / s**3, c / s**5)
+
+
+# Keller Jordan, "Muon: An optimizer for hidden layers" (2024), github.com/KellerJordan/Muon:
+# one triple, chosen to maximize the slope at zero; singular values end near [0.7, 1.2].
+SIMPLE = CoefficientSet(((3.4445, -4.7750, 2.0315),))
+
+# modded-nanogpt (KellerJordan/modded-nanogpt, train_gpt_medium.py; @YouJiacheng, @leloykun):
+# five per-step triples that converge closer to 1 in the same five steps.
+QUINTIC = CoefficientSet(
+    (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    )
+)
+
+# Polar Express, Amsel, Persson, Musco, Gower (arXiv 2505.16932), coefficients as published with
+# the paper's code (lower bound l = 1e-3, degree 5). The code divides every triple but the last
+# by the safety factor 1.01 (a / 1.01, b / 1.01^3, c / 1.01^5) and also normalizes by
+# 1.01 * ||X||_F; both are reproduced here (the latter as ``norm_safety``).
+_POLAR_EXPRESS_PUBLISHED: tuple[Triple, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+POLAR_EXPRESS_SAFETY = 1.01
+POLAR_EXPRESS = CoefficientSet(
+    tuple(_shrink_input(t, POLAR_EXPRESS_SAFETY) for t in _POLAR_EXPRESS_PUBLISHED[:-1])
+    + _POLAR_EXPRESS_PUBLISHED[-1:],
+    norm_safety=POLAR_EXPRESS_SAFETY,
+)
+
+COEFFICIENT_SETS: dict[str, CoefficientSet] = {
+    "simple": SIMPLE,
+    "quintic": QUINTIC,
+    "polar_express": POLAR_EXPRESS,
+}
+
+# Upstream 0.16.1 (emerging_optimizers) passes ``fp32_matmul_prec`` to
+# torch.set_float32_matmul_precision around Newton-Schulz: 'highest' = fp32, 'high' = TF32
+# allowed, 'medium' = bf16 matmul inputs. We run explicit dtypes instead, which behave the same on
+# every device (CPU included): 'highest'/'high' -> fp32 (TF32 only ever applied to CUDA fp32
+# matmuls, and still does if the user enabled it globally), 'medium'/'low' -> bf16.
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "highest": torch.float32,
+    "high": torch.float32,
+    "medium": torch.bfloat16,
+    "low": torch.bfloat16,
+}
+
+
+def coefficient_set(coefficients: str | CoefficientSet | Sequence[Triple]) -> CoefficientSet:
+    """Resolve a set name, a ``CoefficientSet`` or a sequence of (a, b, c) triples."""
+    if isinstance(coefficients, CoefficientSet):
+        return coefficients
+    if isinstance(coefficients, str):
+        if coefficients not in COEFFICIENT_SETS:
+            raise ValueError(
+                f"unknown Newton-Schulz coefficient set {coefficients!r}; "
+                f"allowed: {sorted(COEFFICIENT_SETS)} or a sequence of (a, b, c) triples"
+            )
+        return COEFFICIENT_SETS[coefficients]
+    triples = tuple(tuple(float(v) for v in t) for t in coefficients)
+    if not triples or any(len(t) != 3 for t in triples):
+        raise ValueError(
+            f"Newton-Schulz coefficients must be (a, b, c) triples, got {coefficients}"
+        )
+    return CoefficientSet(triples)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype Newton-Schulz runs its matmuls in, from a precision name."""
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"unknown Newton-Schulz precision {precision!r}; allowed: {list(PRECISIONS)}"
+        )
+    return PRECISIONS[precision]
+
+
+def newton_schulz(
+    x: Tensor,
+    steps: int = DEFAULT_STEPS,
+    coefficients: str | CoefficientSet | Sequence[Triple] = "simple",
+    precision: str = "fp32",
+    eps: float = DEFAULT_EPS,
+) -> Tensor:
+    """Orthogonalize ``x`` of shape (..., m, n); returns ``NS_k(x)`` in x's dtype (a new tensor).
+
+    Batched inputs use one Frobenius norm per matrix. ``x`` is not modified.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
+    if steps < 1:
+        raise ValueError(f"Newton-Schulz steps must be >= 1, got {steps}")
+    schedule = coefficient_set(coefficients).schedule(steps)
+    m, n = x.shape[-2:]
+    flat = x.reshape(-1, m, n) if x.ndim > 2 else x
+    flat = flat.mT if m > n else flat  # a view: BLAS reads it transposed, no copy
+    out = _iterate(_normalized(flat, compute_dtype(precision), eps), schedule)
+    out = out.mT if m > n else out
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
+    """x / (||x||_F + eps) per matrix, in a fresh contiguous buffer of ``dtype``.
+
+    Cast first, then normalize in ``dtype``, as Keller Jordan's and torch's bf16 code do, so the
+    bf16 path rounds like torch.optim.Muon (the norm reduction accumulates in fp32 either way).
+    """
+    buf = torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+    norm = torch.linalg.vector_norm(buf, dim=None if x.ndim == 2 else (-2, -1), keepdim=True)
+    return buf.div_(norm.add_(eps))
+
+
+def _iterate(x: Tensor, schedule: list[Triple]) -> Tensor:
+    """The polynomial steps, ping-ponging between two X buffers (no allocation per step)."""
+    fma = torch.addmm if x.ndim == 2 else torch.baddbmm
+    gram_shape = (*x.shape[:-1], x.shape[-2])
+    gram = torch.empty(gram_shape, dtype=x.dtype, device=x.device)
+    poly = torch.empty_like(gram)
+    spare = torch.empty_like(x)
+    for a, b, c in schedule:
+        torch.matmul(x, x.mT, out=gram)
+        fma(gram, gram, gram, beta=b, alpha=c, out=poly)  # b A + c A A
+        fma(x, poly, x, beta=a, out=spare)  # a X + (b A + c A A) X
+        x, spare = spare, x
+    return x
