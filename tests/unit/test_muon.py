@@ -49,10 +49,17 @@ def test_matches_torch_muon_exactly_when_momentum_is_a_power_of_two(adjust_lr_fn
     # factor is a power of two, so its bf16 NS input is bitwise ours; both then run the same bf16
     # ops, and only the fp32 rounding of lr * s * O vs lr * (s * O) remains: a few ulps of |W|~4.
     ours, theirs = _params(), _params()
-    opt = Muon(ours, lr=0.02, weight_decay=0.1, momentum=0.5, ns_precision="bf16",
-               **TORCH_SCALES[adjust_lr_fn])  # fmt: skip
-    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.5,
-                           adjust_lr_fn=adjust_lr_fn)  # fmt: skip
+    opt = Muon(
+        ours,
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.5,
+        ns_precision="bf16",
+        **TORCH_SCALES[adjust_lr_fn],
+    )
+    ref = torch.optim.Muon(
+        theirs, lr=0.02, weight_decay=0.1, momentum=0.5, adjust_lr_fn=adjust_lr_fn
+    )
     _run([(opt, ours), (ref, theirs)])
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
@@ -192,8 +199,15 @@ def test_first_step_update_is_scaled_ns_of_nesterov_input(mode, expected):
     (w,) = _params([(96, 48)])
     w0 = w.detach().clone()
     grad = torch.randn(w.shape, generator=_gen(4))
-    opt = Muon([w], lr=0.01, weight_decay=0.1, momentum=0.9, matched_adamw_rms=None,
-               scale_mode=mode, extra_scale_factor=0.5)  # fmt: skip
+    opt = Muon(
+        [w],
+        lr=0.01,
+        weight_decay=0.1,
+        momentum=0.9,
+        matched_adamw_rms=None,
+        scale_mode=mode,
+        extra_scale_factor=0.5,
+    )
     w.grad = grad
     opt.step()
     want = w0 * (1 - 0.01 * 0.1) - 0.01 * expected * newton_schulz(grad * 1.9)

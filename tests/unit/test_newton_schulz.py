@@ -108,8 +108,9 @@ def test_input_untouched_and_custom_triples():
     assert torch.equal(custom, newton_schulz(x, steps=3, coefficients="simple"))
 
 
-@pytest.mark.parametrize("alias,canonical", [("highest", "fp32"), ("high", "fp32"),
-                                             ("medium", "bf16"), ("low", "bf16")])  # fmt: skip
+@pytest.mark.parametrize(
+    "alias,canonical", [("highest", "fp32"), ("high", "fp32"), ("medium", "bf16"), ("low", "bf16")]
+)
 def test_upstream_precision_names_map_to_dtypes(alias, canonical):
     x = _randn((32, 48))
     assert torch.equal(newton_schulz(x, precision=alias), newton_schulz(x, precision=canonical))
