@@ -1,0 +1,323 @@
+"""Save and resume, in Megatron-LM's layout:
+
+    {save}/iter_0000010/                 torch_dist: dist_checkpointing files (metadata.json, ...)
+    {save}/iter_0000010/mp_rank_00[_000][_000]/model_optim_rng.pt (+ distrib_optim.pt)   torch
+    {save}/latest_checkpointed_iteration.txt
+
+A checkpoint is written under ``iter_XXXXXXX.partial`` and renamed when every rank is done; the
+tracker file is then replaced atomically (temp file + os.replace). A crash mid-save therefore
+leaves the previous checkpoint as the latest one, loadable. On load, the model shape and the
+TP/PP/EP layout recorded in the checkpoint are compared with this run's first, so that a mismatch
+is reported by flag name rather than as a tensor-shape error deep in a loader.
+"""
+
+import os
+import random
+import shutil
+import time
+
+import numpy
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron.core import cpu_mode, dist_checkpointing, parallel_state, tensor_parallel
+
+from .log import print_rank_0
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+# (args attribute, flag) that must match between a checkpoint and the run loading it.
+MODEL_SHAPE = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"),
+    ("kv_channels", "--kv-channels"),
+    ("padded_vocab_size", "vocabulary size (tokenizer, --make-vocab-size-divisible-by)"),
+    ("max_position_embeddings", "--max-position-embeddings"),
+    ("position_embedding_type", "--position-embedding-type"),
+    ("normalization", "--normalization"),
+    ("swiglu", "--swiglu"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("disable_bias_linear", "--disable-bias-linear"),
+    ("num_experts", "--num-experts"),
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size"),
+)
+OPTIMIZER_SHAPE = (
+    ("optimizer", "--optimizer"),
+    ("use_distributed_optimizer", "--use-distributed-optimizer"),
+    ("bf16", "--bf16"),
+    ("fp16", "--fp16"),
+)
+# DistOpt's sharded state layout; dp_reshardable is Megatron-LM 0.16's default.
+SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this run; the message says why."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _barrier() -> None:
+    torch.distributed.barrier()
+
+
+def _rank0() -> bool:
+    return torch.distributed.get_rank() == 0
+
+
+# ---------------------------------------------------------------------------------- state
+
+
+def _saved_args(args) -> dict:
+    keys = [attr for attr, _ in MODEL_SHAPE + OPTIMIZER_SHAPE] + ["ckpt_format"]
+    return {key: getattr(args, key, None) for key in keys}
+
+
+def _common_state(args, scheduler, state) -> dict:
+    return {
+        "checkpoint_version": 3.0,
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "args": _saved_args(args),
+        "opt_param_scheduler": scheduler.state_dict(),
+    }
+
+
+def rng_state() -> dict:
+    on_gpu = torch.cuda.is_available() and not cpu_mode.is_enabled()
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": numpy.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if on_gpu else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(saved: dict) -> None:
+    random.setstate(saved["random_rng_state"])
+    numpy.random.set_state(saved["np_rng_state"])
+    torch.set_rng_state(saved["torch_rng_state"])
+    if saved["cuda_rng_state"] is not None and not cpu_mode.is_enabled():
+        torch.cuda.set_rng_state(saved["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(saved["rng_tracker_states"])
+
+
+def _model_key(model, index: int) -> str:
+    return "model" if len(model) == 1 else f"model{index}"
+
+
+# ----------------------------------------------------------------------------------- save
+
+
+def save(args, model, optimizer, scheduler, state) -> None:
+    """Write a complete checkpoint of ``state.iteration``, then point the tracker at it."""
+    start = time.perf_counter()
+    if args.overlap_param_gather:  # params updated by the last step are gathered lazily
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
+    final = checkpoint_dir(args.save, state.iteration)
+    partial = final + ".partial"
+    if _rank0():
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    _barrier()
+    writer = _save_torch_dist if args.ckpt_format == "torch_dist" else _save_torch
+    writer(partial, args, model, optimizer, scheduler, state)
+    _barrier()
+    if _rank0():
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        write_tracker(args.save, state.iteration)
+    _barrier()
+    print_rank_0(
+        f"  successfully saved checkpoint from iteration {state.iteration:7d} to {final} "
+        f"[ {args.ckpt_format}, {time.perf_counter() - start:.1f} s ]"
+    )
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, f".{TRACKER}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
+
+
+def _sharded_state(args, model, optimizer, scheduler, state, is_loading, with_optim, with_rng):
+    sd = _common_state(args, scheduler, state)
+    for i, chunk in enumerate(model):
+        sd[_model_key(model, i)] = chunk.module.sharded_state_dict()
+    if with_optim:
+        model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=SHARDING_METADATA
+        )
+    if with_rng:
+        sd["rng_state"] = ShardedObject(
+            "rng_state",
+            [rng_state()],
+            (
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_world_size(),
+            ),
+            (
+                parallel_state.get_pipeline_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_rank(),
+            ),
+            replica_id=parallel_state.get_data_parallel_rank(),
+        )
+    return sd
+
+
+def _save_torch_dist(folder, args, model, optimizer, scheduler, state) -> None:
+    sd = _sharded_state(args, model, optimizer, scheduler, state, False, True, True)
+    dist_checkpointing.save(sd, folder)
+
+
+def torch_file(folder: str) -> str:
+    """Megatron-LM's per-model-parallel-rank file name."""
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return os.path.join(folder, name, "model_optim_rng.pt")
+
+
+def _save_torch(folder, args, model, optimizer, scheduler, state) -> None:
+    path = torch_file(folder)
+    if args.use_distributed_optimizer:  # a DP collective: every rank takes part
+        _makedirs_for(path)
+        optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
+    if parallel_state.get_expert_data_parallel_rank() != 0:
+        return
+    sd = _common_state(args, scheduler, state)
+    for i, chunk in enumerate(model):
+        sd[_model_key(model, i)] = chunk.module.state_dict()
+    sd["optimizer"] = optimizer.state_dict()
+    sd["rng_state"] = rng_state()
+    _makedirs_for(path)
+    torch.save(sd, path)
+
+
+def _makedirs_for(path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+
+# ----------------------------------------------------------------------------------- load
+
+
+def read_tracker(root: str):
+    """The latest iteration under ``root``, or None when there is no tracker file."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} is corrupt: expected an iteration number, got {text!r}")
+    return int(text)
+
+
+def load(args, model, optimizer, scheduler, state) -> None:
+    """Resume from --load's latest checkpoint (or, without a tracker file, start fresh as
+    Megatron-LM does). Raises CheckpointError naming what is missing or does not match."""
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        print_rank_0(f" > no {TRACKER} in --load {args.load}: starting from scratch")
+        return
+    folder = checkpoint_dir(args.load, iteration)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{TRACKER} names iteration {iteration}, but {folder} is missing")
+    start = time.perf_counter()
+    try:
+        loaded = _load_any(folder, args, model, optimizer, scheduler, state)
+    except CheckpointError:
+        raise
+    except Exception as err:  # a loader's own error: say which checkpoint and why
+        raise CheckpointError(
+            f"cannot load checkpoint {folder}: {type(err).__name__}: {err}"
+        ) from err
+    _apply(loaded, args, model, optimizer, scheduler, state)
+    print_rank_0(
+        f"  successfully loaded checkpoint from {folder} at iteration {state.iteration} "
+        f"[ {time.perf_counter() - start:.1f} s ]"
+    )
+
+
+def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
+    if os.path.isfile(os.path.join(folder, "metadata.json")):
+        common = _read(lambda: dist_checkpointing.load_common_state_dict(folder), folder)
+        check_compatible(args, common.get("args", {}), folder)
+        sd = _sharded_state(
+            args,
+            model,
+            optimizer,
+            scheduler,
+            state,
+            True,
+            not args.no_load_optim,
+            not args.no_load_rng,
+        )
+        return dist_checkpointing.load(sd, folder)
+    path = torch_file(folder)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{folder} has neither torch_dist metadata.json nor {os.path.basename(path)} in "
+            f"{os.path.basename(os.path.dirname(path))}/ (saved with another TP/PP/EP layout?)"
+        )
+    loaded = _read(lambda: torch.load(path, map_location="cpu", weights_only=False), path)
+    check_compatible(args, loaded.get("args", {}), folder)
+    loaded["_distrib_optim"] = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+    return loaded
+
+
+def _read(reader, path):
+    try:
+        return reader()
+    except Exception as err:
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (corrupt or truncated?): {err}"
+        ) from err
+
+
+def check_compatible(args, saved: dict, folder: str) -> None:
+    """Compare the model shape, layout (and, when loading it, the optimizer) to this run."""
+    rows = MODEL_SHAPE + (() if args.no_load_optim else OPTIMIZER_SHAPE)
+    diffs = [
+        f"{flag}: checkpoint {saved[attr]!r}, this run {getattr(args, attr, None)!r}"
+        for attr, flag in rows
+        if attr in saved and saved[attr] != getattr(args, attr, None)
+    ]
+    if not saved:
+        diffs.append("the checkpoint records no run settings (not written by this trainer?)")
+    if diffs:
+        raise CheckpointError(f"checkpoint {folder} does not match this run: " + "; ".join(diffs))
+
+
+def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
+    for i, chunk in enumerate(model):
+        chunk.module.load_state_dict(loaded[_model_key(model, i)], strict=True)
+    if args.finetune:
+        return  # weights only: iteration 0, fresh optimizer, scheduler and data position
+    if not args.no_load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if "_distrib_optim" in loaded and args.use_distributed_optimizer:
+            optimizer.load_parameter_state(loaded["_distrib_optim"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if not args.no_load_rng:
+        saved = loaded["rng_state"]
+        set_rng_state(saved[0] if isinstance(saved, list) else saved)
+    state.iteration = loaded["iteration"]
+    state.consumed_train_samples = loaded["consumed_train_samples"]
+    state.consumed_valid_samples = loaded["consumed_valid_samples"]

@@ -1,0 +1,59 @@
+"""Process start-up: device, process groups, model-parallel groups, seeds, micro-batch counter.
+The same code runs on GPUs (nccl) and on CPUs (gloo, megatron-core's CPU mode)."""
+
+import datetime
+import os
+import random
+
+import numpy
+import torch
+from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron.core import cpu_mode, parallel_state
+
+from .core_configs import virtual_pipeline_size
+
+
+def initialize(args) -> None:
+    on_cpu = cpu_mode.enable_if_needed()
+    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # ranks share the cores; more threads only contend
+    _init_process_group(on_cpu)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+    set_seeds(args.seed)
+    init_num_microbatches_calculator(
+        torch.distributed.get_rank(),
+        args.rampup_batch_size,
+        args.global_batch_size,
+        args.micro_batch_size,
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def _init_process_group(on_cpu: bool) -> None:
+    if torch.distributed.is_initialized():
+        return
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" not in os.environ:  # a plain `python pretrain_gpt.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    torch.distributed.init_process_group(
+        backend="gloo" if on_cpu else "nccl", timeout=datetime.timedelta(minutes=10)
+    )
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron-LM's _set_random_seed: distinct per pipeline stage, model-parallel RNG tracker
+    seeded per TP rank (so dropout in TP regions differs across TP ranks, as it should)."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)

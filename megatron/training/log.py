@@ -1,0 +1,108 @@
+"""Console lines in Megatron-LM's format (existing log parsers keep working) and TensorBoard.
+
+Megatron-LM prints the training line from the last rank (the one holding the loss); so do we.
+"""
+
+import datetime
+import math
+import time
+
+import torch
+
+
+def is_last_rank() -> bool:
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+class IntervalStats:
+    """Sums over one --log-interval: losses of non-skipped steps, skipped and nan counts."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.iterations = self.skipped = self.nan = 0
+        self.losses: dict = {}
+
+    def pause(self, seconds: float) -> None:
+        """Leave evaluation and checkpoint time out of the per-iteration time, as Megatron-LM."""
+        self.start += seconds
+
+    def add(self, losses: dict, skipped: bool) -> None:
+        self.iterations += 1
+        self.skipped += int(skipped)
+        if skipped:
+            return
+        for key, value in losses.items():
+            self.nan += int(not math.isfinite(value))
+            self.losses[key] = self.losses.get(key, 0.0) + value
+
+    def averages(self) -> dict:
+        counted = max(1, self.iterations - self.skipped)
+        return {key: total / counted for key, total in self.losses.items()}
+
+
+def training_line(args, state, stats: IntervalStats, lr, batch_size, loss_scale, grad_norm):
+    """One Megatron-LM training log line, plus tokens/s and ETA (ours)."""
+    elapsed = (time.perf_counter() - stats.start) / max(1, stats.iterations)
+    tokens_per_s = batch_size * args.seq_length / elapsed
+    eta = datetime.timedelta(seconds=int(elapsed * (args.train_iters - state.iteration)))
+    parts = [
+        f" iteration {state.iteration:8d}/{args.train_iters:8d}",
+        f" consumed samples: {state.consumed_train_samples:12d}",
+        f" elapsed time per iteration (ms): {elapsed * 1000.0:.1f}",
+        f" tokens per second: {tokens_per_s:.1f}",
+        f" ETA: {eta}",
+    ]
+    if args.log_throughput:
+        tflops = 6 * state.num_params * tokens_per_s / 1e12 / args.world_size
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
+    parts += [f" learning rate: {lr:.6E}", f" global batch size: {batch_size:5d}"]
+    parts += [f" {key}: {value:.6E}" for key, value in stats.averages().items()]
+    parts += [f" loss scale: {loss_scale:.1f}"]
+    if grad_norm is not None:
+        parts.append(f" grad norm: {grad_norm:.3f}")
+    parts += [
+        f" number of skipped iterations: {stats.skipped:3d}",
+        f" number of nan iterations: {stats.nan:3d}",
+    ]
+    return "".join(part + " |" for part in parts)
+
+
+def validation_block(label: str, losses: dict) -> str:
+    text = f" validation loss at {label} | "
+    for key, value in losses.items():
+        ppl = math.exp(min(20.0, value))
+        text += f"{key} value: {value:.6E} | {key} PPL: {ppl:.6E} | "
+    rule = "-" * (len(text) + 1)
+    return f"{rule}\n{text}\n{rule}"
+
+
+class TensorBoard:
+    """Scalars under --tensorboard-dir, written by the last rank (it has the loss)."""
+
+    def __init__(self, log_dir):
+        self.writer = None
+        if log_dir and is_last_rank():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def scalars(self, values: dict, step: int) -> None:
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            if value is not None:
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,260 @@
+"""The training loop: Megatron-LM's ``pretrain`` on megatron-core's building blocks.
+
+    pretrain(args, model_provider, forward_step, datasets_provider)
+
+Model chunks (one per virtual pipeline stage) wrapped in Float16Module for bf16/fp16 and in DDP;
+``get_megatron_optimizer`` (Adam, SGD or Muon; DistributedOptimizer on request);
+OptimizerParamScheduler; gradient accumulation to the global batch by the micro-batch calculator
+(with --rampup-batch-size); pipeline schedules from ``get_forward_backward_func`` (1F1B, or
+interleaved with virtual stages); evaluation, checkpoints, Megatron-LM log lines.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.num_microbatches_calculator import (
+    get_current_global_batch_size,
+    get_num_microbatches,
+    update_num_microbatches,
+)
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron.core import parallel_state
+from megatron.core.optimizer import get_megatron_optimizer
+
+from . import checkpointing
+from .core_configs import ddp_config, optimizer_config
+from .log import (
+    IntervalStats,
+    TensorBoard,
+    print_rank_0,
+    print_rank_last,
+    training_line,
+    validation_block,
+)
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must carry besides model/optimizer/scheduler/RNG to continue exactly."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    num_params: int = 0
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+def get_model(args, model_provider, config):
+    """One DDP-wrapped chunk per virtual pipeline stage (one without virtual stages)."""
+    chunks = []
+    vpp = config.virtual_pipeline_model_parallel_size
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
+        module = model_provider(pre_process=pre, post_process=post, vp_stage=vp_stage)
+        if args.bf16 or args.fp16:
+            module = Float16Module(config, module)
+        chunks.append(module)
+    return [_wrap_ddp(args, config, chunk, i) for i, chunk in enumerate(chunks)]
+
+
+def _wrap_ddp(args, config, chunk, index):
+    # Megatron-LM: only the first chunk uses buckets, so later chunks' grads reduce at once.
+    return DistributedDataParallel(
+        config=config, ddp_config=ddp_config(args), module=chunk, disable_bucketing=index > 0
+    )
+
+
+def _hook_up_schedule(args, config, model) -> None:
+    """Grad sync / no-sync / param sync callbacks that the pipeline schedules call."""
+    one_or_list = lambda fs: fs[0] if len(fs) == 1 else fs  # noqa: E731
+    config.no_sync_func = one_or_list([chunk.no_sync for chunk in model])
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = one_or_list([chunk.start_grad_sync for chunk in model])
+    if args.overlap_param_gather:
+        config.param_sync_func = one_or_list([chunk.start_param_sync for chunk in model])
+
+
+def count_parameters(model) -> int:
+    """Parameters of the whole model (all TP/PP ranks; expert params counted per EP rank)."""
+    local = sum(p.numel() for chunk in model for p in chunk.parameters())
+    total = torch.tensor([local], dtype=torch.float64, device=_device())
+    torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return int(total.item())
+
+
+def _device():
+    from megatron.core import cpu_mode
+
+    return cpu_mode.device()
+
+
+# -------------------------------------------------------------------- optimizer and schedule
+
+
+def setup_model_and_optimizer(args, model_provider, config):
+    model = get_model(args, model_provider, config)
+    _hook_up_schedule(args, config, model)
+    optimizer = get_megatron_optimizer(optimizer_config(args), model)
+    config.grad_scale_func = optimizer.scale_loss
+    scheduler = get_scheduler(args, optimizer)
+    return model, optimizer, scheduler
+
+
+def get_scheduler(args, optimizer):
+    """Megatron-LM's iteration-based OptimizerParamScheduler, counted in samples (so that a
+    --rampup-batch-size run decays over the same data)."""
+    gbs = args.global_batch_size
+    warmup = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    wd = args.weight_decay
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr or 0.0,
+        lr_warmup_steps=warmup * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=wd if args.start_weight_decay is None else args.start_weight_decay,
+        end_wd=wd if args.end_weight_decay is None else args.end_weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * gbs or None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+def run_schedule(args, forward_step, data_iterator, model, forward_only: bool):
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=get_num_microbatches(),
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def reduce_losses(outputs: list) -> dict:
+    """{name: token-weighted mean over the global batch} from the last stage's per-micro-batch
+    [loss sum, token count] pairs, summed over DP. Empty on other stages."""
+    if not outputs:
+        return {}
+    reduced = {}
+    for key in outputs[0]:
+        pair = torch.stack([out[key] for out in outputs]).sum(0).to(torch.float64)
+        torch.distributed.all_reduce(pair, group=parallel_state.get_data_parallel_group())
+        reduced[key] = (pair[0] / pair[1]).item()
+    return reduced
+
+
+def train_step(args, forward_step, data_iterator, model, optimizer, scheduler):
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=get_current_global_batch_size())
+    return reduce_losses(outputs), not ok, grad_norm
+
+
+@torch.no_grad()
+def evaluate(args, forward_step, data_iterator, model, state: TrainState) -> dict:
+    """Mean losses over --eval-iters global batches of the validation split."""
+    for chunk in model:
+        chunk.eval()
+    totals: dict = {}
+    for _ in range(args.eval_iters):
+        outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=True)
+        for key, value in reduce_losses(outputs).items():
+            totals[key] = totals.get(key, 0.0) + value
+        state.consumed_valid_samples += get_current_global_batch_size()
+    for chunk in model:
+        chunk.train()
+    return {key: total / args.eval_iters for key, total in totals.items()}
+
+
+# ------------------------------------------------------------------------------- loop
+
+
+def pretrain(args, model_provider, forward_step, data_iterators_provider, config) -> TrainState:
+    """Build, resume, train, evaluate, save. ``data_iterators_provider(args, state, n_chunks)``
+    returns (train, valid) iterators (lists with virtual stages) from the state's consumed
+    sample counts, so that a resumed run reads exactly the data the uninterrupted one would."""
+    model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider, config)
+    state = TrainState(num_params=count_parameters(model))
+    print_rank_0(f" > number of parameters: {state.num_params}")
+    if args.load:
+        checkpointing.load(args, model, optimizer, scheduler, state)
+    update_num_microbatches(state.consumed_train_samples, consistency_check=False)
+    train_iter, valid_iter = data_iterators_provider(args, state, len(model))
+    tb = TensorBoard(args.tensorboard_dir)
+    train_loop(args, forward_step, model, optimizer, scheduler, state, (train_iter, valid_iter), tb)
+    tb.close()
+    return state
+
+
+def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, tb):
+    train_iter, valid_iter = iterators
+    stats = IntervalStats()
+    saved_at = None
+    while state.iteration < args.train_iters:
+        update_num_microbatches(state.consumed_train_samples, consistency_check=True)
+        batch_size = get_current_global_batch_size()
+        losses, skipped, grad_norm = train_step(
+            args, forward_step, train_iter, model, optimizer, scheduler
+        )
+        state.iteration += 1
+        state.consumed_train_samples += batch_size
+        stats.add(losses, skipped)
+        if state.iteration % args.log_interval == 0:
+            _log(args, state, stats, optimizer, batch_size, grad_norm, tb)
+            stats = IntervalStats()
+        paused = time.perf_counter()
+        if valid_iter is not None and state.iteration % args.eval_interval == 0:
+            _evaluate_and_print(args, forward_step, valid_iter, model, state, tb)
+        if args.save_interval and state.iteration % args.save_interval == 0:
+            checkpointing.save(args, model, optimizer, scheduler, state)
+            saved_at = state.iteration
+        stats.pause(time.perf_counter() - paused)
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            break
+    if args.save and saved_at != state.iteration:
+        checkpointing.save(args, model, optimizer, scheduler, state)
+
+
+def _log(args, state, stats, optimizer, batch_size, grad_norm, tb) -> None:
+    lr = optimizer.param_groups[0]["lr"]
+    scale = optimizer.get_loss_scale().item()
+    norm = None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm
+    print_rank_last(training_line(args, state, stats, lr, batch_size, scale, grad_norm))
+    values = {f"train/{k}": v for k, v in stats.averages().items()}
+    values.update({"learning-rate": lr, "loss-scale": scale, "grad-norm": norm})
+    values["batch-size"] = batch_size
+    tb.scalars(values, state.iteration)
+
+
+def _evaluate_and_print(args, forward_step, valid_iter, model, state, tb) -> None:
+    if args.eval_iters == 0:
+        return
+    losses = evaluate(args, forward_step, valid_iter, model, state)
+    if losses:
+        print_rank_last(validation_block(f"iteration {state.iteration}", losses))
+        tb.scalars({f"validation/{k}": v for k, v in losses.items()}, state.iteration)

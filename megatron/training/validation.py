@@ -1,0 +1,299 @@
+"""Cross-flag checks and derived values for the parsed command line, as tables of rules.
+
+Each rule is (is_bad(args), message(args)); the first bad one raises ``ArgumentsError`` with its
+message, which names the flag(s) and what is allowed. ``UNSUPPORTED`` lists known flags whose
+feature this stack does not run: using one is an error naming it, never a silent no-op.
+"""
+
+import importlib.util
+
+from .arguments import FLAGS, ArgumentsError, allowed_values
+
+REQUIRED = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("seq_length", "--seq-length"),
+    ("micro_batch_size", "--micro-batch-size"),
+    ("train_iters", "--train-iters"),
+    ("lr", "--lr"),
+)
+
+POSITIVE = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("seq_length", "--seq-length"),
+    ("micro_batch_size", "--micro-batch-size"),
+    ("train_iters", "--train-iters"),
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size"),
+    ("log_interval", "--log-interval"),
+    ("eval_interval", "--eval-interval"),
+    ("global_batch_size", "--global-batch-size"),
+    ("save_interval", "--save-interval"),
+    ("num_experts", "--num-experts"),
+    ("muon_num_ns_steps", "--muon-num-ns-steps"),
+)
+
+
+def _has_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+UNSUPPORTED = (
+    (
+        lambda a: a.transformer_impl == "transformer_engine" and not _has_te(),
+        "--transformer-impl transformer_engine: Transformer Engine is not installed here; "
+        "use --transformer-impl local",
+    ),
+    (
+        lambda a: a.sequence_parallel and a.transformer_impl == "local",
+        "--sequence-parallel is not supported with --transformer-impl local (its torch LayerNorm "
+        "is not sequence-parallel aware); use transformer_engine or drop the flag",
+    ),
+    (lambda a: a.fp8_format is not None, "--fp8-format: FP8 training is not supported here"),
+    (
+        lambda a: a.transformer_impl == "local" and a.attention_backend in ("flash", "fused"),
+        "--attention-backend {flash,fused} needs --transformer-impl transformer_engine; "
+        "with local: auto, local or unfused",
+    ),
+    (
+        lambda a: a.tensorboard_dir and importlib.util.find_spec("tensorboard") is None,
+        "--tensorboard-dir needs the tensorboard package: pip install tensorboard",
+    ),
+)
+
+RULES = (
+    (lambda a: a.bf16 and a.fp16, lambda a: "--bf16 and --fp16 are exclusive: pick one"),
+    (
+        lambda a: a.world_size % _model_parallel(a),
+        lambda a: f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) x "
+        f"--pipeline-model-parallel-size ({a.pipeline_model_parallel_size}) = "
+        f"{_model_parallel(a)} must divide the world size ({a.world_size})",
+    ),
+    (
+        lambda a: a.num_attention_heads % a.tensor_model_parallel_size,
+        lambda a: f"--num-attention-heads ({a.num_attention_heads}) must be divisible by "
+        f"--tensor-model-parallel-size ({a.tensor_model_parallel_size})",
+    ),
+    (
+        lambda a: a.num_query_groups % a.tensor_model_parallel_size,
+        lambda a: f"--num-query-groups ({a.num_query_groups}) must be divisible by "
+        f"--tensor-model-parallel-size ({a.tensor_model_parallel_size})",
+    ),
+    (
+        lambda a: a.num_attention_heads % a.num_query_groups,
+        lambda a: f"--num-attention-heads ({a.num_attention_heads}) must be divisible by "
+        f"--num-query-groups ({a.num_query_groups})",
+    ),
+    (
+        lambda a: a.kv_channels is None and a.hidden_size % a.num_attention_heads,
+        lambda a: f"--hidden-size ({a.hidden_size}) must be divisible by --num-attention-heads "
+        f"({a.num_attention_heads}), or give --kv-channels",
+    ),
+    (
+        lambda a: a.num_layers % a.pipeline_model_parallel_size,
+        lambda a: f"--num-layers ({a.num_layers}) must be divisible by "
+        f"--pipeline-model-parallel-size ({a.pipeline_model_parallel_size})",
+    ),
+    (
+        lambda a: a.global_batch_size % (a.micro_batch_size * a.data_parallel_size),
+        lambda a: f"--global-batch-size ({a.global_batch_size}) must be divisible by "
+        f"--micro-batch-size ({a.micro_batch_size}) x data-parallel size "
+        f"({a.data_parallel_size}) = {a.micro_batch_size * a.data_parallel_size}",
+    ),
+    (
+        lambda a: a.min_lr is not None and a.min_lr > a.lr,
+        lambda a: f"--min-lr ({a.min_lr}) must be <= --lr ({a.lr})",
+    ),
+    (
+        lambda a: "lr_warmup_iters" in a.given and a.lr_warmup_fraction is not None,
+        lambda a: "--lr-warmup-iters and --lr-warmup-fraction are exclusive: pick one",
+    ),
+    (
+        lambda a: a.lr_warmup_fraction is not None and not 0 <= a.lr_warmup_fraction <= 1,
+        lambda a: f"--lr-warmup-fraction must be in [0, 1], got {a.lr_warmup_fraction}",
+    ),
+    (
+        lambda a: a.lr_decay_style == "WSD" and a.lr_wsd_decay_iters is None,
+        lambda a: "--lr-decay-style WSD needs --lr-wsd-decay-iters",
+    ),
+    (
+        lambda a: a.position_embedding_type == "learned_absolute"
+        and a.seq_length > a.max_position_embeddings,
+        lambda a: f"--seq-length ({a.seq_length}) must be <= --max-position-embeddings "
+        f"({a.max_position_embeddings}) with learned_absolute positions",
+    ),
+    (
+        lambda a: "num_query_groups" in a.given and not a.group_query_attention,
+        lambda a: "--num-query-groups needs --group-query-attention (it is ignored without it in "
+        "Megatron-LM; here it is an error rather than silently ignored)",
+    ),
+    (
+        lambda a: a.overlap_param_gather and not a.use_distributed_optimizer,
+        lambda a: "--overlap-param-gather needs --use-distributed-optimizer",
+    ),
+    (
+        lambda a: a.num_experts is not None and a.num_experts % a.expert_model_parallel_size,
+        lambda a: f"--num-experts ({a.num_experts}) must be divisible by "
+        f"--expert-model-parallel-size ({a.expert_model_parallel_size})",
+    ),
+    (
+        lambda a: a.expert_model_parallel_size > 1 and a.num_experts is None,
+        lambda a: "--expert-model-parallel-size > 1 needs --num-experts",
+    ),
+    (
+        lambda a: a.expert_model_parallel_size > 1
+        and (a.world_size // a.pipeline_model_parallel_size)
+        % (a.expert_model_parallel_size * a.tensor_model_parallel_size),
+        lambda a: f"--expert-model-parallel-size ({a.expert_model_parallel_size}) x "
+        f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) must divide the ranks of "
+        f"one pipeline stage ({a.world_size // a.pipeline_model_parallel_size})",
+    ),
+    (
+        lambda a: a.save_interval is not None and a.save is None,
+        lambda a: "--save-interval needs --save",
+    ),
+    (lambda a: a.finetune and a.load is None, lambda a: "--finetune needs --load"),
+    (
+        lambda a: not a.mock_data and not a.data_path,
+        lambda a: "no data: give --data-path PREFIX [PREFIX ...] or --mock-data",
+    ),
+    (
+        lambda a: a.mock_data and a.data_path,
+        lambda a: "--mock-data and --data-path are exclusive: pick one",
+    ),
+    (
+        lambda a: a.tokenizer_type == "NullTokenizer" and a.vocab_size is None,
+        lambda a: "--tokenizer-type NullTokenizer needs --vocab-size",
+    ),
+    (lambda a: a.eval_iters < 0, lambda a: f"--eval-iters must be >= 0, got {a.eval_iters}"),
+    (lambda a: a.num_workers < 0, lambda a: f"--num-workers must be >= 0, got {a.num_workers}"),
+)
+
+VPP_RULES = (
+    (
+        lambda a: a.pipeline_model_parallel_size < 2,
+        lambda a: "--num-layers-per-virtual-pipeline-stage needs "
+        "--pipeline-model-parallel-size >= 2",
+    ),
+    (
+        lambda a: (a.num_layers // a.pipeline_model_parallel_size)
+        % a.num_layers_per_virtual_pipeline_stage,
+        lambda a: f"--num-layers-per-virtual-pipeline-stage "
+        f"({a.num_layers_per_virtual_pipeline_stage}) must divide the layers per pipeline stage "
+        f"({a.num_layers // a.pipeline_model_parallel_size})",
+    ),
+)
+
+
+def _model_parallel(a) -> int:
+    return a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+
+
+def _check_required(args) -> None:
+    for attr, flag in REQUIRED:
+        if getattr(args, attr) in (None, 0):
+            raise ArgumentsError(f"{flag} is required")
+
+
+def _check_table(args) -> None:
+    for flag in FLAGS:
+        allowed = allowed_values(flag)
+        value = getattr(args, flag.attr, None)
+        value = getattr(value, "name", value)  # enums (attention_backend) by name
+        if allowed and flag.attr in args.given and value is not None and value not in allowed:
+            raise ArgumentsError(
+                f"{flag.names[0]} {value!r} is not allowed; choose from {list(allowed)}"
+            )
+    for attr, flag in POSITIVE:
+        value = getattr(args, attr)
+        if value is not None and value < 1:
+            raise ArgumentsError(f"{flag} must be >= 1, got {value}")
+    for is_bad, message in UNSUPPORTED:
+        if is_bad(args):
+            raise ArgumentsError(message)
+
+
+def _check_rules(args, rules) -> None:
+    for is_bad, message in rules:
+        if is_bad(args):
+            raise ArgumentsError(message(args))
+
+
+def _derive(args) -> None:
+    """Megatron-LM's derived defaults."""
+    args.data_parallel_size = args.world_size // _model_parallel(args)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1  # Megatron-LM's default
+    if isinstance(args.attention_backend, str):
+        from megatron.core.transformer.enums import AttnBackend
+
+        args.attention_backend = AttnBackend[args.attention_backend]
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.data_path and args.split is None:
+        args.split = "969, 30, 1"
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
+    if args.mock_data and args.vocab_size is None:
+        args.vocab_size = 256  # a small mock vocabulary; Megatron-LM needs one given
+    if args.bf16:
+        args.grad_reduce_in_fp32 = True  # as Megatron-LM: bf16 grads reduced in fp32
+    if args.finetune:
+        args.no_load_optim = args.no_load_rng = True
+    upstream_scale = {"muon_scale_mode", "muon_extra_scale_factor"} & args.given
+    if upstream_scale and "muon_matched_adamw_rms" not in args.given:
+        # upstream 0.16's flags select its scale rule, which the matched-RMS rule would override
+        args.muon_matched_adamw_rms = None
+
+
+def validate_args(args) -> None:
+    _check_required(args)
+    _check_table(args)
+    _derive(args)
+    _check_rules(args, RULES)
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _check_rules(args, VPP_RULES)
+    if args.rampup_batch_size is not None:
+        _check_rampup(args)
+    _check_core_configs(args)
+
+
+def _check_core_configs(args) -> None:
+    """Build the core configs once now, so that their own checks fail before any process
+    group exists (their messages name the config field)."""
+    from .core_configs import optimizer_config, transformer_config
+
+    for build in (optimizer_config, transformer_config):
+        try:
+            build(args)
+        except (ValueError, AssertionError) as err:
+            raise ArgumentsError(f"{build.__name__}: {err}") from None
+
+
+def _check_rampup(args) -> None:
+    start, increment, samples = args.rampup_batch_size
+    unit = args.micro_batch_size * args.data_parallel_size
+    if start < 1 or increment < 1 or samples < 1:
+        raise ArgumentsError(
+            f"--rampup-batch-size values must be >= 1, got {[start, increment, samples]}"
+        )
+    if start % unit or increment % unit:
+        raise ArgumentsError(
+            f"--rampup-batch-size start ({start}) and increment ({increment}) must be multiples "
+            f"of --micro-batch-size x data-parallel size ({unit})"
+        )
+    if (args.global_batch_size - start) % increment:
+        raise ArgumentsError(
+            f"--global-batch-size ({args.global_batch_size}) minus the --rampup-batch-size start "
+            f"({start}) must be a multiple of its increment ({increment})"
+        )

@@ -1,0 +1,168 @@
+"""Pretrain a GPT with megatron-core: Megatron-LM's pretrain_gpt.py, with Muon as an optimizer.
+
+Launch (4 CPU ranks, TP=2 x DP=2, Muon, DistributedOptimizer, the built-in stdlib corpus):
+    .venv/bin/torchrun --nproc-per-node 4 --standalone pretrain_gpt.py \
+        --tensor-model-parallel-size 2 --use-distributed-optimizer --optimizer muon \
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+        --micro-batch-size 4 --global-batch-size 16 --train-iters 50 --lr 3e-3 \
+        --data-path $(.venv/bin/python -m megatron.training.corpus) --num-workers 0 \
+        --tokenizer-type ByteLevelTokenizer --save /tmp/ckpt --log-interval 5
+
+Flags follow Megatron-LM (``--help`` lists them with their defaults); a bad flag exits 2 with a
+message naming it, a checkpoint that does not fit exits 1.
+"""
+
+import sys
+import warnings
+from functools import partial
+
+# Upstream warns about optional accelerated kernels (TE, Apex) at import; the fallbacks are fine.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) is not installed")
+warnings.filterwarnings("ignore", message=".*Apex are not installed")
+warnings.filterwarnings("ignore", message="full scope is deprecated")
+
+import torch  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+
+from megatron.core import cpu_mode, parallel_state  # noqa: E402
+from megatron.training import datasets  # noqa: E402
+from megatron.training.arguments import ArgumentsError, parse_args  # noqa: E402
+from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.training.core_configs import transformer_config  # noqa: E402
+from megatron.training.initialize import initialize  # noqa: E402
+from megatron.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+
+
+def layer_spec(args, config):
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
+    return get_gpt_layer_local_spec(
+        num_experts=args.num_experts, normalization=config.normalization
+    )
+
+
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args, config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of per-token losses over unmasked tokens, with the token count: the schedule divides
+    by it, and the reported ``lm loss`` pair is reduced token-weighted over DP (Megatron-LM)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(args, data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, position_ids = datasets.get_batch(
+        data_iterator, args.micro_batch_size, args.seq_length, device=cpu_mode.device()
+    )
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def data_iterators(args, state, n_chunks, tokenizer):
+    """(train, valid) iterators from the consumed-sample counts (lists for virtual stages)."""
+    config = datasets.gpt_dataset_config(
+        tokenizer,
+        args.seq_length,
+        seed=args.seed,
+        data_path=args.data_path,
+        split=args.split,
+        mock_data=args.mock_data,
+        data_cache_path=args.data_cache_path,
+    )
+    samples = datasets.train_valid_test_num_samples(
+        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
+    )
+    train_ds, valid_ds, _ = datasets.build_train_valid_test_datasets(config, samples)
+    train, valid = [], []
+    for _ in range(n_chunks):
+        train.append(_loader(args, train_ds, state.consumed_train_samples, cyclic=False))
+        valid.append(_loader(args, valid_ds, state.consumed_valid_samples, cyclic=True))
+    has_valid = args.eval_iters > 0 and (valid_ds is not None or not _reads_data())
+    return _one_or_list(train), _one_or_list(valid) if has_valid else None
+
+
+def _reads_data() -> bool:
+    return datasets.is_dataset_built_on_rank()
+
+
+def _loader(args, dataset, consumed, cyclic):
+    if dataset is None:
+        return None
+    loader = datasets.build_pretraining_data_loader(
+        dataset, consumed % len(dataset), args.micro_batch_size, num_workers=args.num_workers
+    )
+    return datasets.cyclic_iter(loader) if cyclic else iter(loader)
+
+
+def _one_or_list(items):
+    return items[0] if len(items) == 1 else items
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except ArgumentsError as err:
+        _print_error(f"pretrain_gpt.py: error: {err}")
+        return 2
+    initialize(args)
+    tokenizer = build_tokenizer(
+        args.tokenizer_type,
+        args.vocab_file,
+        args.merge_file,
+        args.tokenizer_model,
+        vocab_size=args.vocab_size,
+    )
+    args.padded_vocab_size = padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
+    config = transformer_config(args)
+    try:
+        pretrain(
+            args,
+            partial(model_provider, args, config),
+            partial(forward_step, args),
+            partial(data_iterators, tokenizer=tokenizer),
+            config,
+        )
+    except CheckpointError as err:
+        _print_error(f"pretrain_gpt.py: checkpoint error: {err}")
+        return 1
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def _print_error(message: str) -> None:
+    # Every rank fails the same way; one copy of the message is enough.
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
