@@ -1,0 +1,109 @@
+"""Newton-Schulz speed: ours vs torch.optim.Muon's vs the bare-matmul floor, side by side.
+
+    .venv/bin/python bench/bench_newton_schulz.py            # GPT shapes, fp32 and bf16
+    .venv/bin/python bench/bench_newton_schulz.py --quick    # shapes / 4, a few seconds
+
+``torch``: ``torch.optim._muon._zeropower_via_newtonschulz``, which only takes 2-D input and
+always computes in bf16. So its bf16 rows call it as is (looped over a batch, as a caller of it
+must), and its fp32 rows run the same op sequence transcribed with the bf16 cast left out.
+``floor``: only the 3 matmuls per step that NS needs (X X^T, A A, B X), same shapes and dtype,
+into preallocated outputs: what NS would cost with free elementwise work. Median of repeats.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
+
+from megatron.core.optimizer.newton_schulz import newton_schulz
+
+STEPS = 5
+ABC = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+SHAPES = [(1024, 1024), (1024, 4096), (4096, 1024), (8, 512, 2048)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def torch_ops_fp32(grad: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Muon's NS op for op, minus its ``grad.bfloat16()``."""
+    a, b, c = ABC
+    x = grad.T if grad.size(0) > grad.size(1) else grad
+    x = x / x.norm().clamp(min=EPS)
+    for _ in range(STEPS):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+def torch_reference(x: torch.Tensor, precision: str) -> torch.Tensor:
+    fn = (lambda g: torch_ns(g, ABC, STEPS, EPS)) if precision == "bf16" else torch_ops_fp32
+    return fn(x) if x.ndim == 2 else torch.stack([fn(m) for m in x])
+
+
+def make_floor(x: torch.Tensor, precision: str):
+    """A closure running just the NS matmuls on preallocated buffers of the working dtype."""
+    m, n = sorted(x.shape[-2:])
+    batch = x.shape[:-2]
+    dtype = DTYPES[precision]
+    xs = torch.randn(*batch, m, n).to(dtype)
+    gram, poly, out = (torch.empty(*batch, m, k, dtype=dtype) for k in (m, m, n))
+
+    def run():
+        for _ in range(STEPS):
+            torch.matmul(xs, xs.mT, out=gram)
+            torch.matmul(gram, gram, out=poly)
+            torch.matmul(poly, xs, out=out)
+
+    return run
+
+
+def bench_row(shape, precision, repeats, warmup):
+    """Median seconds per implementation; implementations interleave within each repeat, so
+    load from other processes on a shared machine hits all of them alike."""
+    x = torch.randn(shape)
+    fns = {
+        "ours": lambda: newton_schulz(x, STEPS, "simple", precision),
+        "torch": lambda: torch_reference(x, precision),
+        "floor": make_floor(x, precision),
+    }
+    times = {name: [] for name in fns}
+    for i in range(warmup + repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shapes divided by 4")
+    # One thread by default: on a small shared machine, multi-threaded BLAS stalls on barriers
+    # whenever another process takes a core, which swamps the differences measured here.
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--precisions", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    shapes = [s[:-2] + (s[-2] // 4, s[-1] // 4) for s in SHAPES] if args.quick else SHAPES
+    print(
+        f"Newton-Schulz, {STEPS} steps, torch {torch.__version__}, {args.threads} thread(s), "
+        f"median of {args.repeats}"
+    )
+    header = f"{'shape':>14} {'prec':>5} {'ours ms':>9} {'torch ms':>9} {'floor ms':>9}"
+    print(header + f" {'ours/torch':>10} {'ours/floor':>10}")
+    for precision in args.precisions:
+        for shape in shapes:
+            t = bench_row(shape, precision, args.repeats, args.warmup)
+            name = "x".join(map(str, shape))
+            ms = " ".join(f"{t[k] * 1e3:9.1f}" for k in ("ours", "torch", "floor"))
+            ratios = f"{t['ours'] / t['torch']:10.2f} {t['ours'] / t['floor']:10.2f}"
+            print(f"{name:>14} {precision:>5} {ms} {ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
