@@ -324,9 +324,14 @@ def train(
     overlap=False,
     seed=0,
     invariant_init=True,
+    optimizer_hook=None,
     **optimizer_overrides,
 ):
-    """Train ``steps`` steps on the shared data; return (initial params, final params, losses)."""
+    """Train ``steps`` steps on the shared data; return (initial params, final params, losses).
+
+    ``optimizer_hook(optimizer)``, if given, runs once after the optimizer is built (tests use it
+    to swap in a reference orthogonalizer or to break one on purpose).
+    """
     model = build_model(
         spec,
         distopt=distopt,
@@ -340,6 +345,8 @@ def train(
     optimizer = build_optimizer(
         spec, model, use_distributed_optimizer=distopt, **optimizer_overrides
     )
+    if optimizer_hook is not None:
+        optimizer_hook(optimizer)
     losses = [train_step(spec, model, optimizer, b)["loss"] for b in global_batches(spec, steps)]
     if overlap:  # the last step's param all-gather otherwise waits for the next forward
         for chunk in model:

@@ -1,0 +1,149 @@
+r"""Tensor-parallel orthogonalizers for Muon: every TP collective of Muon lives here.
+
+A TP-sharded weight W (m x n) is a slice along ``partition_dim`` d of Megatron's param: d = 0
+splits the rows (ColumnParallelLinear: QKV, fc1), d = 1 the columns (RowParallelLinear). Modes
+(``OptimizerConfig.muon_tp_mode``):
+
+* ``duplicated``: all-gather W's shards, orthogonalize the whole matrix, keep the own slice.
+  Exact: the gathered matrix is the TP=1 matrix up to a row permutation (SwiGLU's fc1 holds
+  ``[gate_r; up_r]`` per rank), and ``NS(P X) = P NS(X)`` for a permutation P, since
+  ``(P X)(P X)^T = P X X^T P^T``; QKV rows come in whole query groups in rank order, so the
+  gathered QKV *is* the TP=1 layout and its Q/K/V blocks split as at TP=1.
+* ``distributed``: each rank iterates on its own shard; only Gram matrices and the Frobenius
+  norm cross ranks. With ``p(G) = b G + c G^2`` the step ``X <- a X + p(X X^T) X`` equals
+  ``X <- a X + X p(X^T X)``. Row shards X_i (d = 0) take the right Gram
+  ``X^T X = sum_i X_i^T X_i`` (all-reduce, n x n) and update ``X_i <- a X_i + X_i p(X^T X)``;
+  column shards (d = 1) take ``X X^T = sum_j X_j X_j^T`` (m x m) and ``X_j <- a X_j + p(X X^T)
+  X_j``. Exact up to rounding; costs one all-reduce per step per matrix (per Q/K/V block).
+* ``blockwise``: orthogonalize each local shard as if it were the whole matrix (local shape for
+  the scale and the QKV groups); cheap, not TP-invariant.
+
+Reading the wrong ``partition_dim`` is not harmless: gathering rows as columns orthogonalizes
+another matrix (tests/distributed/test_muon_parity.py has that negative control).
+"""
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .muon_config import TP_MODES
+from .muon_functional import MuonParamInfo, OrthoSpec, orthogonalize_matrices
+from .newton_schulz import coefficient_set, compute_dtype
+
+
+class TPOrthogonalizer:
+    """Muon ``Orthogonalizer`` for TP-sharded params (infos carry ``partition_dim``, ``expert``).
+
+    ``groups`` maps ``info.expert`` to the process group the param is sharded over (TP or
+    expert TP). Params that TP does not split, or a group of size 1, go to ``matrix_fn`` as is.
+    """
+
+    def __init__(self, mode: str, groups: dict[bool, Any]) -> None:
+        if mode not in TP_MODES:
+            raise ValueError(f"muon_tp_mode must be one of {TP_MODES}, got {mode!r}")
+        self.mode = mode
+        self.groups = groups
+
+    def __call__(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
+        out: list = [None] * len(updates)
+        whole = [i for i, info in enumerate(infos) if self._group(info) is None]
+        for i, o in zip(whole, matrix_fn([updates[i] for i in whole], [infos[i] for i in whole])):
+            out[i] = o
+        for i, (u, info) in enumerate(zip(updates, infos)):
+            if out[i] is None:
+                out[i] = self._sharded(u, info, matrix_fn)
+        return out
+
+    def _group(self, info):
+        """The process group sharding this param, None when it is whole on this rank."""
+        group = self.groups.get(getattr(info, "expert", False))
+        dim = getattr(info, "partition_dim", None)
+        if dim is None or group is None or dist.get_world_size(group) == 1:
+            return None
+        return group
+
+    def _sharded(self, u: Tensor, info, matrix_fn) -> Tensor:
+        group, dim = self._group(info), info.partition_dim
+        if self.mode == "blockwise":
+            local = MuonParamInfo(tuple(u.shape), _local_qkv(info, u))
+            return matrix_fn([u], [local])[0]
+        if self.mode == "duplicated":
+            full = all_gather_dim(u, dim, group)
+            orth = matrix_fn([full], [info])[0]
+            return orth.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+        return distributed_orthogonalize(u, info, _spec_of(matrix_fn), group)
+
+
+def _local_qkv(info, u: Tensor):
+    # blockwise keeps the per-group Q/K/V split (each rank holds whole query groups)
+    if info.qkv_split is None:
+        return None
+    assert u.shape[0] % sum(info.qkv_split) == 0, "a TP shard of QKV holds whole query groups"
+    return info.qkv_split
+
+
+def all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
+    """The TP shards of ``x`` concatenated along ``dim`` in rank order."""
+    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return torch.cat(shards, dim=dim)
+
+
+def _spec_of(matrix_fn) -> OrthoSpec:
+    # Muon hands us functools.partial(orthogonalize_matrices, spec=...): the distributed mode
+    # runs its own iteration, so it needs the group's settings rather than the local function.
+    ok = isinstance(matrix_fn, functools.partial) and matrix_fn.func is orthogonalize_matrices
+    assert ok, "distributed TP mode needs Muon's orthogonalize_matrices partial (its OrthoSpec)"
+    return matrix_fn.keywords["spec"]
+
+
+def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor:
+    """``s * NS(U)`` of the own shard of U, the matrix built from the shards in ``group``."""
+    dim = info.partition_dim
+    if info.qkv_split is None:
+        return _scaled(sharded_newton_schulz(u, dim, group, spec), info.shape, spec)
+    assert dim == 0, "a fused QKV weight is split by rows (query groups)"
+    split, cols = info.qkv_split, info.shape[1]
+    global_groups = info.shape[0] // sum(split)
+    per_group = u.view(-1, sum(split), cols)
+    out = torch.empty_like(per_group)
+    start = 0
+    for rows in split:  # Q, K, V: each block spans every rank's query groups
+        block = per_group[:, start : start + rows].reshape(-1, cols)
+        orth = sharded_newton_schulz(block, 0, group, spec)
+        out[:, start : start + rows] = _scaled(orth, (global_groups * rows, cols), spec).view(
+            -1, rows, cols
+        )
+        start += rows
+    return out.view(u.shape)
+
+
+def _scaled(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
+    return x.mul_(spec.scale(*shape))  # after the cast back, as muon_functional._scaled_ns
+
+
+def sharded_newton_schulz(x: Tensor, dim: int, group, spec: OrthoSpec) -> Tensor:
+    """Newton-Schulz of the matrix sharded along ``dim`` over ``group``; returns the own shard.
+
+    Same polynomial and normalization as ``newton_schulz.newton_schulz``; partial Gram
+    matrices and the squared norm are summed in fp32 (one rounding to the compute dtype after
+    the sum instead of one per rank).
+    """
+    dtype = compute_dtype(spec.precision)
+    buf = x.to(dtype, copy=True)
+    sq = buf.float().square().sum()
+    dist.all_reduce(sq, group=group)
+    buf.div_(sq.sqrt().to(dtype).add_(spec.eps))
+    for a, b, c in coefficient_set(spec.coefficients).schedule(spec.steps):
+        gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
+        gram = gram.float()
+        dist.all_reduce(gram, group=group)
+        gram = gram.to(dtype)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
+        buf = (
+            torch.addmm(buf, buf, poly, beta=a) if dim == 0 else torch.addmm(buf, poly, buf, beta=a)
+        )
+    return buf.to(x.dtype)

@@ -1,0 +1,138 @@
+"""Muon inside Megatron matches one process under TP (duplicated, distributed), PP and DP.
+
+A tiny real GPT (local spec, GQA 4 heads / 2 query groups, SwiGLU, QKV split on) trains 3 steps
+with ``OptimizerConfig(optimizer='muon')`` on gloo CPU ranks. Reproduce one case by hand:
+
+    .venv/bin/python -m pytest tests/distributed/test_muon_parity.py -k tp2_pp2_dp2 -q
+"""
+
+import dataclasses
+import functools
+
+import pytest
+from harness import run_distributed
+from parity import assert_close_runs, update_rel_error
+from tiny_gpt import TinyGPT, shard, train, unshard
+
+from megatron.core.optimizer.muon_functional import MuonParamInfo
+
+STEPS = 3
+# fp32 Newton-Schulz, so the comparison measures the layouts, not bf16 matmul rounding.
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+
+# Tolerance on parity.update_rel_error (||got - ref|| / ||ref - initial||). Measured: TP2 both
+# exact modes ~7e-6, DP2 ~5e-6, PP2 0, TP2xPP2xDP2 ~7e-6; blockwise vs exact ~0.7. TP and DP
+# only reorder fp32 sums (~1e-7 relative on gradients); Muon's update is a smooth function of
+# the momentum (no sign flips as in Adam's first steps), and NS's small-singular-value gain
+# (a^k = 3.4445^5 ~ 500 at most) bounds the amplification. 1e-4 leaves >10x margin over the
+# measured error and sits >1000x below what a wrong layout (blockwise, wrong partition_dim) gives.
+TOL = 1e-4
+LOSS_RTOL = 1e-5
+WRONG = 100 * TOL  # a broken exchange must miss the reference by at least this
+
+LAYOUTS = {
+    "tp2_duplicated": dict(world_size=2, tp=2, muon_tp_mode="duplicated"),
+    "tp2_distributed": dict(world_size=2, tp=2, muon_tp_mode="distributed"),
+    "pp2": dict(world_size=2, pp=2),
+    "dp2": dict(world_size=2),
+    "tp2_pp2_dp2_duplicated": dict(world_size=8, tp=2, pp=2, muon_tp_mode="duplicated"),
+    "tp2_pp2_dp2_distributed": dict(world_size=8, tp=2, pp=2, muon_tp_mode="distributed"),
+}
+
+
+def run_layout(world_size, tp=1, pp=1, spec=None, **kwargs):
+    return run_distributed(
+        train, world_size, tp=tp, pp=pp, args=(spec or TinyGPT(), STEPS), kwargs={**MUON, **kwargs}
+    )
+
+
+@functools.cache
+def reference(hook=None):
+    return run_distributed(
+        train, 1, args=(TinyGPT(), STEPS), kwargs={**MUON, "optimizer_hook": hook}
+    )[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_muon_layout_matches_one_process(layout):
+    got = run_layout(**LAYOUTS[layout])
+    errors = assert_close_runs(reference(), got, tol=TOL, loss_rtol=LOSS_RTOL)
+    # Muon touched every hidden matrix: none is trivially equal because it did not move
+    initial, ref, _ = reference()
+    assert all((ref[k] - initial[k]).norm() > 0 for k in errors)
+
+
+# ----------------------------------------------------------------- blockwise: TP-local Muon
+
+SPEC = TinyGPT()
+FC1_SHAPE = (2 * SPEC.ffn_hidden_size, SPEC.hidden_size)  # only SwiGLU's fc1 has this shape
+
+
+class BlockwiseReference:
+    """One-process orthogonalizer that cuts each TP-split matrix as TP=2 ranks hold it and
+    orthogonalizes every slice on its own (local shape, local query groups): what TP=2
+    ``blockwise`` must compute."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __call__(self, updates, infos, matrix_fn):
+        return [self._one(u, info, matrix_fn) for u, info in zip(updates, infos)]
+
+    def _one(self, u, info, matrix_fn):
+        dim = info.partition_dim
+        if dim is None:
+            return matrix_fn([u], [info])[0]
+        name = "linear_fc1.weight" if tuple(u.shape) == FC1_SHAPE else "w"
+        slices = [shard(u, name, dim, self.tp, r) for r in range(self.tp)]
+        local = [MuonParamInfo(tuple(s.shape), info.qkv_split) for s in slices]
+        return unshard(matrix_fn(slices, local), name, dim)
+
+
+def _inner_muons(optimizer):
+    return [opt.optimizer for opt in optimizer.chained_optimizers if opt.optimizer is not None]
+
+
+def use_blockwise_reference(optimizer):
+    for muon in _inner_muons(optimizer):
+        infos = [i for group in muon.group_infos for i in group]
+        assert {i.partition_dim for i in infos} == {0, 1}, "TP attributes missing at TP=1"
+        muon.orthogonalizer = BlockwiseReference(tp=2)
+
+
+def test_blockwise_matches_tp_local_reference_and_differs_from_exact():
+    got = run_layout(world_size=2, tp=2, muon_tp_mode="blockwise")
+    assert_close_runs(reference(use_blockwise_reference), got, tol=TOL, loss_rtol=LOSS_RTOL)
+    initial, exact, _ = reference()
+    errors = update_rel_error(initial, exact, got[0][1])
+    assert max(errors.values()) > WRONG, "blockwise should not be exact Muon"
+
+
+# ------------------------------------------------------------- negative control: partition_dim
+
+
+def swap_partition_dim(optimizer):
+    """The proof of concept's bug: read rows as columns (and back). QKV keeps its dim: the
+    distributed mode asserts that a fused QKV is row-split, which would end the run early."""
+    for muon in _inner_muons(optimizer):
+        muon.group_infos = [
+            [
+                i
+                if i.partition_dim is None or i.qkv_split
+                else dataclasses.replace(i, partition_dim=1 - i.partition_dim)
+                for i in group
+            ]
+            for group in muon.group_infos
+        ]
+        muon.param_info.clear()  # rebuilt from group_infos on the next lookup
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_negative_control_wrong_partition_dim_breaks_parity(mode):
+    initial, ref, _ = reference()
+    got = run_layout(world_size=2, tp=2, muon_tp_mode=mode, optimizer_hook=swap_partition_dim)
+    errors = update_rel_error(initial, ref, got[0][1])
+    broken = {k for k, e in errors.items() if e > WRONG}
+    # the row- and the column-split matrices both go wrong (and, through the loss, the rest)
+    assert any("linear_proj" in k for k in broken) and any("linear_fc1" in k for k in broken)
+    assert max(errors.values()) > 1000 * TOL
