@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron.core.optimizer.newton_schulz import (
-    _POLAR_EXPRESS_PUBLISHED,
     COEFFICIENT_SETS,
+    POLAR_EXPRESS_PUBLISHED,
     newton_schulz,
 )
 
@@ -17,8 +17,8 @@ def _paper_polar_express():
     """The Polar Express paper's code, applied independently of our folding: every triple but the
     last divided by (1.01, 1.01^3, 1.01^5), and the input normalized by 1.01 * ||X||_F."""
     s = 1.01
-    head = [(a / s, b / s**3, c / s**5) for a, b, c in _POLAR_EXPRESS_PUBLISHED[:-1]]
-    return head + [_POLAR_EXPRESS_PUBLISHED[-1]], s
+    head = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_PUBLISHED[:-1]]
+    return head + [POLAR_EXPRESS_PUBLISHED[-1]], s
 
 
 REFERENCE_SETS = {

@@ -73,6 +73,8 @@ class Muon(Optimizer):
     ``FloatingPointError`` before anything is updated; ``'skip'`` skips the whole step (params
     and state untouched, ``skipped_steps`` counts it), as Megatron's grad scaler does;
     ``'ignore'`` does not check (the caller already did, e.g. the grad scaler's ``found_inf``).
+    The check sees only this process's gradients: with sharded params use ``'ignore'`` behind a
+    check that agrees across ranks, or ranks could disagree about skipping.
     """
 
     def __init__(

@@ -8,9 +8,10 @@ odd quintic polynomial iteration on the singular values:
     X_{t+1} = a_t X_t + (b_t A_t + c_t A_t A_t) X_t    for t = 0 .. k-1
 
 Each step maps a singular value ``s`` to ``a s + b s^3 + c s^5``. Tall inputs (m > n) are
-transposed first, so the Gram matrix is the smaller ``min(m, n)`` square. Every matmul is a fused
-``addmm``/``baddbmm`` into preallocated buffers: the cost is the bare matmul floor,
-``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
+transposed first, so the Gram matrix is the smaller ``min(m, n)`` square. A step is three matmuls
+written into preallocated buffers, the two polynomial ones as fused ``addmm``/``baddbmm`` (the
+same ops as torch.optim.Muon, so the bf16 path rounds like it): the cost is close to the bare
+matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
 """
 
 from collections.abc import Sequence
@@ -69,7 +70,7 @@ QUINTIC = CoefficientSet(
 # the paper's code (lower bound l = 1e-3, degree 5). The code divides every triple but the last
 # by the safety factor 1.01 (a / 1.01, b / 1.01^3, c / 1.01^5) and also normalizes by
 # 1.01 * ||X||_F; both are reproduced here (the latter as ``norm_safety``).
-_POLAR_EXPRESS_PUBLISHED: tuple[Triple, ...] = (
+POLAR_EXPRESS_PUBLISHED: tuple[Triple, ...] = (
     (8.28721201814563, -23.595886519098837, 17.300387312530933),
     (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
     (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
@@ -81,8 +82,8 @@ _POLAR_EXPRESS_PUBLISHED: tuple[Triple, ...] = (
 )
 POLAR_EXPRESS_SAFETY = 1.01
 POLAR_EXPRESS = CoefficientSet(
-    tuple(_shrink_input(t, POLAR_EXPRESS_SAFETY) for t in _POLAR_EXPRESS_PUBLISHED[:-1])
-    + _POLAR_EXPRESS_PUBLISHED[-1:],
+    tuple(_shrink_input(t, POLAR_EXPRESS_SAFETY) for t in POLAR_EXPRESS_PUBLISHED[:-1])
+    + POLAR_EXPRESS_PUBLISHED[-1:],
     norm_safety=POLAR_EXPRESS_SAFETY,
 )
 
