@@ -8,7 +8,7 @@ odd quintic polynomial iteration on the singular values:
     X_{t+1} = a_t X_t + (b_t A_t + c_t A_t A_t) X_t    for t = 0 .. k-1
 
 Each step maps a singular value ``s`` to ``a s + b s^3 + c s^5``. Tall inputs (m > n) are
-transposed first, so the Gram matrix is the smaller ``min(m, n)`` square. A step is three matmuls
+treated as their transpose (the Gram matrix is the smaller ``min(m, n)`` square). A step is three matmuls
 written into preallocated buffers, the two polynomial ones as fused ``addmm``/``baddbmm`` (the
 same ops as torch.optim.Muon, so the bf16 path rounds like it): the cost is close to the bare
 matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
@@ -154,9 +154,7 @@ def newton_schulz(
     schedule = coefficient_set(coefficients).schedule(steps)
     m, n = x.shape[-2:]
     flat = x.reshape(-1, m, n) if x.ndim > 2 else x
-    flat = flat.mT if m > n else flat  # a view: BLAS reads it transposed, no copy
-    out = _iterate(_normalized(flat, compute_dtype(precision), eps), schedule)
-    out = out.mT if m > n else out
+    out = _iterate(_normalized(flat, compute_dtype(precision), eps), schedule, tall=m > n)
     return out.reshape(x.shape).to(x.dtype)
 
 
@@ -171,16 +169,21 @@ def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
     return buf.div_(norm.add_(eps))
 
 
-def _iterate(x: Tensor, schedule: list[Triple]) -> Tensor:
-    """The polynomial steps, ping-ponging between two X buffers (no allocation per step)."""
+def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
+    """The polynomial steps, ping-ponging between two X buffers (no allocation per step).
+
+    A tall X (m > n) iterates on the small right Gram matrix instead of being transposed:
+    ``a X + X (b A + c A A)`` with ``A = X^T X`` is the transpose of the wide-form step on X^T,
+    and keeps every buffer in X's own layout (a transposed copy costs as much as a matmul on CPU).
+    """
     fma = torch.addmm if x.ndim == 2 else torch.baddbmm
-    gram_shape = (*x.shape[:-1], x.shape[-2])
-    gram = torch.empty(gram_shape, dtype=x.dtype, device=x.device)
+    k = x.shape[-1] if tall else x.shape[-2]
+    gram = torch.empty((*x.shape[:-2], k, k), dtype=x.dtype, device=x.device)
     poly = torch.empty_like(gram)
     spare = torch.empty_like(x)
     for a, b, c in schedule:
-        torch.matmul(x, x.mT, out=gram)
+        torch.matmul(*((x.mT, x) if tall else (x, x.mT)), out=gram)
         fma(gram, gram, gram, beta=b, alpha=c, out=poly)  # b A + c A A
-        fma(x, poly, x, beta=a, out=spare)  # a X + (b A + c A A) X
+        fma(x, *((x, poly) if tall else (poly, x)), beta=a, out=spare)  # a X + (b A + c A A) X
         x, spare = spare, x
     return x
