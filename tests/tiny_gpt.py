@@ -49,6 +49,7 @@ class TinyGPT:
     tie_embeddings: bool = False
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "alltoall"  # allgather avoids the alltoall's CUDA events
     extra: dict = field(default_factory=dict)  # further TransformerConfig fields
 
 
@@ -62,7 +63,7 @@ def transformer_config(spec: TinyGPT) -> TransformerConfig:
         moe = dict(
             num_moe_experts=spec.num_moe_experts,
             moe_router_topk=spec.moe_router_topk,
-            moe_token_dispatcher_type="alltoall",
+            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=0.0,
         )
