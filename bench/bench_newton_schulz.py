@@ -7,7 +7,8 @@
 always computes in bf16. So its bf16 rows call it as is (looped over a batch, as a caller of it
 must), and its fp32 rows run the same op sequence transcribed with the bf16 cast left out.
 ``floor``: only the 3 matmuls per step that NS needs (X X^T, A A, B X), same shapes and dtype,
-into preallocated outputs: what NS would cost with free elementwise work. Median of repeats.
+into preallocated outputs: what NS would cost with free elementwise work. Median of repeats
+(``--stat min`` on a machine shared with other jobs).
 """
 
 import argparse
@@ -59,9 +60,9 @@ def make_floor(x: torch.Tensor, precision: str):
     return run
 
 
-def bench_row(shape, precision, repeats, warmup):
-    """Median seconds per implementation; implementations interleave within each repeat, so
-    load from other processes on a shared machine hits all of them alike."""
+def bench_row(shape, precision, repeats, warmup, stat):
+    """Seconds per implementation (median or min of repeats). Implementations interleave within
+    each repeat, so load from other processes on a shared machine hits all of them alike."""
     x = torch.randn(shape)
     fns = {
         "ours": lambda: newton_schulz(x, STEPS, "simple", precision),
@@ -75,7 +76,8 @@ def bench_row(shape, precision, repeats, warmup):
             fn()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    reduce = statistics.median if stat == "median" else min
+    return {name: reduce(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -86,19 +88,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    # min estimates the uncontended time: use it when other processes share the cores.
+    parser.add_argument("--stat", choices=["median", "min"], default="median")
     parser.add_argument("--precisions", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shapes = [s[:-2] + (s[-2] // 4, s[-1] // 4) for s in SHAPES] if args.quick else SHAPES
     print(
         f"Newton-Schulz, {STEPS} steps, torch {torch.__version__}, {args.threads} thread(s), "
-        f"median of {args.repeats}"
+        f"{args.stat} of {args.repeats}"
     )
     header = f"{'shape':>14} {'prec':>5} {'ours ms':>9} {'torch ms':>9} {'floor ms':>9}"
     print(header + f" {'ours/torch':>10} {'ours/floor':>10}")
     for precision in args.precisions:
         for shape in shapes:
-            t = bench_row(shape, precision, args.repeats, args.warmup)
+            t = bench_row(shape, precision, args.repeats, args.warmup, args.stat)
             name = "x".join(map(str, shape))
             ms = " ".join(f"{t[k] * 1e3:9.1f}" for k in ("ours", "torch", "floor"))
             ratios = f"{t['ours'] / t['torch']:10.2f} {t['ours'] / t['floor']:10.2f}"
