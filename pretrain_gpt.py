@@ -95,17 +95,23 @@ def data_iterators(args, state, n_chunks, tokenizer):
     samples = datasets.train_valid_test_num_samples(
         args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
     )
-    train_ds, valid_ds, _ = datasets.build_train_valid_test_datasets(config, samples)
+    try:
+        train_ds, valid_ds, _ = datasets.build_train_valid_test_datasets(config, samples)
+    except ValueError as err:  # the data flags do not fit (empty split, missing prefix...)
+        raise ArgumentsError(str(err)) from err
     train, valid = [], []
     for _ in range(n_chunks):
         train.append(_loader(args, train_ds, state.consumed_train_samples, cyclic=False))
         valid.append(_loader(args, valid_ds, state.consumed_valid_samples, cyclic=True))
-    has_valid = args.eval_iters > 0 and (valid_ds is not None or not _reads_data())
-    return _one_or_list(train), _one_or_list(valid) if has_valid else None
+    return _one_or_list(train), _one_or_list(valid), _any_rank(valid_ds is not None)
 
 
-def _reads_data() -> bool:
-    return datasets.is_dataset_built_on_rank()
+def _any_rank(flag: bool) -> bool:
+    """Ranks that read no data (TP > 0, middle stages) learn from the readers whether a
+    validation split exists, so that every rank evaluates or none does."""
+    value = torch.tensor([int(flag)], device=cpu_mode.device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _loader(args, dataset, consumed, cyclic):
@@ -150,6 +156,9 @@ def main(argv=None) -> int:
     except CheckpointError as err:
         _print_error(f"pretrain_gpt.py: checkpoint error: {err}")
         return 1
+    except ArgumentsError as err:  # found once the model exists (e.g. by the optimizer factory)
+        _print_error(f"pretrain_gpt.py: error: {err}")
+        return 2
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 
 from . import checkpointing
+from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .log import (
     IntervalStats,
@@ -105,7 +106,10 @@ def _device():
 def setup_model_and_optimizer(args, model_provider, config):
     model = get_model(args, model_provider, config)
     _hook_up_schedule(args, config, model)
-    optimizer = get_megatron_optimizer(optimizer_config(args), model)
+    try:
+        optimizer = get_megatron_optimizer(optimizer_config(args), model)
+    except ValueError as err:  # the factory refuses a combination of optimizer settings
+        raise ArgumentsError(f"--optimizer {args.optimizer}: {err}") from err
     config.grad_scale_func = optimizer.scale_loss
     scheduler = get_scheduler(args, optimizer)
     return model, optimizer, scheduler
@@ -196,15 +200,17 @@ def evaluate(args, forward_step, data_iterator, model, state: TrainState) -> dic
 
 def pretrain(args, model_provider, forward_step, data_iterators_provider, config) -> TrainState:
     """Build, resume, train, evaluate, save. ``data_iterators_provider(args, state, n_chunks)``
-    returns (train, valid) iterators (lists with virtual stages) from the state's consumed
-    sample counts, so that a resumed run reads exactly the data the uninterrupted one would."""
+    returns (train, valid, has_valid): iterators (lists with virtual stages; None on ranks that
+    read no data) from the state's consumed sample counts, so that a resumed run reads exactly
+    the data the uninterrupted one would, and whether any rank has a validation split."""
     model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider, config)
     state = TrainState(num_params=count_parameters(model))
     print_rank_0(f" > number of parameters: {state.num_params}")
     if args.load:
         checkpointing.load(args, model, optimizer, scheduler, state)
     update_num_microbatches(state.consumed_train_samples, consistency_check=False)
-    train_iter, valid_iter = data_iterators_provider(args, state, len(model))
+    train_iter, valid_iter, has_valid = data_iterators_provider(args, state, len(model))
+    valid_iter = valid_iter if has_valid and args.eval_iters > 0 else False
     tb = TensorBoard(args.tensorboard_dir)
     train_loop(args, forward_step, model, optimizer, scheduler, state, (train_iter, valid_iter), tb)
     tb.close()
@@ -212,7 +218,7 @@ def pretrain(args, model_provider, forward_step, data_iterators_provider, config
 
 
 def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, tb):
-    train_iter, valid_iter = iterators
+    train_iter, valid_iter = iterators  # valid_iter False: no evaluation (None: reads no data)
     stats = IntervalStats()
     saved_at = None
     while state.iteration < args.train_iters:
@@ -228,7 +234,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
             _log(args, state, stats, optimizer, batch_size, grad_norm, tb)
             stats = IntervalStats()
         paused = time.perf_counter()
-        if valid_iter is not None and state.iteration % args.eval_interval == 0:
+        if valid_iter is not False and state.iteration % args.eval_interval == 0:
             _evaluate_and_print(args, forward_step, valid_iter, model, state, tb)
         if args.save_interval and state.iteration % args.save_interval == 0:
             checkpointing.save(args, model, optimizer, scheduler, state)
