@@ -99,6 +99,7 @@ class Muon(Optimizer):
         orthogonalizer: Optional[Orthogonalizer] = None,
         exp_avg_dtype: Optional[torch.dtype] = None,
         on_nonfinite_grad: Literal["raise", "skip", "ignore"] = "raise",
+        distopt_exchange_dtype: str = "fp32",
     ) -> None:
         if exp_avg_dtype is not None and not exp_avg_dtype.is_floating_point:
             raise ValueError(f"exp_avg_dtype must be a floating dtype or None, got {exp_avg_dtype}")
@@ -107,6 +108,7 @@ class Muon(Optimizer):
                 f"on_nonfinite_grad must be one of {NONFINITE_POLICIES}, got {on_nonfinite_grad!r}"
             )
         self.exp_avg_dtype = exp_avg_dtype
+        self.distopt_exchange_dtype = distopt_exchange_dtype  # used once DistOpt attaches
         self.on_nonfinite_grad = on_nonfinite_grad
         self.orthogonalizer = orthogonalizer or LocalOrthogonalizer()
         self.skipped_steps = 0
@@ -197,25 +199,63 @@ class Muon(Optimizer):
             return loss
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                (self._muon_step if group["use_muon"] else self._adamw_step)(group, params)
+            if params and not group["use_muon"]:
+                self._adamw_step(group, params)
+        self._muon_steps()
         return loss
 
-    def _muon_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+    def ortho_specs(self) -> list[OrthoSpec]:
+        """The distinct Newton-Schulz/scale settings of the Muon groups, in group order."""
+        specs: list[OrthoSpec] = []
+        for group in self.param_groups:
+            if group["use_muon"] and _ortho_spec(group) not in specs:
+                specs.append(_ortho_spec(group))
+        return specs
+
+    def _muon_steps(self) -> None:
+        """Every Muon group, with one orthogonalizer call per distinct ``OrthoSpec``.
+
+        The call is made every step, also with no Muon grads on this rank: a distributed
+        orthogonalizer runs collectives that all ranks of its group must enter, and batching
+        all groups lets it exchange each bucket once.
+        """
+        batches: list[tuple[OrthoSpec, list]] = []
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            spec = _ortho_spec(group)
+            if not batches or batches[-1][0] != spec:
+                batches.append((spec, []))
+            batches[-1][1].append((group, params, self._muon_momentum(group, params)))
+        for spec, items in batches:
+            updates = [u for _, _, us in items for u in us]
+            infos = [self.param_info[p] for _, params, _ in items for p in params]
+            matrix_fn = functools.partial(orthogonalize_matrices, spec=spec)
+            orth = iter(self.orthogonalizer(updates, infos, matrix_fn))
+            for group, params, _ in items:
+                self._muon_apply(group, params, [next(orth) for _ in params])
+
+    def _muon_momentum(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
         decoupled = group["decoupled_weight_decay"]
-        wd = group["weight_decay"]
-        updates = muon_momentum_(
+        return muon_momentum_(
             params,
             [p.grad for p in params],
             [self.init_state(p)["momentum_buffer"] for p in params],
             momentum=group["momentum"],
             nesterov=group["nesterov"],
-            l2_weight_decay=0.0 if decoupled else wd,
+            l2_weight_decay=0.0 if decoupled else group["weight_decay"],
         )
-        matrix_fn = functools.partial(orthogonalize_matrices, spec=_ortho_spec(group))
-        infos = [self.param_info[p] for p in params]
-        orth = self.orthogonalizer(updates, infos, matrix_fn)
-        muon_apply_(params, orth, lr=group["lr"], weight_decay=wd if decoupled else 0.0)
+
+    def _muon_apply(self, group: dict[str, Any], params: list[Tensor], orth: list) -> None:
+        wd = group["weight_decay"] if group["decoupled_weight_decay"] else 0.0
+        muon_apply_(params, orth, lr=group["lr"], weight_decay=wd)
+
+    def attach_distributed_optimizer(self, distopt) -> None:
+        """Called by Megatron's DistributedOptimizer once it sharded the params (ZeRO-1)."""
+        from .muon_distopt import attach
+
+        attach(distopt, self, self.distopt_exchange_dtype)
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         states = [self.init_state(p) for p in params]
@@ -296,7 +336,7 @@ def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:
 
 Muon.__doc__ = Muon.__doc__.format(
     rms=DEFAULT_MATCHED_ADAMW_RMS,
-    modes=set(SCALE_MODES),
+    modes=list(SCALE_MODES),
     muon_keys=MUON_STATE_KEYS,
     adamw_keys=ADAMW_STATE_KEYS,
 )
