@@ -12,6 +12,8 @@ torch.distributed process group and megatron-core's parallel_state:
   ``get_batch`` broadcasts the batch from TP rank 0 to the rest of its TP group.
 """
 
+import contextlib
+
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -159,7 +161,25 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
     builder = BlendedMegatronDatasetBuilder(
         cls, list(train_valid_test_num_samples), is_dataset_built_on_rank, config
     )
-    return tuple(builder.build())
+    with _rank_zero_without_process_group():
+        return tuple(builder.build())
+
+
+@contextlib.contextmanager
+def _rank_zero_without_process_group():
+    """megatron-core 0.16.1's BlendedDataset._build_indices calls torch.distributed.get_rank()
+    unguarded when a cache path is set and the cache misses, so a blend with data_cache_path
+    fails in a single process without a process group. There this process is rank 0: say so
+    for the duration of the build. (A one-line upstream patch would make this unnecessary.)"""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    get_rank = torch.distributed.get_rank
+    torch.distributed.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        torch.distributed.get_rank = get_rank
 
 
 def check_splits_have_documents(config: GPTDatasetConfig, num_samples) -> None:
