@@ -120,7 +120,15 @@ def _loader(args, dataset, consumed, cyclic):
     loader = datasets.build_pretraining_data_loader(
         dataset, consumed % len(dataset), args.micro_batch_size, num_workers=args.num_workers
     )
-    return datasets.cyclic_iter(loader) if cyclic else iter(loader)
+    # iter() now, not at the first next(): creating a DataLoader iterator draws a seed from
+    # torch's default generator, and a resumed run must draw it at the same point.
+    first = iter(loader)
+    return _cycle(loader, first) if cyclic else first
+
+
+def _cycle(loader, first):
+    yield from first
+    yield from datasets.cyclic_iter(loader)
 
 
 def _one_or_list(items):

@@ -103,6 +103,12 @@ def rng_state() -> dict:
     }
 
 
+def restore_pending_rng(state) -> None:
+    if state.pending_rng_state is not None:
+        set_rng_state(state.pending_rng_state)
+        state.pending_rng_state = None
+
+
 def set_rng_state(saved: dict) -> None:
     random.setstate(saved["random_rng_state"])
     numpy.random.set_state(saved["np_rng_state"])
@@ -317,7 +323,9 @@ def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if not args.no_load_rng:
         saved = loaded["rng_state"]
-        set_rng_state(saved[0] if isinstance(saved, list) else saved)
+        # Applied by the caller once the data iterators exist: creating a DataLoader iterator
+        # draws from torch's default generator, which the uninterrupted run did at its start.
+        state.pending_rng_state = saved[0] if isinstance(saved, list) else saved
     state.iteration = loaded["iteration"]
     state.consumed_train_samples = loaded["consumed_train_samples"]
     state.consumed_valid_samples = loaded["consumed_valid_samples"]

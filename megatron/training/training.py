@@ -48,6 +48,7 @@ class TrainState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     num_params: int = 0
+    pending_rng_state: dict | None = None  # loaded, applied after the data iterators exist
 
 
 # ------------------------------------------------------------------------------------ model
@@ -211,6 +212,7 @@ def pretrain(args, model_provider, forward_step, data_iterators_provider, config
     update_num_microbatches(state.consumed_train_samples, consistency_check=False)
     train_iter, valid_iter, has_valid = data_iterators_provider(args, state, len(model))
     valid_iter = valid_iter if has_valid and args.eval_iters > 0 else False
+    checkpointing.restore_pending_rng(state)
     tb = TensorBoard(args.tensorboard_dir)
     train_loop(args, forward_step, model, optimizer, scheduler, state, (train_iter, valid_iter), tb)
     tb.close()
