@@ -13,7 +13,7 @@ fork: install  # after editing patches/ or adding a file under megatron/
 	@$(PY) tools/fork.py assemble
 
 demo: install
-	@$(PY) examples/cpu_quickstart.py
+	@bash examples/cpu_quickstart.sh
 
 test: install
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
