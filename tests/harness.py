@@ -45,10 +45,13 @@ def _free_port() -> int:
 
 def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
     import datetime
+    import warnings
 
     import torch
 
     torch.set_num_threads(1)
+    # upstream's deprecation and CUDA-tuning warnings, once per rank, drown the tracebacks
+    warnings.simplefilter("ignore")
     from megatron.core import cpu_mode, parallel_state, tensor_parallel
 
     cpu_mode.enable()

@@ -33,6 +33,7 @@ __all__ = [
     "LocalOrthogonalizer",
     "Orthogonalizer",
     "TensorParallelMuon",
+    "get_megatron_muon_optimizer",  # noqa: F822 - resolved by the module __getattr__ below
 ]
 
 MUON_STATE_KEYS = ("momentum_buffer",)
@@ -429,7 +430,14 @@ def _require_local_tp(pg_collection: Optional[Any], mode: str) -> None:
         )
 
 
-# get_megatron_muon_optimizer(config, model_chunks, config_overrides=None,
-# use_gloo_process_groups=True, layer_wise_distributed_optimizer=False, pg_collection=None)
-# is upstream's public factory; it belongs here and comes with the Megatron-integration issue,
-# built on Muon's two kinds of groups (use_muon) rather than on two chained optimizers.
+def __getattr__(name: str):
+    """Upstream's public factory ``get_megatron_muon_optimizer`` keeps its home here.
+
+    Resolved lazily: it lives in muon_megatron.py, which (through muon_config.py, imported by
+    OptimizerConfig) imports this module.
+    """
+    if name == "get_megatron_muon_optimizer":
+        from .muon_megatron import get_megatron_muon_optimizer
+
+        return get_megatron_muon_optimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -125,8 +125,6 @@ def check_muon_supported(config, model_chunks) -> None:
     if config.optimizer != "muon":
         return
     unsupported = {
-        "use_distributed_optimizer": "Muon with the distributed optimizer is not implemented "
-        "yet (it needs whole matrices across DP shards; coming with the DistOpt integration)",
         "optimizer_cpu_offload": "Muon has no CPU-offloaded (HybridDeviceOptimizer) variant",
         "use_precision_aware_optimizer": "Muon keeps its state in the main params' dtype",
     }
@@ -160,6 +158,7 @@ def muon_kwargs(config) -> dict:
         # Megatron's wrappers own non-finite handling (the fp16 grad scaler skips the step
         # before Muon runs; NaN checks live in DDP), exactly as for Adam
         on_nonfinite_grad="ignore",
+        distopt_exchange_dtype=config.muon_distopt_exchange_dtype,
     )
 
 
