@@ -103,8 +103,11 @@ def gpt_dataset_config(
     mmap_bin_files: bool = True,
     num_dataset_builder_threads: int = 1,
 ) -> GPTDatasetConfig:
-    """pretrain_gpt.py's ``core_gpt_dataset_config_from_args``. With mock_data (or no data path at
-    all) megatron-core switches to mock data by itself. Per-split paths override data_path."""
+    """pretrain_gpt.py's ``core_gpt_dataset_config_from_args``. With mock_data no blend is passed,
+    so megatron-core sets ``config.mock`` and the builder makes MockGPTDatasets; no data path
+    without mock_data is a ValueError. Per-split paths override data_path.
+    Unlike Megatron-LM, create_attention_mask_in_dataloader defaults to False: our models use
+    causal masks, and a [s, s] mask per sample costs memory and broadcast time for nothing."""
     blend, blend_per_split = _blends(
         data_path, train_data_path, valid_data_path, test_data_path, mock_data
     )
