@@ -8,11 +8,15 @@ it. It leaves the GPU path untouched: nothing here runs unless enabled.
 
 What it redirects (the CUDA assumptions of megatron-core 0.16.1 found on CPU):
 
-* ``device='cuda'``, ``device=torch.cuda.current_device()`` (an int) and ``Tensor.cuda()``: a
-  ``TorchFunctionMode`` rewrites CUDA devices to the CPU at the call, wherever the call is.
+* ``device='cuda'``, a CUDA device index and ``Tensor.cuda()``: a ``TorchFunctionMode`` rewrites
+  CUDA devices to the CPU at the call. torch runs ``autograd.Function.apply`` and
+  ``autograd.backward`` inside their own ``__torch_function__`` dispatch, where the mode is off,
+  so what Megatron's autograd Functions do is covered by the patches below instead.
 * ``param.type() == 'torch.cuda.FloatTensor'`` checks (optimizers, grad clipping): ``Tensor.type()``
   answers with the ``torch.cuda.*`` name of the CPU tensor's type.
-* ``torch.cuda.current_device / synchronize / nvtx``: the device index 0 and no-ops.
+* ``torch.cuda.current_device / synchronize / nvtx``: the CPU device and no-ops; streams and
+  events: stand-ins whose methods do nothing.
+* ``torch.distributed.all_to_all_single`` with split sizes as (CPU) tensors: made lists.
 * The CUDA RNG behind ``tensor_parallel.random``'s tracker: the CPU default generator, the one that
   CPU kernels (dropout, init) draw from, so forking the tracker swaps the state those kernels use.
 
@@ -23,6 +27,7 @@ release. One mode, enabled in one place, keeps ``patches/`` about Muon and is ea
 """
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -35,7 +40,7 @@ _mode = None
 
 def _is_cuda(device) -> bool:
     if isinstance(device, int) and not isinstance(device, bool):
-        return True  # Megatron passes torch.cuda.current_device(), an int, as a device
+        return True  # a CUDA device index, e.g. torch.cuda.set_device(local_rank) callers
     if isinstance(device, str):
         return device.startswith("cuda")
     return isinstance(device, torch.device) and device.type == "cuda"
@@ -62,18 +67,31 @@ class CudaToCpuMode(TorchFunctionMode):
 
 
 class _NoStream:
-    """Stands in for ``torch.cuda.Stream``/``Event``: work on the CPU is already in order."""
+    """Stands in for ``torch.cuda.Stream``/``Event``: work on the CPU is already in order.
+
+    Every method is a no-op that returns another stand-in, so ``stream.record_event().wait()``
+    and ``with torch.cuda.stream(s)`` chains work.
+    """
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NoStream()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    # The CPU device rather than the index 0: Megatron passes it as ``device=``, also from
+    # autograd.Function.backward, which torch 2.13 runs inside torch.autograd.backward's own
+    # __torch_function__ dispatch, i.e. with this mode switched off.
+    cuda.current_device = lambda: _CPU
     cuda.synchronize = lambda device=None: None
     cuda.get_rng_state = cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = cuda.random.set_rng_state = lambda s, device="cuda": torch.set_rng_state(s)
@@ -82,6 +100,24 @@ def _patch_torch_cuda() -> None:
     cuda.current_stream = cuda.default_stream = lambda device=None: _NoStream()
     cuda.stream = lambda stream=None: contextlib.nullcontext()
     cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *args, **kwargs: None
+
+
+def _patch_all_to_all() -> None:
+    # MoE's all-to-all dispatcher turns its split sizes into host numpy arrays only when they are
+    # CUDA tensors (moe_utils.maybe_move_tensor_to_cpu); CPU tensors reach c10d, which wants lists.
+    original = torch.distributed.all_to_all_single
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        return original(
+            output, input, _as_list(output_split_sizes), _as_list(input_split_sizes), **kw
+        )
+
+    torch.distributed.all_to_all_single = all_to_all_single
+
+
+def _as_list(sizes):
+    return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
 
 
 def _patch_rng_tracker() -> None:
@@ -116,6 +152,7 @@ def enable() -> None:
     if _mode is not None:
         return
     _patch_torch_cuda()
+    _patch_all_to_all()
     _patch_rng_tracker()
     _mode = CudaToCpuMode()
     _mode.__enter__()
