@@ -41,12 +41,16 @@ LAYOUTS = {
 }
 
 
+MOE = dict(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather")
+
+
 @functools.cache
-def reference(dtype: str):
-    return run_distributed(train, 1, args=(TinyGPT(dtype=dtype), STEPS), kwargs=MUON)[0]
+def reference(dtype: str, moe: bool = False):
+    spec = TinyGPT(dtype=dtype, **(MOE if moe else {}))
+    return run_distributed(train, 1, args=(spec, STEPS), kwargs=MUON)[0]
 
 
-def run_layout(dtype, world_size, tp=1, pp=1, hook=None, **kwargs):
+def run_layout(dtype, world_size, tp=1, pp=1, ep=1, etp=None, hook=None, moe=False, **kwargs):
     kwargs = {
         **MUON,
         "distopt": True,
@@ -55,8 +59,9 @@ def run_layout(dtype, world_size, tp=1, pp=1, hook=None, **kwargs):
         "optimizer_hook": hook,
         **kwargs,
     }
-    spec = TinyGPT(dtype=dtype)
-    return run_distributed(train, world_size, tp=tp, pp=pp, args=(spec, STEPS), kwargs=kwargs)
+    spec = TinyGPT(dtype=dtype, **(MOE if moe else {}))
+    layout = dict(tp=tp, pp=pp, ep=ep, etp=etp)
+    return run_distributed(train, world_size, **layout, args=(spec, STEPS), kwargs=kwargs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -69,6 +74,20 @@ def test_distopt_muon_fp32_matches_one_process(layout):
 def test_distopt_muon_bf16_matches_one_process(layout):
     got = run_layout("bf16", **LAYOUTS[layout])
     assert_close_runs(reference("bf16"), got, tol=TOL["bf16"], loss_rtol=LOSS_RTOL["bf16"])
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_distopt_muon_moe_expert_params_use_the_expert_groups(etp):
+    """EP=2 (x expert TP): expert weights sit in the expert DistOpt over the expert DP group.
+
+    The allgather dispatcher: the alltoall one gathers uneven sizes over expert TP, which gloo's
+    all_gather cannot do (NCCL can); test_muon_moe.py runs the alltoall one at EP=2.
+    """
+    got = run_layout("fp32", 4, ep=2, etp=etp, moe=True)
+    errors = assert_close_runs(
+        reference("fp32", moe=True), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"]
+    )
+    assert sum(".experts.local_experts." in k for k in errors) == 2 * 2 * 4
 
 
 def distopts(optimizer) -> list:

@@ -6,6 +6,7 @@ untouched; bf16 (fp32 main params) under TP2 x DP2 matches one process.
 
 import functools
 
+import pytest
 from harness import run_distributed
 from parity import assert_close_runs
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train, train_step
@@ -39,10 +40,10 @@ def _snapshot(model, muon):
     return params, momenta, mains
 
 
-def fp16_overflow_run():
+def fp16_overflow_run(distopt: bool):
     spec = TinyGPT(dtype="fp16", num_layers=2)
-    model = build_model(spec)
-    optimizer = build_optimizer(spec, model, **FP16)
+    model = build_model(spec, distopt=distopt, bucket_size=6000, overlap_grad_reduce=distopt)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=distopt, **FP16)
     muon = optimizer.chained_optimizers[0].optimizer
     batches = global_batches(spec, 3)
     first = train_step(spec, model, optimizer, batches[0])  # creates momentum
@@ -62,10 +63,20 @@ def fp16_overflow_run():
     )
 
 
-def test_fp16_overflow_skips_step_keeps_momentum_and_backs_off_scale():
-    out = run_distributed(fp16_overflow_run, 1)[0]
+@pytest.mark.parametrize(
+    "world_size, distopt", [(1, False), (2, True)], ids=["plain", "distopt_dp2"]
+)
+def test_fp16_overflow_skips_step_keeps_momentum_and_backs_off_scale(world_size, distopt):
+    """With DistOpt the inf sits in one rank's shard; the skip must still be global."""
+    for out in run_distributed(fp16_overflow_run, world_size, args=(distopt,)):
+        _check_overflow_run(out, muon_params=None if distopt else 2 * 4)
+
+
+def _check_overflow_run(out: dict, muon_params) -> None:
     assert out["ok"] == (True, False, True)
-    assert out["muon_params"] == 2 * 4  # qkv, proj, fc1, fc2 per layer
+    if muon_params is not None:  # qkv, proj, fc1, fc2 per layer; DistOpt ranks hold shards
+        assert out["muon_params"] == muon_params
+    assert out["muon_params"] > 0
     assert out["same_params"] and out["same_mains"] and out["same_momenta"]
     assert out["scales"] == (2.0**10, 2.0**9)  # backoff factor 0.5
     assert out["moved_after"], "the next finite step must update again"
