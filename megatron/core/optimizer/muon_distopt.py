@@ -63,6 +63,11 @@ class BucketSlot:
     matrices: list[int] = field(default_factory=list)  # in bucket order
     send: list[int] = field(default_factory=list)  # forward split sizes (elements) per rank
     recv: list[int] = field(default_factory=list)
+    # Forward send order = backward receive order: this rank's pieces, by (owner, matrix).
+    mine: list[int] = field(default_factory=list)
+    # Forward receive order = backward send order: (matrix, lo, hi) pieces of the owned matrices,
+    # by (source rank, matrix); lo, hi are element offsets within the flattened matrix.
+    owned_pieces: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def ns_cost(info: MuonParamInfo, steps: int) -> float:
@@ -108,14 +113,18 @@ class MuonExchangePlan:
 
     def _split_sizes(self, bucket: BucketSlot, world: int) -> None:
         bucket.send, bucket.recv = [0] * world, [0] * world
-        for i in bucket.matrices:
-            slot = self.matrices[i]
+        slots = [(i, self.matrices[i]) for i in bucket.matrices]
+        for i, slot in sorted(slots, key=lambda item: (item[1].owner, item[0])):
             lo, hi = piece(slot, self.rank, bucket.shard_size)
-            bucket.send[slot.owner] += max(0, hi - lo)
-            if slot.owner == self.rank:
-                for r in range(world):
-                    lo, hi = piece(slot, r, bucket.shard_size)
-                    bucket.recv[r] += max(0, hi - lo)
+            if hi > lo:
+                bucket.send[slot.owner] += hi - lo
+                bucket.mine.append(i)
+        for src in range(world):
+            for i, slot in slots:
+                lo, hi = piece(slot, src, bucket.shard_size)
+                if slot.owner == self.rank and hi > lo:
+                    bucket.recv[src] += hi - lo
+                    bucket.owned_pieces.append((i, lo - slot.start, hi - slot.start))
 
     def owned(self) -> list[int]:
         return [i for i, m in enumerate(self.matrices) if m.owner == self.rank]
@@ -165,10 +174,9 @@ class DistributedMuonOrthogonalizer:
 
     def _gather_to_owners(self, by_matrix: dict, device) -> dict[int, Tensor]:
         """Forward exchange: owners receive every piece of their matrices."""
-        whole, plan, moved = {}, self.plan, 0
-        for bucket in plan.buckets:
-            order = sorted(bucket.matrices, key=lambda i: (plan.matrices[i].owner, i))
-            send = [by_matrix[i].to(self.dtype) for i in order if i in by_matrix]
+        whole, moved = {}, 0
+        for bucket in self.plan.buckets:
+            send = [by_matrix[i].to(self.dtype) for i in bucket.mine]
             recv = self._all_to_all(send, bucket.send, bucket.recv, bucket.group, device)
             moved += self._count(bucket.send, bucket.recv)
             self._assemble(bucket, recv, whole, device)
@@ -176,42 +184,31 @@ class DistributedMuonOrthogonalizer:
         return whole
 
     def _assemble(self, bucket: BucketSlot, recv: Tensor, whole: dict, device) -> None:
-        plan, at = self.plan, 0
-        mine = [i for i in bucket.matrices if plan.matrices[i].owner == plan.rank]
-        flat = {
-            i: torch.empty(_numel(plan.matrices[i]), dtype=self.dtype, device=device) for i in mine
-        }
-        for src in range(len(bucket.recv)):
-            for i in mine:
-                slot = plan.matrices[i]
-                lo, hi = piece(slot, src, bucket.shard_size)
-                if hi > lo:
-                    flat[i][lo - slot.start : hi - slot.start] = recv[at : at + hi - lo]
-                    at += hi - lo
-        for i in mine:
-            whole[i] = flat[i].view(plan.matrices[i].local_shape)
+        flat, at = {}, 0
+        for i, lo, hi in bucket.owned_pieces:
+            if i not in flat:
+                flat[i] = torch.empty(
+                    _numel(self.plan.matrices[i]), dtype=self.dtype, device=device
+                )
+            flat[i][lo:hi] = recv[at : at + hi - lo]
+            at += hi - lo
+        for i, data in flat.items():
+            whole[i] = data.view(self.plan.matrices[i].local_shape)
 
     def _scatter_from_owners(self, results: dict[int, Tensor], device) -> dict[int, Tensor]:
         """Backward exchange: each rank receives exactly its pieces of every result."""
-        plan, pieces, moved = self.plan, {}, 0
-        for bucket in plan.buckets:
-            send = []
-            for dst in range(len(bucket.send)):
-                for i in bucket.matrices:
-                    slot = plan.matrices[i]
-                    lo, hi = piece(slot, dst, bucket.shard_size)
-                    if slot.owner == plan.rank and hi > lo:
-                        flat = results[i].reshape(-1)
-                        send.append(flat[lo - slot.start : hi - slot.start].to(self.dtype))
+        pieces, moved = {}, 0
+        for bucket in self.plan.buckets:
+            send = [
+                results[i].reshape(-1)[lo:hi].to(self.dtype) for i, lo, hi in bucket.owned_pieces
+            ]
             recv = self._all_to_all(send, bucket.recv, bucket.send, bucket.group, device)
             moved += self._count(bucket.recv, bucket.send)
-            order = sorted(bucket.matrices, key=lambda i: (plan.matrices[i].owner, i))
             at = 0
-            for i in order:
-                lo, hi = piece(plan.matrices[i], plan.rank, bucket.shard_size)
-                if hi > lo:
-                    pieces[i] = recv[at : at + hi - lo]
-                    at += hi - lo
+            for i in bucket.mine:
+                lo, hi = piece(self.plan.matrices[i], self.plan.rank, bucket.shard_size)
+                pieces[i] = recv[at : at + hi - lo]
+                at += hi - lo
         self.bytes_moved += moved
         return pieces
 
