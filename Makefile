@@ -23,3 +23,7 @@ lint: install
 
 check-patches: install
 	@$(PY) tools/fork.py check
+
+bench: install  # quick benchmarks, one table of ratios (< 5 min on 2 cores); see bench/README.md
+	@$(PY) -m pip install --quiet -r requirements/bench.txt
+	@$(PY) bench/run_all.py --quick

@@ -18,6 +18,7 @@ import argparse
 import csv
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -51,8 +52,15 @@ def train_args(size: dict, optimizer: str, lr: float, data: str) -> list[str]:
     return flags.split()
 
 
-def run_one(size: dict, optimizer: str, lr: float, data: str, port: int) -> list[tuple]:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(size: dict, optimizer: str, lr: float, data: str) -> list[tuple]:
     """[(iteration, validation loss)] of one training run; raises with the log tail on failure."""
+    port = free_port()  # other runs (ours or anyone's) may hold a fixed one
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(port), PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
     cmd = [sys.executable, "pretrain_gpt.py", *train_args(size, optimizer, lr, data)]
@@ -68,9 +76,7 @@ def sweep(size: dict, lrs: dict, data: str, jobs: int) -> dict:
     """{(optimizer, lr): curve}, ``jobs`` runs at a time (each on one thread)."""
     runs = [(opt, lr) for opt in lrs for lr in lrs[opt]]
     with ThreadPoolExecutor(jobs) as pool:
-        futures = {
-            run: pool.submit(run_one, size, *run, data, 29700 + i) for i, run in enumerate(runs)
-        }
+        futures = {run: pool.submit(run_one, size, *run, data) for run in runs}
         return {run: future.result() for run, future in futures.items()}
 
 
