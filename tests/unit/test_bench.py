@@ -1,0 +1,92 @@
+"""Smoke test of bench/: the baseline is exact Muon, and the counted figures add up.
+
+    .venv/bin/python -m pytest tests/unit/test_bench.py -q
+
+No timing is asserted: the benchmarks time on shared machines; only counts are checked here.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from harness import run_distributed
+from tiny_gpt import TinyGPT, train
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+import projection  # noqa: E402
+import step_cost  # noqa: E402
+from gather_everything import distopts, use_gather_everything  # noqa: E402
+
+from megatron.core.optimizer.muon_distopt import ns_cost  # noqa: E402
+from megatron.core.optimizer.muon_functional import MuonParamInfo  # noqa: E402
+
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+BUCKET = 6000  # several buckets; matrices straddle DP shard boundaries (as in the parity tests)
+
+
+def _run(hook):
+    figures = {}
+
+    def record(optimizer):
+        if hook:
+            hook(optimizer)
+        figures["optimizer"] = optimizer
+
+    initial, final, losses = train(
+        TinyGPT(), 2, distopt=True, bucket_size=BUCKET, overlap=True, optimizer_hook=record, **MUON
+    )
+    (distopt,) = distopts(figures["optimizer"])
+    plan, ortho = distopt.muon_plan, distopt.optimizer.orthogonalizer
+    return final, {
+        "bytes": ortho.bytes_moved,
+        "planned": plan.bytes_per_step(4),
+        "pads": [max(sum(ortho._sizes(b, r)) for r in range(2)) for b in plan.buckets]
+        if hook
+        else None,
+        "state": step_cost.muon_state_split(figures["optimizer"]),
+    }
+
+
+def _both():
+    ours, ours_fig = _run(None)
+    base, base_fig = _run(use_gather_everything)
+    return ours, ours_fig, base, base_fig
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    return run_distributed(_both, 2)
+
+
+def test_gather_everything_baseline_is_exact_muon(dp2):
+    # Both orthogonalize the very same whole fp32 matrices; only who computes them differs.
+    for ours, _, base, _ in dp2:
+        for name in ours:
+            torch.testing.assert_close(base[name], ours[name], rtol=1e-6, atol=1e-7)
+
+
+def test_counted_bytes_match_the_exchanges(dp2):
+    for _, ours_fig, _, base_fig in dp2:
+        assert ours_fig["bytes"] == ours_fig["planned"] > 0
+        # all-gather over DP=2 of each bucket's (padded) Muon elements: one piece out, one in
+        assert base_fig["bytes"] == sum(2 * 1 * pad * 4 for pad in base_fig["pads"])
+
+
+def test_muon_state_is_one_fp32_tensor_per_muon_param(dp2):
+    muon_bytes, muon_elems, adam_bytes, adam_elems = dp2[0][1]["state"]
+    assert muon_bytes == 4 * muon_elems > 0
+    assert adam_bytes >= 8 * adam_elems > 0  # exp_avg, exp_avg_sq (+ a scalar step each)
+
+
+def test_projection_counts_match_the_optimizer_and_its_formula():
+    info = MuonParamInfo((512, 128))
+    # ns_cost (balance) counts 6 s^2 l + 2 s^3 per step; the projection 4 s^2 l + 2 s^3
+    assert ns_cost(info, 5) == 5 * (6 * 128**2 * 512 + 2 * 128**3)
+    assert projection.ns_flops(info, 5) == 5 * (4 * 128**2 * 512 + 2 * 128**3)
+    a = projection.parse_args([])
+    for dp in (8, 1024):
+        r = projection.project("1B", dp, a)
+        assert r["base_ns"] / dp <= r["ns"] <= r["base_ns"]
+        assert r["ns"] + r["comm"] < r["base_ns"] + r["base_comm"]
