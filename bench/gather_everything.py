@@ -42,6 +42,15 @@ class GatherEverythingOrthogonalizer:
             out.append(max(0, hi - lo))
         return out
 
+    def bytes_per_step(self, itemsize: int) -> int:
+        """Bytes this rank sends plus receives per step (counted from the layout, no step)."""
+        total = 0
+        for bucket in self.plan.buckets:
+            world = bucket.group.size()
+            pad = max(sum(self._sizes(bucket, r)) for r in range(world))
+            total += 2 * (world - 1) * pad * itemsize
+        return total
+
     def _gather_bucket(self, bucket, by_matrix: dict) -> dict[int, Tensor]:
         world = bucket.group.size()
         sizes = [self._sizes(bucket, r) for r in range(world)]

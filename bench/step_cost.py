@@ -26,11 +26,16 @@ sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from gather_everything import distopts, use_gather_everything  # noqa: E402
+from gather_everything import (  # noqa: E402
+    GatherEverythingOrthogonalizer,
+    distopts,
+    use_gather_everything,
+)
 from harness import run_distributed  # noqa: E402
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step  # noqa: E402
 
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+SMALL_BUCKET = 40_000  # elements; DDP's default (one bucket here) is the timed layout
 ADAM = dict(optimizer="adam")
 SINGLE = {"adamw": (ADAM, False), "muon": (MUON, False)}
 DP4 = {
@@ -151,6 +156,20 @@ def exchange_figures(built: dict) -> dict:
     }
 
 
+def small_bucket_bytes(spec: TinyGPT) -> dict:
+    """Counted exchange bytes per rank when DDP cuts the model into many small buckets (as with
+    overlap_grad_reduce at scale): every matrix is then spread over all DP ranks. No step run."""
+    model = build_model(spec, distopt=True, bucket_size=SMALL_BUCKET, overlap_grad_reduce=True)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON)
+    (distopt,) = [d for d in distopts(optimizer) if hasattr(d, "muon_plan")]
+    base = GatherEverythingOrthogonalizer(distopt.muon_plan, None)
+    return {
+        "buckets": len(distopt.muon_plan.buckets),
+        "ours": distopt.muon_plan.bytes_per_step(4),
+        "baseline": base.bytes_per_step(4),
+    }
+
+
 def run_rank(spec: TinyGPT, variants: dict, distopt: bool, warmup: int, repeats: int) -> dict:
     times, built = time_variants(spec, variants, distopt, warmup, repeats)
     result = {"times": times, "params": model_params(built[next(iter(built))][0])}
@@ -158,6 +177,7 @@ def run_rank(spec: TinyGPT, variants: dict, distopt: bool, warmup: int, repeats:
     result["split"] = {name: muon_state_split(opt) for name, (_, opt) in built.items()}
     if distopt:
         result.update(exchange_figures(built))
+        result["small"] = small_bucket_bytes(spec)
     return result
 
 
@@ -205,6 +225,14 @@ def counted(fig: dict) -> list[tuple]:
             max(ours) / ranks[0]["muon_bytes"],
         ),
         (
+            "DP=4, small buckets: exchange bytes/rank, ours max / baseline max",
+            max(r["small"]["ours"] for r in ranks) / max(r["small"]["baseline"] for r in ranks),
+        ),
+        (
+            "DP=4, small buckets: exchange bytes/rank, ours max / Muon momentum",
+            max(r["small"]["ours"] for r in ranks) / ranks[0]["muon_bytes"],
+        ),
+        (
             "optimizer state bytes/param, Muon / AdamW (whole model)",
             per_param["muon"] / per_param["adamw"],
         ),
@@ -236,6 +264,11 @@ def details(fig: dict) -> str:
         f"(planned {[r['bytes_ours_planned'] for r in ranks]}); baseline: "
         f"{[r['bytes_baseline'] for r in ranks]}; Muon momentum (fp32, whole model): "
         f"{ranks[0]['muon_bytes']}"
+    )
+    small = [r["small"] for r in ranks]
+    lines.append(
+        f"with {small[0]['buckets']} buckets of {SMALL_BUCKET} elements (counted, not timed): "
+        f"ours {[b['ours'] for b in small]}, baseline {[b['baseline'] for b in small]}"
     )
     for name, v in fig["single"]["state"].items():
         lines.append(f"optimizer state, {name} (1 proc): {v / fig['single']['params']:.2f} B/param")
