@@ -88,8 +88,11 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def time_variants(spec, variants: dict, distopt: bool, warmup: int, repeats: int) -> dict:
-    """{variant: {"iter": s, "opt": s, "built": (model, optimizer)}}, interleaved steps."""
+STAT = {"median": statistics.median, "min": min}
+
+
+def time_variants(spec, variants: dict, distopt: bool, warmup: int, repeats: int, stat: str):
+    """({variant: {"iter": s, "opt": s}}, {variant: (model, optimizer)}), interleaved steps."""
     built, opt_times, iter_times = {}, {}, {}
     for name, (overrides, hook) in variants.items():
         opt_times[name], iter_times[name] = [], []
@@ -106,7 +109,7 @@ def time_variants(spec, variants: dict, distopt: bool, warmup: int, repeats: int
     for name in built:
         its = [_max_over_ranks(t) for t in iter_times[name][warmup:]]
         ops = [_max_over_ranks(t) for t in opt_times[name][warmup:]]
-        out[name] = {"iter": statistics.median(its), "opt": statistics.median(ops)}
+        out[name] = {"iter": STAT[stat](its), "opt": STAT[stat](ops)}
     return out, built
 
 
@@ -170,8 +173,8 @@ def small_bucket_bytes(spec: TinyGPT) -> dict:
     }
 
 
-def run_rank(spec: TinyGPT, variants: dict, distopt: bool, warmup: int, repeats: int) -> dict:
-    times, built = time_variants(spec, variants, distopt, warmup, repeats)
+def run_rank(spec, variants: dict, distopt: bool, warmup: int, repeats: int, stat: str) -> dict:
+    times, built = time_variants(spec, variants, distopt, warmup, repeats, stat)
     result = {"times": times, "params": model_params(built[next(iter(built))][0])}
     result["state"] = {name: state_bytes(opt) for name, (_, opt) in built.items()}
     result["split"] = {name: muon_state_split(opt) for name, (_, opt) in built.items()}
@@ -181,13 +184,15 @@ def run_rank(spec: TinyGPT, variants: dict, distopt: bool, warmup: int, repeats:
     return result
 
 
-def measure(quick: bool, repeats: int | None = None) -> dict:
+def measure(quick: bool, repeats: int | None = None, stat: str = "median") -> dict:
     """Both runs (1 process, then 4 ranks); returns every figure the report prints."""
     spec = spec_for(quick)
     repeats = repeats or (6 if quick else 15)
-    single = run_distributed(run_rank, 1, args=(spec, SINGLE, False, 2, repeats), timeout=900)
-    dp4 = run_distributed(run_rank, 4, args=(spec, DP4, True, 2, repeats), timeout=900)
-    return {"spec": spec, "repeats": repeats, "single": single[0], "dp4": dp4}
+    args = (spec, SINGLE, False, 2, repeats, stat)
+    single = run_distributed(run_rank, 1, args=args, timeout=900)
+    args = (spec, DP4, True, 2, repeats, stat)
+    dp4 = run_distributed(run_rank, 4, args=args, timeout=900)
+    return {"spec": spec, "repeats": repeats, "stat": stat, "single": single[0], "dp4": dp4}
 
 
 # ------------------------------------------------------------------------------------ report
@@ -247,7 +252,8 @@ def details(fig: dict) -> str:
         f"GPT: {spec.num_layers} layers, hidden {spec.hidden_size}, ffn {spec.ffn_hidden_size}, "
         f"GQA {spec.num_attention_heads}/{spec.num_query_groups}, seq {spec.seq_length}, "
         f"global batch {spec.global_batch_size}; {fig['single']['params']:,} params, "
-        f"{ranks[0]['matrices']} Muon matrices; median of {fig['repeats']} steps, max over ranks",
+        f"{ranks[0]['matrices']} Muon matrices; {fig['stat']} of {fig['repeats']} steps, "
+        "max over ranks",
         f"{'variant':>24} {'iteration ms':>13} {'optimizer step ms':>18}",
     ]
     for part in ("single", "dp4"):
@@ -290,10 +296,12 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 6 timed steps")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per variant")
+    # min estimates the uncontended time: use it when other jobs share the cores
+    parser.add_argument("--stat", choices=list(STAT), default="median")
     args = parser.parse_args(argv)
-    fig = measure(args.quick, args.repeats)
+    fig = measure(args.quick, args.repeats, args.stat)
     print(details(fig))
-    print("\nratios (timed: CPU gloo, median; counted: exact)")
+    print(f"\nratios (timed: CPU gloo, {args.stat}; counted: exact)")
     print(table(ratios(fig) + counted(fig)))
     return fig
 
