@@ -120,8 +120,10 @@ def _loader(args, dataset, consumed, cyclic):
     loader = datasets.build_pretraining_data_loader(
         dataset, consumed % len(dataset), args.micro_batch_size, num_workers=args.num_workers
     )
-    # iter() now, not at the first next(): creating a DataLoader iterator draws a seed from
-    # torch's default generator, and a resumed run must draw it at the same point.
+    # Creating a DataLoader iterator draws a worker seed from the loader's generator, by default
+    # torch's global one. On CPU that generator also drives dropout, which must stay identical
+    # across TP ranks (only TP rank 0 has a loader) and across a resume: give the loader its own.
+    loader.generator = torch.Generator().manual_seed(args.seed)
     first = iter(loader)
     return _cycle(loader, first) if cyclic else first
 

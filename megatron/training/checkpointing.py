@@ -20,6 +20,9 @@ import numpy
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+# torch.distributed.checkpoint reports a failed read as a BaseException subclass.
+from torch.distributed.checkpoint.api import CheckpointException
+
 from megatron.core import cpu_mode, dist_checkpointing, parallel_state, tensor_parallel
 
 from .log import print_rank_0
@@ -250,7 +253,7 @@ def load(args, model, optimizer, scheduler, state) -> None:
         loaded = _load_any(folder, args, model, optimizer, scheduler, state)
     except CheckpointError:
         raise
-    except Exception as err:  # a loader's own error: say which checkpoint and why
+    except (Exception, CheckpointException) as err:  # a loader's error: say which and why
         raise CheckpointError(
             f"cannot load checkpoint {folder}: {type(err).__name__}: {err}"
         ) from err
@@ -291,7 +294,7 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
 def _read(reader, path):
     try:
         return reader()
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         raise CheckpointError(
             f"checkpoint {path} is unreadable (corrupt or truncated?): {err}"
         ) from err

@@ -1,0 +1,39 @@
+"""Drive the real CLI (pretrain_gpt.py, tools/preprocess_data.py) in subprocesses on CPU.
+
+One rank runs ``python pretrain_gpt.py``; several run under ``python -m torch.distributed.run
+--standalone`` as users launch them. Ranks get OMP_NUM_THREADS=1: they share the cores."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --mock-data --vocab-size 64 "
+    "--log-interval 1 --eval-interval 2 --eval-iters 1 --num-workers 0"
+).split()
+
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+
+
+def run(args, nproc: int = 1, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
+    cmd = launcher + [os.path.join(ROOT, "pretrain_gpt.py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(proc: subprocess.CompletedProcess) -> dict:
+    """{iteration: (lm loss, grad norm)} as printed (6 significant digits / 3 decimals)."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {int(m[1]): (m[2], m[3]) for m in _LINE.finditer(proc.stdout)}
+
+
+def floats(table: dict) -> list:
+    return [float(table[i][0]) for i in sorted(table)]
