@@ -195,12 +195,12 @@ def main(argv=None) -> dict:
     os.makedirs(out, exist_ok=True)
     from megatron.training.corpus import build_corpus
 
-    start = time.perf_counter()
+    start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
     curves = sweep(size, lrs, build_corpus(), args.jobs)
     summary = summarize(curves, size["iters"])
     cmd = "python bench/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     model = ", ".join(f"{k}={v}" for k, v in size.items())
-    header = [f"command: {cmd.strip()}", f"versions: {versions()}", f"model/run: {model}"]
+    header = [f"command: {cmd.strip()}", f"versions: {made_by}", f"model/run: {model}"]
     header.append(f"date: {time.strftime('%Y-%m-%d')}, wall {time.perf_counter() - start:.0f}s")
     write_csv(os.path.join(out, "convergence.csv"), curves, header)
     title = f"GPT {size['layers']}x{size['hidden']} on the stdlib corpus, {size['iters']} steps"
