@@ -255,7 +255,7 @@ def load(args, model, optimizer, scheduler, state) -> None:
         raise
     except (Exception, CheckpointException) as err:  # a loader's error: say which and why
         raise CheckpointError(
-            f"cannot load checkpoint {folder}: {type(err).__name__}: {err}"
+            f"cannot load checkpoint {folder} (corrupt, truncated or incomplete?): {_why(err)}"
         ) from err
     _apply(loaded, args, model, optimizer, scheduler, state)
     print_rank_0(
@@ -291,12 +291,22 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
     return loaded
 
 
+def _why(err: BaseException) -> str:
+    """One line per failure; torch's CheckpointException text embeds whole tracebacks."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {_why(failure[0] if isinstance(failure, tuple) else failure)}"
+            for rank, failure in err.failures.items()
+        )
+    return f"{type(err).__name__}: {err}".rstrip(": ")
+
+
 def _read(reader, path):
     try:
         return reader()
     except (Exception, CheckpointException) as err:
         raise CheckpointError(
-            f"checkpoint {path} is unreadable (corrupt or truncated?): {err}"
+            f"checkpoint {path} is unreadable (corrupt or truncated?): {_why(err)}"
         ) from err
 
 
