@@ -1,0 +1,403 @@
+"""DistributedOptimizer checkpoints for an inner optimizer that declares its state (Muon).
+
+Upstream's DistOpt checkpoint code assumes torch Adam: every param carries ``exp_avg`` and
+``exp_avg_sq`` and one ``step`` shared by all params. Muon params carry ``momentum_buffer``,
+AdamW params ``exp_avg``, ``exp_avg_sq`` and a per-param ``step``. When the inner optimizer
+offers ``state_keys(p)``, ``scalar_state_keys(p)`` and ``init_state(p)``, patch
+``0011-distopt-declared-state-checkpoint.patch`` routes the DistOpt checkpoint methods here.
+
+Formats (all keyed by model param name, so none depends on the DP size or bucket padding):
+
+* ``torch`` (``save_parameter_state``/``load_parameter_state``, and torch_dist
+  ``dp_zero_gather_scatter``): DP rank 0 holds ``{name: {key: flat fp32 tensor of the whole
+  param, ..., "scalars": {...}}}``, gathered/scattered per bucket.
+* ``fully_reshardable``: model-space ShardedTensors ``optimizer.state.{key}.{model key}`` shaped
+  like the param (TP/DP reshardable), built from the same gather; loading requests only the
+  params this rank holds and slices them.
+* ``dp_reshardable``: one flat ShardedTensor per param and key, each rank writing exactly its
+  piece (no communication for tensors); DP-reshardable as the pieces are param ranges.
+
+Per-param scalars (``step``) travel as one ShardedObject per model-parallel rank (torch_dist) or
+inside the dp-zero dict: a rank that holds no piece of a param still learns its step from them.
+This also fixes upstream's defects for our optimizer: no assert on a fresh optimizer, no
+``KeyError: 'step'``, no step tensor shared by all params, no slicing at padded offsets
+(NVIDIA/Megatron-LM#5077), and copies into fp32 param views under ``no_grad``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .optimizer import param_group_identifier_keys
+
+FORMAT = "declared-state-distopt/1"
+MARK = "declared_state_checkpoint"  # key of the format marker in DistOpt.state_dict()
+GROUP_IDENTITY = (*param_group_identifier_keys, "use_muon")
+
+
+def handles(distopt) -> bool:
+    """True when the inner optimizer declares its state keys (Muon); upstream code otherwise."""
+    return hasattr(distopt.optimizer, "state_keys") and not distopt.ddp_config.use_megatron_fsdp
+
+
+def is_ours(state_dict) -> bool:
+    return isinstance(state_dict, dict) and MARK in state_dict
+
+
+# ------------------------------------------------------------------ the pieces a rank holds
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A model param's elements that this DP rank holds, as one 1-D shard main param."""
+
+    name: str
+    model_param: Tensor
+    shard: Tensor  # the inner optimizer's param
+    local: tuple[int, int]  # range within this rank's shard of the bucket
+    param_range: tuple[int, int]  # range within the flattened model param
+    bucket: tuple[int, int]  # (buffer index, bucket index)
+
+
+def pieces(distopt) -> list[Piece]:
+    out = []
+    for gi, per_dtype in enumerate(distopt.gbuf_ranges):
+        for per_bucket in per_dtype.values():
+            for bi, bucket_map in enumerate(per_bucket):
+                for param, ranges in bucket_map["param_map"].items():
+                    group, order = distopt.model_param_group_index_map[param]
+                    shard = distopt.optimizer.param_groups[group]["params"][order]
+                    local, in_param = ranges["gbuf_local"], ranges["param"]
+                    out.append(
+                        Piece(
+                            distopt._param_name(param),
+                            param,
+                            shard,
+                            (local.start, local.end),
+                            (in_param.start, in_param.end),
+                            (gi, bi),
+                        )
+                    )
+    return out
+
+
+def keys_of(distopt, shard: Tensor) -> tuple[str, ...]:
+    """The param-shaped tensors a checkpoint carries for a shard: main param plus state."""
+    return ("param", *distopt.optimizer.state_keys(shard))
+
+
+def tensors_of(distopt, piece: Piece) -> dict[str, Tensor]:
+    state = distopt.optimizer.init_state(piece.shard)
+    return {
+        "param": piece.shard,
+        **{k: state[k] for k in distopt.optimizer.state_keys(piece.shard)},
+    }
+
+
+def scalars_of(distopt, piece: Piece) -> dict[str, float]:
+    state = distopt.optimizer.init_state(piece.shard)
+    return {k: float(state[k]) for k in distopt.optimizer.scalar_state_keys(piece.shard)}
+
+
+def local_meta(distopt) -> dict[str, dict]:
+    return {
+        p.name: {
+            "keys": keys_of(distopt, p.shard),
+            "scalars": scalars_of(distopt, p),
+            "shape": tuple(p.model_param.shape),
+        }
+        for p in pieces(distopt)
+    }
+
+
+def all_names(distopt) -> dict[str, tuple]:
+    """{name: shape} of every model param of this DistOpt instance (held here or not)."""
+    return {
+        distopt._param_name(p): tuple(p.shape)
+        for buffer in distopt.buffers
+        for p in buffer.param_index_map
+    }
+
+
+# ------------------------------------------------------------------ collectives (DP group)
+
+
+def _comm(distopt):
+    """(group, device): gloo on CPU tensors when Megatron made a gloo group, else the DP group."""
+    if distopt.data_parallel_group_gloo is not None:
+        return distopt.data_parallel_group_gloo, torch.device("cpu")
+    return distopt.data_parallel_group, distopt.buffers[0].grad_data.device
+
+
+def all_gather_object(distopt, obj) -> list:
+    group, _ = _comm(distopt)
+    out = [None] * group.size()
+    torch.distributed.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(distopt, obj):
+    group, _ = _comm(distopt)
+    box = [obj]
+    src = torch.distributed.get_process_group_ranks(group)[0]
+    torch.distributed.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def check_compatible(distopt, meta: dict) -> None:
+    """ValueError on every rank (collectively) if the checkpoint's params or keys differ."""
+    errors = []
+    names = all_names(distopt)
+    if set(meta) != set(names):
+        missing, extra = sorted(set(names) - set(meta)), sorted(set(meta) - set(names))
+        errors.append(f"params missing from the checkpoint: {missing[:5]}; unknown: {extra[:5]}")
+    for p in pieces(distopt):
+        saved = meta.get(p.name)
+        if saved is None:
+            continue
+        if tuple(saved["shape"]) != names[p.name]:
+            errors.append(f"{p.name}: shape {tuple(saved['shape'])} saved, {names[p.name]} now")
+        if tuple(saved["keys"]) != keys_of(distopt, p.shard):
+            errors.append(
+                f"{p.name}: checkpoint has state {tuple(saved['keys'])}, this optimizer "
+                f"({type(distopt.optimizer).__name__}) keeps {keys_of(distopt, p.shard)}"
+            )
+    found = sorted({e for errs in all_gather_object(distopt, errors) for e in errs})
+    if found:
+        raise ValueError(
+            "DistributedOptimizer checkpoint does not match this optimizer or model layout "
+            "(saved by a different optimizer, e.g. adam vs muon, or another model?): "
+            + "; ".join(found[:8])
+        )
+
+
+def _union(meta: dict) -> list[str]:
+    keys = ["param"]
+    for m in meta.values():
+        keys += [k for k in m["keys"] if k not in keys]
+    return keys
+
+
+def _by_bucket(distopt) -> dict:
+    out = {}
+    for p in pieces(distopt):
+        out.setdefault(p.bucket, []).append(p)
+    return out
+
+
+def _buckets(distopt):
+    for gi, buffer in enumerate(distopt.buffers):
+        for bi, bucket in enumerate(buffer.buckets):
+            yield (gi, bi), buffer, bucket
+
+
+# ------------------------------------------------------------------ dp-zero: gather and scatter
+
+
+def gather_state(distopt, everywhere: bool = False):
+    """``{name: {key: whole flat fp32 tensor, "scalars": {...}}}`` on DP rank 0 (or all ranks).
+
+    Per bucket and key, ranks send their contiguous piece (zeros where a param lacks the key)
+    and the receiver cuts params out of the *padded* bucket, at ``param_index_map`` offsets.
+    """
+    group, device = _comm(distopt)
+    meta = {}
+    for part in all_gather_object(distopt, local_meta(distopt)):
+        meta.update(part)
+    receiver = everywhere or group.rank() == 0
+    out = {n: {"scalars": m["scalars"]} for n, m in meta.items()} if receiver else None
+    held = _by_bucket(distopt)
+    for where, buffer, bucket in _buckets(distopt):
+        for key in _union(meta):
+            local = _local_bucket(distopt, bucket, held.get(where, []), key, group.size())
+            world = _gather(local.to(device), group, everywhere)
+            if receiver:
+                _cut(distopt, buffer, bucket, world.cpu(), key, meta, out)
+    return out
+
+
+def _local_bucket(distopt, bucket, held: list, key: str, world: int) -> Tensor:
+    local = torch.zeros(bucket.grad_data.numel() // world, dtype=torch.float32)
+    for p in held:
+        tensor = tensors_of(distopt, p).get(key)
+        if tensor is not None:
+            local[p.local[0] : p.local[1]] = tensor.detach().float().cpu()
+    return local
+
+
+def _gather(local: Tensor, group, everywhere: bool):
+    parts = [torch.empty_like(local) for _ in range(group.size())]
+    if everywhere:
+        torch.distributed.all_gather(parts, local, group=group)
+    else:
+        dst = torch.distributed.get_process_group_ranks(group)[0]
+        torch.distributed.gather(local, parts if group.rank() == 0 else None, dst, group=group)
+    return torch.cat(parts)
+
+
+def _cut(distopt, buffer, bucket, world: Tensor, key: str, meta: dict, out: dict) -> None:
+    for param in bucket.params_list:
+        name = distopt._param_name(param)
+        if key in meta[name]["keys"]:
+            start, end, _ = buffer.param_index_map[param]
+            out[name][key] = world[start - bucket.offset : end - bucket.offset].clone()
+
+
+def scatter_state(distopt, state) -> None:
+    """Inverse of ``gather_state``: ``state`` on DP rank 0 (None elsewhere)."""
+    group, device = _comm(distopt)
+    if group.rank() == 0:
+        _require_ours(state, "the parameter state file")
+    meta = broadcast_object(distopt, _meta_of_state(state) if group.rank() == 0 else None)
+    check_compatible(distopt, meta)
+    held = _by_bucket(distopt)
+    for where, buffer, bucket in _buckets(distopt):
+        for key in _union(meta):
+            local = _scatter(distopt, buffer, bucket, state, key, group, device)
+            for p in held.get(where, []):
+                if key in keys_of(distopt, p.shard):
+                    set_piece_key(distopt, p, key, local[p.local[0] : p.local[1]])
+    for p in pieces(distopt):
+        set_scalars(distopt, p, meta[p.name]["scalars"])
+
+
+def _meta_of_state(state) -> dict:
+    params = state["params"]
+    return {
+        name: {
+            "keys": tuple(k for k in tensors if k != "scalars"),
+            "scalars": tensors["scalars"],
+            "shape": tuple(state["shapes"][name]),
+        }
+        for name, tensors in params.items()
+    }
+
+
+def _scatter(distopt, buffer, bucket, state, key: str, group, device) -> Tensor:
+    size = bucket.grad_data.numel() // group.size()
+    local = torch.empty(size, dtype=torch.float32, device=device)
+    parts = None
+    if group.rank() == 0:
+        world = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32)
+        for param in bucket.params_list:
+            tensors = state["params"][distopt._param_name(param)]
+            if key in tensors:
+                start, end, _ = buffer.param_index_map[param]
+                world[start - bucket.offset : end - bucket.offset] = tensors[key]
+        parts = [t.to(device) for t in world.split(size)]
+    src = torch.distributed.get_process_group_ranks(group)[0]
+    torch.distributed.scatter(local, parts, src=src, group=group)
+    return local.cpu()
+
+
+@torch.no_grad()
+def set_piece_key(distopt, piece: Piece, key: str, value: Tensor) -> None:
+    tensors_of(distopt, piece)[key].copy_(value)
+
+
+def set_scalars(distopt, piece: Piece, scalars: dict) -> None:
+    state = distopt.optimizer.state[piece.shard]
+    for key in distopt.optimizer.scalar_state_keys(piece.shard):
+        # one tensor per param: torch-style optimizers increment ``step`` in place
+        state[key] = torch.tensor(scalars[key], dtype=torch.float32)
+
+
+def _require_ours(state, what: str) -> None:
+    if not (isinstance(state, dict) and state.get("format") == FORMAT):
+        found = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"{what} was not written by a DistributedOptimizer whose optimizer declares its "
+            f"state (format {FORMAT!r}); found keys {found}: a checkpoint of another optimizer "
+            "(e.g. adam) cannot be loaded into this one"
+        )
+
+
+def get_parameter_state_dp_zero(distopt, everywhere: bool = False):
+    """What ``save_parameter_state`` writes (DP rank 0; None elsewhere unless everywhere)."""
+    params = gather_state(distopt, everywhere)
+    if params is None:
+        return None
+    return {
+        "format": FORMAT,
+        "optimizer": type(distopt.optimizer).__name__,
+        "shapes": all_names(distopt),
+        "params": params,
+    }
+
+
+# ------------------------------------------------------------------ the common (non-param) part
+
+
+def state_dict(distopt) -> dict:
+    """Param groups (hyper-parameters), grad scaler and the format marker; no tensors.
+
+    Unlike upstream, reads no per-param ``step`` (which a fresh optimizer lacks): scalars travel
+    with the parameter state.
+    """
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in distopt.optimizer.param_groups]
+    out = {"optimizer": {"param_groups": groups}, MARK: {"format": FORMAT}}
+    out[MARK]["optimizer"] = type(distopt.optimizer).__name__
+    if distopt.grad_scaler:
+        out["grad_scaler"] = distopt.grad_scaler.state_dict()
+    return out
+
+
+def group_identity(group: dict) -> tuple:
+    """Upstream's identifying keys (NeMo's ``pre_`` variants too) plus ``use_muon``."""
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in GROUP_IDENTITY)
+
+
+def load_state_dict(distopt, state: dict) -> None:
+    """Match groups by identity (incl. ``use_muon``), create state, then load param state."""
+    _require_marker(distopt, state)
+    saved = {group_identity(g): g for g in state["optimizer"]["param_groups"]}
+    for group in distopt.optimizer.param_groups:
+        identity = group_identity(group)
+        if identity not in saved:
+            raise ValueError(
+                f"param group {dict(zip(GROUP_IDENTITY, identity))} is not in the checkpoint; "
+                f"it has {[dict(zip(GROUP_IDENTITY, k)) for k in saved]}"
+            )
+        group.update({k: v for k, v in saved[identity].items() if k != "params"})
+        for param in group["params"]:
+            distopt.optimizer.init_state(param)
+    if "grad_scaler" in state and distopt.grad_scaler:
+        distopt.grad_scaler.load_state_dict(state["grad_scaler"])
+    if "param_state" in state:
+        _load_param_state(distopt, state["param_state"], state["param_state_sharding_type"])
+
+
+def _require_marker(distopt, state: dict) -> None:
+    mark = state.get(MARK)
+    ours = type(distopt.optimizer).__name__ if handles(distopt) else None
+    if mark is None or mark.get("format") != FORMAT or ours is None:
+        saved = mark["optimizer"] if mark else "an optimizer without declared state (e.g. adam)"
+        mine = ours or f"{type(distopt.optimizer).__name__} (without declared state)"
+        raise ValueError(
+            f"DistributedOptimizer checkpoint was saved by {saved}; this optimizer is {mine}: "
+            "their states differ (e.g. Muon's momentum_buffer vs Adam's exp_avg/exp_avg_sq)"
+        )
+
+
+def _load_param_state(distopt, param_state, sharding_type: str) -> None:
+    from . import muon_checkpoint_sharded as sharded
+
+    loaders = {
+        "dp_zero_gather_scatter": scatter_state,
+        "fully_reshardable": sharded.load_fully_reshardable,
+        "dp_reshardable": sharded.load_dp_reshardable,
+    }
+    if sharding_type not in loaders:
+        raise NotImplementedError(
+            f"sharding_type {sharding_type!r} with {type(distopt.optimizer).__name__}: "
+            f"supported are {sorted(loaders)}"
+        )
+    loaders[sharding_type](distopt, param_state)
+
+
+def unsupported_format(distopt, name: str):
+    raise NotImplementedError(
+        f"DistributedOptimizer {name} is not implemented for {type(distopt.optimizer).__name__}; "
+        "use sharding_type 'fully_reshardable' or 'dp_reshardable', or the torch format"
+    )

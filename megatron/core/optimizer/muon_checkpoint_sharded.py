@@ -1,0 +1,160 @@
+"""torch_dist (``megatron.core.dist_checkpointing``) formats for declared-state optimizers.
+
+See ``muon_checkpoint.py`` for the torch format, the common part and why. Both formats carry
+the per-param scalars (``step``) as one ShardedObject per model-parallel rank
+(``dp_group_idx`` is the model-parallel rank, unchanged by a DP resize), written by DP rank 0.
+"""
+
+from dataclasses import replace
+
+import torch
+
+from ..dist_checkpointing.dict_utils import nested_values
+from ..dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from ..dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from .muon_checkpoint import (
+    all_gather_object,
+    all_names,
+    check_compatible,
+    gather_state,
+    local_meta,
+    pieces,
+    set_piece_key,
+    set_scalars,
+    tensors_of,
+)
+
+
+def _prefix(distopt) -> str:
+    return f"optimizer.distributed.dp_group_idx_{distopt.data_parallel_group_idx}"
+
+
+def _meta_object(distopt, meta) -> ShardedObject:
+    return ShardedObject(
+        f"{_prefix(distopt)}.declared_state_meta",
+        meta,
+        (1,),
+        (0,),
+        replica_id=(
+            distopt.distributed_optimizer_instance_id,
+            0,
+            distopt.data_parallel_group.rank(),
+        ),
+    )
+
+
+def _gathered_meta(distopt) -> dict:
+    meta = {}
+    for part in all_gather_object(distopt, local_meta(distopt)):
+        meta.update(part)
+    return meta
+
+
+def _load_meta(distopt, param_state) -> dict:
+    meta = param_state["meta"]
+    check_compatible(distopt, meta)
+    return meta
+
+
+# ------------------------------------------------------------------ fully_reshardable
+
+
+def _model_metadata(distopt, model_sharded_state_dict) -> dict:
+    """{model param name: its ShardedTensor (or factory)} from the model's sharded state dict."""
+    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    by_tensor = {sh.data: sh for sh in nested_values(sharded)}
+    out = {}
+    for buffer in distopt.buffers:
+        for param in buffer.param_index_map:
+            if param not in by_tensor:
+                raise ValueError(
+                    f"model param {distopt._param_name(param)} is not in the model's sharded "
+                    "state dict (build it with keep_vars=True, e.g. model.sharded_state_dict())"
+                )
+            out[distopt._param_name(param)] = by_tensor[param]
+    return out
+
+
+def _model_space(meta_sh, key: str, tensor: torch.Tensor):
+    kwargs = dict(
+        key=f"optimizer.state.{key}.{meta_sh.key}",
+        data=tensor.reshape(meta_sh.data.shape),
+        dtype=tensor.dtype,
+        replica_id=meta_sh.replica_id,
+    )
+    if not isinstance(meta_sh, ShardedTensor):  # a ShardedTensorFactory takes its dtype from data
+        kwargs.pop("dtype")
+    return replace(meta_sh, **kwargs)
+
+
+def sharded_fully_reshardable(distopt, model_sharded_state_dict, is_loading: bool, metadata=None):
+    """Model-space state: each param's keys shaped like the param, keyed by the model's keys.
+
+    Saving gathers whole params on every rank (the model's replica ids pick DP rank 0 as the
+    writer); loading requests only the params this rank holds a piece of.
+    """
+    model = _model_metadata(distopt, model_sharded_state_dict)
+    if is_loading:
+        # every param, not only those held here: a layer-stacked model key must be read whole
+        keys = {name: m["keys"] for name, m in _gathered_meta(distopt).items()}
+        state = {
+            name: {k: torch.empty(model[name].data.shape, dtype=torch.float32) for k in ks}
+            for name, ks in keys.items()
+        }
+        meta = {}
+    else:
+        state = gather_state(distopt, everywhere=True)
+        meta = _gathered_meta(distopt)
+    out = {
+        name: {k: _model_space(model[name], k, t) for k, t in tensors.items() if k != "scalars"}
+        for name, tensors in state.items()
+    }
+    return {"tensors": out, "meta": _meta_object(distopt, meta)}
+
+
+def load_fully_reshardable(distopt, param_state) -> None:
+    meta = _load_meta(distopt, param_state)
+    for p in pieces(distopt):
+        for key, value in param_state["tensors"][p.name].items():
+            set_piece_key(distopt, p, key, value.flatten()[p.param_range[0] : p.param_range[1]])
+        set_scalars(distopt, p, meta[p.name]["scalars"])
+
+
+# ------------------------------------------------------------------ dp_reshardable
+
+
+def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, metadata=None):
+    """One flat ShardedTensor per param and key; each rank writes/reads exactly its piece.
+
+    The global tensor of a key is the whole flattened param, so full coverage holds without
+    padding entries and a different DP size reads other ranges of the same tensors.
+    """
+    names = all_names(distopt)
+    out = {}
+    for p in pieces(distopt):
+        numel = int(torch.Size(names[p.name]).numel())
+        out[p.name] = {
+            key: ShardedTensor(
+                f"{_prefix(distopt)}.declared_state.{p.name}.{key}",
+                torch.empty_like(t) if is_loading else t.detach(),
+                t.dtype,
+                t.shape,
+                (numel,),
+                (p.param_range[0],),
+                axis_fragmentations=None,
+                flattened_range=None,
+                allow_shape_mismatch=False,
+                replica_id=(distopt.distributed_optimizer_instance_id, 0, 0),
+            )
+            for key, t in tensors_of(distopt, p).items()
+        }
+    meta = {} if is_loading else _gathered_meta(distopt)
+    return {"tensors": out, "meta": _meta_object(distopt, meta)}
+
+
+def load_dp_reshardable(distopt, param_state) -> None:
+    meta = _load_meta(distopt, param_state)
+    for p in pieces(distopt):
+        for key, value in param_state["tensors"][p.name].items():
+            set_piece_key(distopt, p, key, value)
+        set_scalars(distopt, p, meta[p.name]["scalars"])
