@@ -29,7 +29,7 @@ VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.
 
 FULL = dict(layers=4, hidden=128, heads=4, seq=128, gbs=16, iters=400, eval_interval=10)
 QUICK = dict(layers=2, hidden=64, heads=4, seq=64, gbs=8, iters=60, eval_interval=10)
-FULL_LRS = {"adam": [1e-3, 3e-3, 1e-2], "muon": [1e-3, 3e-3, 1e-2]}
+FULL_LRS = {"adam": [1e-3, 3e-3, 1e-2], "muon": [1e-3, 3e-3, 1e-2, 3e-2]}
 QUICK_LRS = {"adam": [3e-3], "muon": [3e-3]}
 
 
@@ -72,12 +72,26 @@ def run_one(size: dict, optimizer: str, lr: float, data: str) -> list[tuple]:
     return curve
 
 
-def sweep(size: dict, lrs: dict, data: str, jobs: int) -> dict:
-    """{(optimizer, lr): curve}, ``jobs`` runs at a time (each on one thread)."""
-    runs = [(opt, lr) for opt in lrs for lr in lrs[opt]]
+def sweep(size: dict, lrs: dict, data: str, jobs: int, done: dict) -> dict:
+    """{(optimizer, lr): curve}, ``jobs`` runs at a time (each on one thread); runs already in
+    ``done`` are kept, not repeated."""
+    runs = [(opt, lr) for opt in lrs for lr in lrs[opt] if (opt, lr) not in done]
     with ThreadPoolExecutor(jobs) as pool:
         futures = {run: pool.submit(run_one, size, *run, data) for run in runs}
-        return {run: future.result() for run, future in futures.items()}
+        new = {run: future.result() for run, future in futures.items()}
+    return {run: done.get(run) or new[run] for opt in lrs for run in ((opt, lr) for lr in lrs[opt])}
+
+
+def read_csv(path: str) -> tuple[dict, list[str]]:
+    """Curves and header lines of an earlier study (``--reuse``)."""
+    curves, header = {}, []
+    with open(path) as f:
+        lines = f.read().splitlines()
+    header = [line[2:] for line in lines if line.startswith("# ")]
+    for row in csv.DictReader(line for line in lines if not line.startswith("#")):
+        run = (row["optimizer"], float(row["lr"]))
+        curves.setdefault(run, []).append((int(row["iteration"]), float(row["val_loss"])))
+    return curves, header
 
 
 def best(curves: dict, optimizer: str) -> tuple:
@@ -181,6 +195,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="default bench/results (quick: a temp dir)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--iters", type=int, default=None, help="override the step count")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep the runs already in <out>/convergence.csv"
+    )
     return parser.parse_args(argv)
 
 
@@ -196,12 +213,14 @@ def main(argv=None) -> dict:
     from megatron.training.corpus import build_corpus
 
     start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
-    curves = sweep(size, lrs, build_corpus(), args.jobs)
+    done, before = read_csv(os.path.join(out, "convergence.csv")) if args.reuse else ({}, [])
+    curves = sweep(size, lrs, build_corpus(), args.jobs, done)
     summary = summarize(curves, size["iters"])
     cmd = "python bench/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     model = ", ".join(f"{k}={v}" for k, v in size.items())
     header = [f"command: {cmd.strip()}", f"versions: {made_by}", f"model/run: {model}"]
     header.append(f"date: {time.strftime('%Y-%m-%d')}, wall {time.perf_counter() - start:.0f}s")
+    header += [f"reused runs from: {line}" for line in before if not line.startswith("reused")]
     write_csv(os.path.join(out, "convergence.csv"), curves, header)
     title = f"GPT {size['layers']}x{size['hidden']} on the stdlib corpus, {size['iters']} steps"
     plot(os.path.join(out, "convergence.png"), curves, summary, title)
