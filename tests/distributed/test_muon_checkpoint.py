@@ -6,10 +6,13 @@ Reproduce one case: ``.venv/bin/python -m pytest tests/distributed/test_muon_che
 'torch and fp32' -q``.
 """
 
+import io
+
 import pytest
 import torch
 from checkpoint_io import FORMATS, load, save, sync_params
-from harness import run_distributed
+from harness import RankFailure, run_distributed
+from parity import update_rel_error
 from tiny_gpt import TinyGPT, build_model, build_optimizer, full_params, global_batches, train_step
 
 from megatron.core.optimizer import muon_checkpoint
@@ -59,12 +62,10 @@ def save_then_resume(spec, fmt, directory, optimizer_kwargs):
     return uninterrupted, steps(spec, model, optimizer, batches[BEFORE:])
 
 
-CASES = [
-    (fmt, dtype, layout)
-    for fmt in FORMATS
-    for dtype in ("fp32", "bf16")
-    for layout in ("dp2", "tp2_dp2")
-]
+# Every format at both layouts in fp32; bf16 (fp32 main params, bf16 model) once per format at
+# TP2 x DP2: the torch_dist writer's worker processes make each of those cases cost ~10 s here.
+CASES = [(fmt, "fp32", layout) for fmt in FORMATS for layout in ("dp2", "tp2_dp2")]
+CASES += [(fmt, "bf16", "tp2_dp2") for fmt in FORMATS]
 LAYOUT = {"dp2": dict(world_size=2), "tp2_dp2": dict(world_size=4, tp=2)}
 
 
@@ -84,8 +85,9 @@ def plain_round_trip(spec):
     model = build_model(spec)
     optimizer = build_optimizer(spec, model, **MUON)
     steps(spec, model, optimizer, batches[:BEFORE])
-    saved = [model[0].state_dict(), optimizer.state_dict()]
-    saved = torch.load(__import__("io").BytesIO(_dump(saved)), weights_only=False)
+    saved = torch.load(
+        io.BytesIO(_dump([model[0].state_dict(), optimizer.state_dict()])), weights_only=False
+    )
     uninterrupted = steps(spec, model, optimizer, batches[BEFORE:])
     model2 = build_model(spec, seed=1)
     optimizer2 = build_optimizer(spec, model2, **MUON)
@@ -96,8 +98,6 @@ def plain_round_trip(spec):
 
 
 def _dump(obj) -> bytes:
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -112,3 +112,97 @@ def test_non_distopt_resume_keeps_muon_groups_and_is_bit_exact(dtype):
     assert kinds == [True, False] * (len(kinds) // 2), "a group took the other half's use_muon"
     for name, tensor in uninterrupted.items():
         assert torch.equal(resumed[name], tensor), f"{name} differs after resume"
+
+
+# ------------------------------------------------------------------- another DP size on resume
+
+
+def save_at(spec, fmt, directory):
+    """Train, save; return the model-space state saved and the uninterrupted continuation."""
+    batches = global_batches(spec, BEFORE + AFTER)
+    model, optimizer = build(spec, MUON)
+    steps(spec, model, optimizer, batches[:BEFORE])
+    saved = model_space_state(optimizer)
+    save(fmt, directory, model, optimizer)
+    start = full_params(model, spec)
+    return saved, start, steps(spec, model, optimizer, batches[BEFORE:])
+
+
+def resume_at(spec, fmt, directory):
+    """Load into a fresh model at this rank count; return the loaded state and the continuation."""
+    model, optimizer = build(spec, MUON, seed=1)
+    load(fmt, directory, model, optimizer)
+    loaded = model_space_state(optimizer)
+    batches = global_batches(spec, BEFORE + AFTER)
+    return loaded, steps(spec, model, optimizer, batches[BEFORE:])
+
+
+# The state must arrive unchanged (exact); the continuation runs at another DP size, which only
+# reorders fp32 gradient sums: the DistOpt parity tolerance of test_muon_distopt.py (1e-4).
+RESHARD_TOL = 1e-4
+
+
+@pytest.mark.parametrize(
+    "fmt,saved_dp,loaded_dp",
+    [("fully_reshardable", 4, 2), ("dp_reshardable", 4, 2), ("torch", 2, 4)],
+)
+def test_checkpoint_saved_at_one_dp_size_resumes_at_another(tmp_path, fmt, saved_dp, loaded_dp):
+    spec = TinyGPT()
+    saved, start, uninterrupted = run_distributed(
+        save_at, saved_dp, args=(spec, fmt, str(tmp_path))
+    )[0]
+    loaded, resumed = run_distributed(resume_at, loaded_dp, args=(spec, fmt, str(tmp_path)))[0]
+    for before, after in zip(saved, loaded):
+        assert before.keys() == after.keys()
+        for name in before:
+            for key, value in before[name].items():
+                assert _equal(after[name][key], value), f"{name}/{key} changed across DP sizes"
+    errors = update_rel_error(start, uninterrupted, resumed)
+    assert max(errors.values()) <= RESHARD_TOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+def _equal(a, b) -> bool:
+    return a == b if not isinstance(a, torch.Tensor) else torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- mismatched checkpoints
+
+
+def save_with(spec, optimizer_kwargs, directory):
+    model, optimizer = build(spec, optimizer_kwargs)
+    steps(spec, model, optimizer, global_batches(spec, 1))
+    save("torch", directory, model, optimizer)
+
+
+def load_with(spec, optimizer_kwargs, directory):
+    model, optimizer = build(spec, optimizer_kwargs, seed=1)
+    load("torch", directory, model, optimizer, model=False)
+
+
+ADAM = dict(optimizer="adam")
+
+
+@pytest.mark.parametrize(
+    "saved_by,loaded_by,saved_spec,message",
+    [
+        (MUON, ADAM, TinyGPT(), r"(?s)saved by MegatronMuon; this optimizer is AdamW"),
+        (
+            ADAM,
+            MUON,
+            TinyGPT(),
+            r"saved by an optimizer without declared state \(e.g. adam\); this optimizer is",
+        ),
+        (
+            MUON,
+            MUON,
+            TinyGPT(ffn_hidden_size=64),
+            r"does not match .*linear_fc1.weight: shape \(128, 64\) saved, \(192, 64\) now",
+        ),
+    ],
+    ids=["muon_into_adam", "adam_into_muon", "other_model_shape"],
+)
+def test_mismatched_checkpoint_is_a_clear_error(tmp_path, saved_by, loaded_by, saved_spec, message):
+    run_distributed(save_with, 2, args=(saved_spec, saved_by, str(tmp_path)))
+    with pytest.raises(RankFailure, match=message) as failure:
+        run_distributed(load_with, 2, args=(TinyGPT(), loaded_by, str(tmp_path)))
+    assert "ValueError" in str(failure.value) and "KeyError" not in str(failure.value)
