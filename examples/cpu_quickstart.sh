@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CPU quick start (what `make demo` runs): a small GPT trained with Muon on 4 CPU processes,
-# tensor parallel 2 x data parallel 2, on the built-in corpus (the Python standard library's own
+# tensor parallel 2 x data parallel 2 with the distributed optimizer, on the built-in corpus (the Python standard library's own
 # source, byte-level tokens; built offline on first use), then a checkpoint.
 #
 #   bash examples/cpu_quickstart.sh                 # from the repo root, after `make install`
@@ -8,14 +8,11 @@
 #
 # Knobs (environment): TRAIN_ITERS (150), SAVE_DIR (checkpoints/cpu_quickstart), PYTHON (.venv).
 #
-# TEMPORARY: the final form runs with --use-distributed-optimizer (DISTOPT=1). Muon trains inside
-# the DistributedOptimizer now, but saving its checkpoint still fails in upstream's DistOpt
-# checkpoint code (KeyError 'step' in DistributedOptimizer.state_dict: Muon state has no step),
-# which issue 5 fixes; until then the default is DISTOPT=0. Flip it to 1 once that lands.
+# DISTOPT=0 runs it without --use-distributed-optimizer (for comparison).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-DISTOPT=${DISTOPT:-0}
+DISTOPT=${DISTOPT:-1}
 SAVE_DIR=${SAVE_DIR:-checkpoints/cpu_quickstart}
 TRAIN_ITERS=${TRAIN_ITERS:-150}
 

@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # script, environment, expected launcher words, world size
 EXAMPLES = [
-    ("examples/cpu_quickstart.sh", {}, ["--nproc-per-node", "4", "--standalone"], 4),
-    ("examples/cpu_quickstart.sh", {"DISTOPT": "1"}, ["--use-distributed-optimizer"], 4),
+    ("examples/cpu_quickstart.sh", {}, ["--standalone", "--use-distributed-optimizer"], 4),
+    ("examples/cpu_quickstart.sh", {"DISTOPT": "0"}, ["--nproc-per-node", "4"], 4),
     ("examples/train_single_node.sh", {"GPUS": "8"}, ["--nproc-per-node", "8", "--standalone"], 8),
     (
         "examples/slurm_multinode.sbatch",
