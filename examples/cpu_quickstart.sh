@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU quick start (what `make demo` runs): a small GPT trained with Muon on 4 CPU processes,
-# tensor parallel 2 x data parallel 2 with the distributed optimizer, on the built-in corpus (the Python standard library's own
-# source, byte-level tokens; built offline on first use), then a checkpoint.
+# tensor parallel 2 x data parallel 2 with the distributed optimizer, on the built-in corpus
+# (the Python standard library's own source, byte-level tokens; built offline on first use),
+# then a checkpoint.
 #
 #   bash examples/cpu_quickstart.sh                 # from the repo root, after `make install`
 #   DRY_RUN=1 bash examples/cpu_quickstart.sh       # print the command instead of running it
