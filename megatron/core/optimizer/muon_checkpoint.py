@@ -5,6 +5,9 @@ Upstream's DistOpt checkpoint code assumes torch Adam: every param carries ``exp
 AdamW params ``exp_avg``, ``exp_avg_sq`` and a per-param ``step``. When the inner optimizer
 offers ``state_keys(p)``, ``scalar_state_keys(p)`` and ``init_state(p)``, patch
 ``0011-distopt-declared-state-checkpoint.patch`` routes the DistOpt checkpoint methods here.
+torch's own ``Adam``/``AdamW`` (Megatron's choice without TE or Apex) get the same declaration
+from ``TorchAdamState``, so ``--optimizer adam`` resumes through this code too; fused TE/Apex
+optimizers keep upstream's code.
 
 Formats (all keyed by model param name, so none depends on the DP size or bucket padding):
 
@@ -36,9 +39,42 @@ MARK = "declared_state_checkpoint"  # key of the format marker in DistOpt.state_
 GROUP_IDENTITY = (*param_group_identifier_keys, "use_muon")
 
 
+class TorchAdamState:
+    """torch.optim.Adam/AdamW's per-param state, declared the way Muon declares its own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def state_keys(self, param: Tensor) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def scalar_state_keys(self, param: Tensor) -> tuple[str, ...]:
+        return ("step",)
+
+    def init_state(self, param: Tensor) -> dict:
+        """The state torch creates on a param's first step (a CPU float32 ``step``)."""
+        state = self.optimizer.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+
+def declared(distopt):
+    """The object declaring the inner optimizer's state, or None (upstream's code applies)."""
+    if distopt.ddp_config.use_megatron_fsdp or distopt.optimizer is None:
+        return None
+    if hasattr(distopt.optimizer, "state_keys"):
+        return distopt.optimizer
+    if type(distopt.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        return TorchAdamState(distopt.optimizer)
+    return None
+
+
 def handles(distopt) -> bool:
-    """True when the inner optimizer declares its state keys (Muon); upstream code otherwise."""
-    return hasattr(distopt.optimizer, "state_keys") and not distopt.ddp_config.use_megatron_fsdp
+    """True when the inner optimizer's state is declared (Muon, torch Adam/AdamW)."""
+    return declared(distopt) is not None
 
 
 def is_ours(state_dict) -> bool:
@@ -84,20 +120,20 @@ def pieces(distopt) -> list[Piece]:
 
 def keys_of(distopt, shard: Tensor) -> tuple[str, ...]:
     """The param-shaped tensors a checkpoint carries for a shard: main param plus state."""
-    return ("param", *distopt.optimizer.state_keys(shard))
+    return ("param", *declared(distopt).state_keys(shard))
 
 
 def tensors_of(distopt, piece: Piece) -> dict[str, Tensor]:
-    state = distopt.optimizer.init_state(piece.shard)
+    state = declared(distopt).init_state(piece.shard)
     return {
         "param": piece.shard,
-        **{k: state[k] for k in distopt.optimizer.state_keys(piece.shard)},
+        **{k: state[k] for k in declared(distopt).state_keys(piece.shard)},
     }
 
 
 def scalars_of(distopt, piece: Piece) -> dict[str, float]:
-    state = distopt.optimizer.init_state(piece.shard)
-    return {k: float(state[k]) for k in distopt.optimizer.scalar_state_keys(piece.shard)}
+    state = declared(distopt).init_state(piece.shard)
+    return {k: float(state[k]) for k in declared(distopt).scalar_state_keys(piece.shard)}
 
 
 def local_meta(distopt) -> dict[str, dict]:
@@ -298,7 +334,7 @@ def set_piece_key(distopt, piece: Piece, key: str, value: Tensor) -> None:
 
 def set_scalars(distopt, piece: Piece, scalars: dict) -> None:
     state = distopt.optimizer.state[piece.shard]
-    for key in distopt.optimizer.scalar_state_keys(piece.shard):
+    for key in declared(distopt).scalar_state_keys(piece.shard):
         # one tensor per param: torch-style optimizers increment ``step`` in place
         state[key] = torch.tensor(scalars[key], dtype=torch.float32)
 
@@ -361,7 +397,7 @@ def load_state_dict(distopt, state: dict) -> None:
             )
         group.update({k: v for k, v in saved[identity].items() if k != "params"})
         for param in group["params"]:
-            distopt.optimizer.init_state(param)
+            declared(distopt).init_state(param)
     if "grad_scaler" in state and distopt.grad_scaler:
         distopt.grad_scaler.load_state_dict(state["grad_scaler"])
     if "param_state" in state:
@@ -371,8 +407,8 @@ def load_state_dict(distopt, state: dict) -> None:
 def _require_marker(distopt, state: dict) -> None:
     mark = state.get(MARK)
     ours = type(distopt.optimizer).__name__ if handles(distopt) else None
-    if mark is None or mark.get("format") != FORMAT or ours is None:
-        saved = mark["optimizer"] if mark else "an optimizer without declared state (e.g. adam)"
+    if mark is None or mark.get("format") != FORMAT or ours is None or mark["optimizer"] != ours:
+        saved = mark["optimizer"] if mark else "an optimizer without declared state"
         mine = ours or f"{type(distopt.optimizer).__name__} (without declared state)"
         raise ValueError(
             f"DistributedOptimizer checkpoint was saved by {saved}; this optimizer is {mine}: "
