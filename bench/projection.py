@@ -58,27 +58,13 @@ def total_params(layers, hidden, ffn, heads, kv, vocab, tp) -> int:
     return matrices + 2 * vocab * hidden  # untied embedding and output layer (AdamW)
 
 
-def ns_flops(info: MuonParamInfo, steps: int) -> float:
-    """Matmul FLOPs of NS: per step X X^T (2 s^2 l), A A (2 s^3), B X (2 s^2 l), per block.
-
-    ``muon_distopt.ns_cost`` (what the optimizer balances and reports) counts 6 s^2 l + 2 s^3
-    per step; only ratios of it matter for balance, the projection's times use this count.
-    """
-    rows, cols = info.shape
-    blocks = [(rows, cols)]
-    if info.qkv_split is not None:
-        groups = rows // sum(info.qkv_split)
-        blocks = [(groups * r, cols) for r in info.qkv_split]
-    return sum(steps * (4 * min(b) ** 2 * max(b) + 2 * min(b) ** 3) for b in blocks)
-
-
 def project(model: str, dp: int, a) -> dict:
     cfg = MODELS[model]
     tp = cfg[-1]
     infos = muon_matrices(*cfg)
-    costs = [ns_flops(i, NS_STEPS) for i in infos]
+    costs = [ns_cost(i, NS_STEPS) for i in infos]
     nbytes = [i.shape[0] * i.shape[1] * a.exchange_bytes / tp for i in infos]
-    owners = assign_owners([ns_cost(i, NS_STEPS) for i in infos], dp)  # as the optimizer does
+    owners = assign_owners(costs, dp)  # as the optimizer does
     flops, owned = [0.0] * dp, [0.0] * dp
     for owner, c, b in zip(owners, costs, nbytes):
         flops[owner] += c

@@ -71,17 +71,17 @@ class BucketSlot:
 
 
 def ns_cost(info: MuonParamInfo, steps: int) -> float:
-    """Newton-Schulz FLOPs for one matrix (per QKV block when split)."""
+    """Newton-Schulz matmul FLOPs for one matrix (per QKV block when split).
+
+    Per step ``X X^T`` (2 s^2 l), ``A A`` (2 s^3) and ``B X`` (2 s^2 l), s = min(m, n),
+    l = max(m, n); elementwise work is left out.
+    """
     rows, cols = info.shape
     blocks = [(rows, cols)]
     if info.qkv_split is not None:
         groups = rows // sum(info.qkv_split)
         blocks = [(groups * r, cols) for r in info.qkv_split]
-    total = 0.0
-    for m, n in blocks:
-        s, ln = min(m, n), max(m, n)
-        total += 2.0 * steps * (2 * s * s * ln + s**3 + s * s * ln)
-    return total
+    return float(sum(steps * (4 * min(b) ** 2 * max(b) + 2 * min(b) ** 3) for b in blocks))
 
 
 def assign_owners(costs: list[float], world: int) -> list[int]:
