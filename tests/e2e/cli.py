@@ -19,7 +19,7 @@ TINY = (
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 
 
-def run(args, nproc: int = 1, timeout: int = 120) -> subprocess.CompletedProcess:
+def run(args, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("WORLD_SIZE", None)
     launcher = [sys.executable]
