@@ -99,11 +99,11 @@ def _lose_gathered_pieces(optimizer):
     """Negative control: owners assemble matrices from zeros instead of the received pieces."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
-        ortho._assemble = functools.partial(_assemble_zeros, ortho._assemble)
+        ortho._gather_to_owners = functools.partial(_zeros_instead, ortho._gather_to_owners)
 
 
-def _assemble_zeros(assemble, bucket, recv, whole, device):
-    assemble(bucket, torch.zeros_like(recv), whole, device)
+def _zeros_instead(gather, bucket, by_matrix, device):
+    return {i: torch.zeros_like(m) for i, m in gather(bucket, by_matrix, device).items()}
 
 
 def test_negative_control_broken_gather_misses_the_reference():

@@ -15,6 +15,9 @@ ranks, and a rank may hold none of it. Newton-Schulz needs whole matrices. Per s
    pieces of the result that it holds;
 5. each rank applies weight decay and the scaled update to its shards (in ``Muon``).
 
+Steps 3-4 run bucket by bucket, so the transient buffers (pieces sent and received, the owned
+whole matrices and their results) stay within about one bucket's Muon elements per rank.
+
 Only owners receive whole matrices, so per step a rank moves (sends + receives) at most its own
 Muon shard bytes plus the bytes of the matrices it owns, in each direction: about ``4 M / dp`` for
 ``M`` Muon bytes in the instance, against ``2 M`` for an all-gather plus reduce-scatter. Nothing
@@ -126,9 +129,6 @@ class MuonExchangePlan:
                     bucket.recv[src] += hi - lo
                     bucket.owned_pieces.append((i, lo - slot.start, hi - slot.start))
 
-    def owned(self) -> list[int]:
-        return [i for i, m in enumerate(self.matrices) if m.owner == self.rank]
-
     def ns_flops_per_rank(self) -> list[float]:
         world = self.buckets[0].group.size() if self.buckets else 1
         flops = [0.0] * world
@@ -164,26 +164,20 @@ class DistributedMuonOrthogonalizer:
         if len(by_matrix) != len(updates) or any(not isinstance(i, ShardInfo) for i in infos):
             raise AssertionError("DistributedMuonOrthogonalizer needs one ShardInfo per matrix")
         device = updates[0].device if updates else _device_of(self.plan)
-        whole = self._gather_to_owners(by_matrix, device)
-        owned = self.plan.owned()
-        results = self.inner(
-            [whole[i] for i in owned], [self.plan.matrices[i].info for i in owned], matrix_fn
-        )
-        pieces = self._scatter_from_owners(dict(zip(owned, results)), device)
+        pieces, self.bytes_moved = {}, 0
+        for bucket in self.plan.buckets:  # one bucket at a time: transient memory ~ one bucket
+            whole = self._gather_to_owners(bucket, by_matrix, device)
+            owned = list(whole)
+            infos_owned = [self.plan.matrices[i].info for i in owned]
+            results = self.inner([whole[i] for i in owned], infos_owned, matrix_fn)
+            pieces.update(self._scatter_from_owners(bucket, dict(zip(owned, results)), device))
         return [pieces[info.matrix].to(u.dtype) for u, info in zip(updates, infos)]
 
-    def _gather_to_owners(self, by_matrix: dict, device) -> dict[int, Tensor]:
-        """Forward exchange: owners receive every piece of their matrices."""
-        whole, moved = {}, 0
-        for bucket in self.plan.buckets:
-            send = [by_matrix[i].to(self.dtype) for i in bucket.mine]
-            recv = self._all_to_all(send, bucket.send, bucket.recv, bucket.group, device)
-            moved += self._count(bucket.send, bucket.recv)
-            self._assemble(bucket, recv, whole, device)
-        self.bytes_moved = moved
-        return whole
-
-    def _assemble(self, bucket: BucketSlot, recv: Tensor, whole: dict, device) -> None:
+    def _gather_to_owners(self, bucket: BucketSlot, by_matrix: dict, device) -> dict[int, Tensor]:
+        """Forward exchange: the owners in this bucket receive every piece of their matrices."""
+        send = [by_matrix[i].to(self.dtype) for i in bucket.mine]
+        recv = self._all_to_all(send, bucket.send, bucket.recv, bucket.group, device)
+        self.bytes_moved += self._count(bucket.send, bucket.recv)
         flat, at = {}, 0
         for i, lo, hi in bucket.owned_pieces:
             if i not in flat:
@@ -192,24 +186,18 @@ class DistributedMuonOrthogonalizer:
                 )
             flat[i][lo:hi] = recv[at : at + hi - lo]
             at += hi - lo
-        for i, data in flat.items():
-            whole[i] = data.view(self.plan.matrices[i].local_shape)
+        return {i: data.view(self.plan.matrices[i].local_shape) for i, data in flat.items()}
 
-    def _scatter_from_owners(self, results: dict[int, Tensor], device) -> dict[int, Tensor]:
-        """Backward exchange: each rank receives exactly its pieces of every result."""
-        pieces, moved = {}, 0
-        for bucket in self.plan.buckets:
-            send = [
-                results[i].reshape(-1)[lo:hi].to(self.dtype) for i, lo, hi in bucket.owned_pieces
-            ]
-            recv = self._all_to_all(send, bucket.recv, bucket.send, bucket.group, device)
-            moved += self._count(bucket.recv, bucket.send)
-            at = 0
-            for i in bucket.mine:
-                lo, hi = piece(self.plan.matrices[i], self.plan.rank, bucket.shard_size)
-                pieces[i] = recv[at : at + hi - lo]
-                at += hi - lo
-        self.bytes_moved += moved
+    def _scatter_from_owners(self, bucket: BucketSlot, results: dict, device) -> dict[int, Tensor]:
+        """Backward exchange: each rank receives exactly its pieces of the bucket's results."""
+        send = [results[i].reshape(-1)[lo:hi].to(self.dtype) for i, lo, hi in bucket.owned_pieces]
+        recv = self._all_to_all(send, bucket.recv, bucket.send, bucket.group, device)
+        self.bytes_moved += self._count(bucket.recv, bucket.send)
+        pieces, at = {}, 0
+        for i in bucket.mine:
+            lo, hi = piece(self.plan.matrices[i], self.plan.rank, bucket.shard_size)
+            pieces[i] = recv[at : at + hi - lo]
+            at += hi - lo
         return pieces
 
     def _all_to_all(self, send: list, send_sizes, recv_sizes, group, device) -> Tensor:
