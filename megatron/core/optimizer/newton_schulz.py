@@ -8,8 +8,9 @@ odd quintic polynomial iteration on the singular values:
     X_{t+1} = a_t X_t + (b_t A_t + c_t A_t A_t) X_t    for t = 0 .. k-1
 
 Each step maps a singular value ``s`` to ``a s + b s^3 + c s^5``. Tall inputs (m > n) are
-treated as their transpose (the Gram matrix is the smaller ``min(m, n)`` square). A step is three matmuls
-written into preallocated buffers, the two polynomial ones as fused ``addmm``/``baddbmm`` (the
+treated as their transpose (the Gram matrix is the smaller ``min(m, n)`` square). A step is
+three matmuls written into preallocated buffers, the two polynomial ones as fused
+``addmm``/``baddbmm`` (the
 same ops as torch.optim.Muon, so the bf16 path rounds like it): the cost is close to the bare
 matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
 """
