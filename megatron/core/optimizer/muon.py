@@ -357,9 +357,10 @@ class TensorParallelMuon(Muon):
     -> L2 decay added to the gradient. ``split_qkv`` orthogonalizes params for which
     ``is_qkv_fn(p)`` holds per ``qkv_split_shapes`` block.
 
-    Tensor parallelism: with a TP group of size 1 (or none) every mode is exact and local;
-    ``blockwise`` orthogonalizes a TP-local slice as is. Exact TP modes with TP > 1 come with the
-    tensor-parallel work and raise ``NotImplementedError`` for now.
+    Tensor parallelism (``muon_tp.py``): params carry Megatron's ``tensor_model_parallel`` and
+    ``partition_dim``; ``duplicated`` and ``distributed`` are exact over ``pg_collection.tp``
+    (``expt_tp`` for expert params), ``blockwise`` orthogonalizes each TP-local slice. Without a
+    ``pg_collection``, Megatron's ``parallel_state`` groups are used when initialized, else TP=1.
     """
 
     def __init__(
@@ -385,13 +386,9 @@ class TensorParallelMuon(Muon):
             raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
         if split_qkv and (is_qkv_fn is None or qkv_split_shapes is None):
             raise ValueError("split_qkv=True needs is_qkv_fn and qkv_split_shapes")
-        _require_local_tp(pg_collection, mode)
         params = list(params)
-        infos = {
-            p: MuonParamInfo.of(p, qkv_split_shapes)
-            for p in _iter_params(params)
-            if split_qkv and is_qkv_fn(p)
-        }
+        groups = _tp_groups(pg_collection)
+        infos = _tp_infos(params, groups, qkv_split_shapes if split_qkv else None, is_qkv_fn)
         self.pg_collection = pg_collection
         self.mode = mode
         self.split_qkv = split_qkv
@@ -411,23 +408,42 @@ class TensorParallelMuon(Muon):
             extra_scale_factor=extra_scale_factor,
             decoupled_weight_decay=use_decoupled_weight_decay,
             param_info=infos,
+            orthogonalizer=_tp_orthogonalizer(mode, groups),
         )
+
+
+def _tp_groups(pg_collection: Optional[Any]) -> dict:
+    from megatron.core import parallel_state
+
+    from .muon_megatron import tp_groups
+
+    if pg_collection is None and not parallel_state.model_parallel_is_initialized():
+        return {False: None, True: None}
+    return tp_groups(pg_collection)
+
+
+def _tp_infos(params: list, groups: dict, qkv_split, is_qkv_fn) -> dict:
+    """TP-global info (shape, partition dim, QKV blocks) of every param."""
+    from megatron.core.utils import get_pg_size
+
+    from .muon_megatron import is_expert_param, param_info
+
+    infos = {}
+    for p in _iter_params(params):
+        split = qkv_split if qkv_split is not None and is_qkv_fn(p) else None
+        infos[p] = param_info(p, get_pg_size(groups[is_expert_param(p)]), split)
+    return infos
+
+
+def _tp_orthogonalizer(mode: str, groups: dict):
+    from .muon_tp import TPOrthogonalizer
+
+    return TPOrthogonalizer(mode, groups)
 
 
 def _iter_params(params: list) -> Iterable[Tensor]:
     for item in params:
         yield from item["params"] if isinstance(item, dict) else [item]
-
-
-def _require_local_tp(pg_collection: Optional[Any], mode: str) -> None:
-    from megatron.core.utils import get_pg_size
-
-    sizes = [get_pg_size(getattr(pg_collection, name, None)) for name in ("tp", "expt_tp")]
-    if mode != "blockwise" and max(sizes) > 1:
-        raise NotImplementedError(
-            f"TensorParallelMuon mode={mode!r} with tensor-parallel size {max(sizes)} is not "
-            "implemented yet; use mode='blockwise' or TP=1"
-        )
 
 
 def __getattr__(name: str):

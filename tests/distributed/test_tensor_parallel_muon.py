@@ -1,0 +1,64 @@
+"""Upstream's ``TensorParallelMuon`` API on Megatron-style TP-sharded params (no GPT needed):
+exact TP modes at TP=2 equal one process on the whole matrices; blockwise does not.
+
+    .venv/bin/python -m pytest tests/distributed/test_tensor_parallel_muon.py -q
+"""
+
+import pytest
+import torch
+from harness import run_distributed
+
+from megatron.core.optimizer.muon import TensorParallelMuon
+
+# (rows, cols, partition_dim): a column-parallel (rows split) and a row-parallel (cols split) W.
+MATRICES = [(64, 32, 0), (32, 48, 1)]
+STEPS = 3
+
+
+def _whole(seed: int, rows: int, cols: int) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(mode: str) -> list:
+    """Each rank steps its TP shard of every matrix; returns the gathered whole matrices."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    params = []
+    for i, (rows, cols, dim) in enumerate(MATRICES):
+        p = torch.nn.Parameter(_whole(i, rows, cols).chunk(tp, dim)[rank].clone())
+        p.tensor_model_parallel, p.partition_dim = True, dim
+        params.append(p)
+    opt = TensorParallelMuon(params, lr=0.1, fp32_matmul_prec="fp32", mode=mode)
+    for step in range(STEPS):
+        for i, (p, (rows, cols, dim)) in enumerate(zip(params, MATRICES)):
+            p.grad = _whole(100 * step + i + 10, rows, cols).chunk(tp, dim)[rank].clone()
+        opt.step()
+    return [
+        _gather(p.detach(), dim, ps.get_tensor_model_parallel_group())
+        for p, (_, _, dim) in zip(params, MATRICES)
+    ]
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+# fp32 Newton-Schulz on both sides; TP only reorders fp32 sums (Gram matrices, norms) -> ~1e-6.
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_exact_tp_modes_equal_one_process(mode):
+    (ref,) = run_distributed(_run, 1, args=(mode,))
+    for got in run_distributed(_run, 2, tp=2, args=(mode,)):
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+
+
+def test_blockwise_is_not_the_exact_result():
+    (ref,) = run_distributed(_run, 1, args=("duplicated",))
+    got = run_distributed(_run, 2, tp=2, args=("blockwise",))[0]
+    assert max((a - b).abs().max().item() for a, b in zip(got, ref)) > 100 * TOL

@@ -1,0 +1,147 @@
+"""The device check: what CPU CI cannot show, run on one lent GPU in a few minutes.
+
+On the device machine (no network: nothing is pip-installed; its python3 has torch), with the
+upstream archive carried in ``.cache/upstream``:
+
+    python3 tools/fork.py assemble && PYTHONPATH=build/fork python3 tools/gpu_check.py
+
+``--device cpu`` runs the same checks here (CPU mode, gloo) to test the script itself.
+Prints one line per check and exits non-zero if any fails.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LOSS = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
+
+
+def check_newton_schulz(device: str) -> str:
+    """NS on the device matches the CPU fp32 result (bf16: within bf16's rounding)."""
+    from megatron.core.optimizer.newton_schulz import newton_schulz
+
+    gen = torch.Generator().manual_seed(0)
+    worst = {}
+    for shape in [(1024, 1024), (1024, 4096), (4096, 1024), (8, 512, 2048)]:
+        x = torch.randn(shape, generator=gen)
+        ref = newton_schulz(x, precision="fp32")
+        for precision, tol in (("fp32", 1e-4), ("bf16", 3e-2)):
+            got = newton_schulz(x.to(device), precision=precision).cpu()
+            err = ((got - ref).norm() / ref.norm()).item()
+            worst[precision] = max(worst.get(precision, 0.0), err)
+            assert err < tol, f"NS {precision} {shape}: rel. error {err:.2e} >= {tol}"
+    return f"NS on {device} vs CPU fp32: worst rel. error {worst}"
+
+
+def check_ns_speed(device: str) -> str:
+    """Our NS vs torch.optim.Muon's on the same bf16 input (timing; reported, not asserted)."""
+    from torch.optim import _muon
+
+    from megatron.core.optimizer.newton_schulz import newton_schulz
+
+    x = torch.randn(4096, 4096, device=device)
+    coeffs = (3.4445, -4.7750, 2.0315)
+    ours = _time(lambda: newton_schulz(x, precision="bf16"), device)
+    theirs = _time(lambda: _muon._zeropower_via_newtonschulz(x, coeffs, 5, 1e-7), device)
+    return f"NS 4096x4096 bf16: ours {ours * 1e3:.2f} ms, torch.optim.Muon {theirs * 1e3:.2f} ms"
+
+
+def _time(fn, device: str, repeats: int = 10) -> float:
+    fn()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeats
+
+
+def _train(args: list, device: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "build", "fork"), OMP_NUM_THREADS="1")
+    if device == "cpu":
+        env["MEGATRON_CPU_MODE"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
+    proc = subprocess.run(
+        cmd + [os.path.join(ROOT, "pretrain_gpt.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {int(i): float(v) for i, v in _LOSS.findall(proc.stdout)}
+
+
+def check_training_resume(device: str) -> str:
+    """pretrain_gpt.py: Muon + DistOpt + bf16 on nccl; the loss falls; a resume is exact."""
+    save = tempfile.mkdtemp()
+    common = [
+        "--mock-data",
+        "--vocab-size",
+        "1024",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "256",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "256",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--optimizer",
+        "muon",
+        "--use-distributed-optimizer",
+        "--bf16",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--train-iters",
+        "20",
+    ]
+    full = _train(common + ["--save", save, "--save-interval", "10"], device)
+    assert full[20] < full[1], f"loss did not fall: {full[1]} -> {full[20]}"
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("10")  # resume from the middle checkpoint
+    resumed = _train(common + ["--load", save], device)
+    assert all(resumed[i] == full[i] for i in range(11, 21)), (full, resumed)
+    return f"pretrain_gpt.py on {device}: loss {full[1]:.3f} -> {full[20]:.3f}; resume exact"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    device = parser.parse_args().device
+    if device == "cpu":
+        from megatron.core import cpu_mode
+
+        cpu_mode.enable()
+    failed = 0
+    for check in (check_newton_schulz, check_ns_speed, check_training_resume):
+        try:
+            print(f"PASS {check.__name__}: {check(device)}", flush=True)
+        except Exception as err:  # report every check, then fail
+            failed += 1
+            print(f"FAIL {check.__name__}: {type(err).__name__}: {err}"[:4000], flush=True)
+    print(f"{3 - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
