@@ -33,5 +33,5 @@ fi
 "$py" tools/fork.py fetch
 "$py" -m pip install -q --no-build-isolation --no-deps -e . --config-settings editable_mode=compat
 echo "$want" > "$stamp"
-"$py" -c "import megatron.core.package_info, torch; print('bootstrap: megatron-core', \
+"$py" -W ignore -c "import megatron.core.package_info, torch; print('bootstrap: megatron-core', \
 megatron.core.package_info.__version__, 'from', megatron.core.__path__[0], '| torch', torch.__version__)"

@@ -104,8 +104,22 @@ def test_preprocess_train_eval_on_real_text(tmp_path):
         2,
         "--optimizer",
         "muon",
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
     ]
     proc = run(args)
     table = floats(losses(proc))
     assert sum(table[-5:]) / 5 < sum(table[:5]) / 5 - 0.3, table  # bytes are learnable fast
     assert proc.stdout.count("validation loss at iteration") == 2
+    scalars = _tensorboard_scalars(str(tmp_path / "tb"))
+    logged = [v for _, v in scalars["train/lm loss"]]  # the console prints 6 significant digits
+    assert logged == pytest.approx(table, rel=1e-5) and len(scalars["validation/lm loss"]) == 2
+
+
+def _tensorboard_scalars(log_dir: str) -> dict:
+    """{tag: [(step, value)]} from the event files under ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    return {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}

@@ -102,7 +102,6 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--sequence-parallel", 1, ["--sequence-parallel"]),
     ("--fp8-format hybrid", 1, ["--fp8-format"]),
     ("--attention-backend flash", 1, ["--attention-backend"]),
-    ("--tensorboard-dir /tmp/tb", 1, ["tensorboard"]),
     ("--bf16 --fp16", 1, ["--bf16 and --fp16"]),
     ("--global-batch-size 6", 2, ["--global-batch-size (6)", "--micro-batch-size (2)"]),
     ("--tensor-model-parallel-size 3", 4, ["--tensor-model-parallel-size (3)", "world size (4)"]),
