@@ -11,7 +11,6 @@ traceback; the other ranks (likely blocked in a collective) are killed, and a ru
 """
 
 import multiprocessing
-import os
 import queue
 import socket
 import time
@@ -110,9 +109,11 @@ def _rank_main(rank, layout, port, seed, fn, args, kwargs, results):
     except BaseException:  # report everything, including SystemExit and asserts
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # Return instead of exiting: multiprocessing then runs its finalizers (e.g. it shuts
+        # down the Manager process dist_checkpointing's async writer starts, which otherwise
+        # outlives the rank) and exits with os._exit, skipping pytest's atexit handlers.
         results.close()
-        results.join_thread()  # flush the queue's feeder thread before the hard exit
-        os._exit(0)  # skip atexit handlers inherited from pytest
+        results.join_thread()
 
 
 def run_distributed(
@@ -144,10 +145,16 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
+    finished = False
     try:
-        return _collect(results, procs, world_size, timeout)
+        outputs = _collect(results, procs, world_size, timeout)
+        finished = True
+        return outputs
     finally:
         for p in procs:
+            # ranks that reported get a few seconds to exit cleanly (their finalizers stop
+            # helper processes such as dist_checkpointing's Manager); the others are killed
+            p.join(timeout=10 if finished else 0)
             if p.is_alive():
                 p.kill()
             p.join()
