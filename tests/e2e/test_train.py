@@ -63,6 +63,20 @@ def test_data_parallel_distributed_optimizer_resume(tmp_path, optimizer, fmt):
     assert losses(proc) == {3: full[3], 4: full[4]}
 
 
+MORE_LAYOUTS = {  # layouts beyond the save/resume matrix: they must train
+    "interleaved-pp2-vpp2": "--num-layers 4 --pipeline-model-parallel-size 2 "
+    "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 8",
+    "moe-ep2-distopt": "--num-experts 4 --expert-model-parallel-size 2 --use-distributed-optimizer",
+}
+
+
+@pytest.mark.parametrize("flags", MORE_LAYOUTS.values(), ids=MORE_LAYOUTS)
+def test_muon_trains_interleaved_pipeline_and_expert_parallel(flags):
+    args = TINY + ["--optimizer", "muon", "--train-iters", 4] + flags.split()
+    table = losses(run(args, nproc=2))
+    assert sorted(table) == [1, 2, 3, 4] and floats(table)[-1] < floats(table)[0]
+
+
 def test_preprocess_train_eval_on_real_text(tmp_path):
     """The stdlib's own source as jsonl -> tools/preprocess_data.py -> train with evaluation."""
     from megatron.training.corpus import write_corpus_jsonl
