@@ -136,13 +136,17 @@ class MuonExchangePlan:
             flops[m.owner] += m.cost
         return flops
 
+    def moved(self, bucket: BucketSlot) -> int:
+        """Elements this rank sends plus receives in one exchange of ``bucket`` (either
+        direction: the backward exchange swaps the split sizes), self-copies excluded."""
+        off_rank = [
+            n for sizes in (bucket.send, bucket.recv) for r, n in enumerate(sizes) if r != self.rank
+        ]
+        return sum(off_rank)
+
     def bytes_per_step(self, itemsize: int) -> int:
         """Bytes this rank sends plus receives per step, both exchanges, self-copies excluded."""
-        total = 0
-        for b in self.buckets:
-            total += sum(n for r, n in enumerate(b.send) if r != self.rank)
-            total += sum(n for r, n in enumerate(b.recv) if r != self.rank)
-        return 2 * total * itemsize
+        return 2 * itemsize * sum(self.moved(b) for b in self.buckets)
 
 
 class DistributedMuonOrthogonalizer:
@@ -155,6 +159,7 @@ class DistributedMuonOrthogonalizer:
             )
         self.plan, self.inner = plan, inner
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[exchange_dtype]
+        self.itemsize = torch.finfo(self.dtype).bits // 8
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
 
     def __call__(
@@ -177,7 +182,7 @@ class DistributedMuonOrthogonalizer:
         """Forward exchange: the owners in this bucket receive every piece of their matrices."""
         send = [by_matrix[i].to(self.dtype) for i in bucket.mine]
         recv = self._all_to_all(send, bucket.send, bucket.recv, bucket.group, device)
-        self.bytes_moved += self._count(bucket.send, bucket.recv)
+        self.bytes_moved += self.plan.moved(bucket) * self.itemsize
         flat, at = {}, 0
         for i, lo, hi in bucket.owned_pieces:
             if i not in flat:
@@ -192,7 +197,7 @@ class DistributedMuonOrthogonalizer:
         """Backward exchange: each rank receives exactly its pieces of the bucket's results."""
         send = [results[i].reshape(-1)[lo:hi].to(self.dtype) for i, lo, hi in bucket.owned_pieces]
         recv = self._all_to_all(send, bucket.recv, bucket.send, bucket.group, device)
-        self.bytes_moved += self._count(bucket.recv, bucket.send)
+        self.bytes_moved += self.plan.moved(bucket) * self.itemsize
         pieces, at = {}, 0
         for i in bucket.mine:
             lo, hi = piece(self.plan.matrices[i], self.plan.rank, bucket.shard_size)
@@ -211,12 +216,6 @@ class DistributedMuonOrthogonalizer:
             group=group,
         )
         return out
-
-    def _count(self, send_sizes, recv_sizes) -> int:
-        rank, size = self.plan.rank, torch.tensor([], dtype=self.dtype).element_size()
-        sent = sum(n for r, n in enumerate(send_sizes) if r != rank)
-        received = sum(n for r, n in enumerate(recv_sizes) if r != rank)
-        return (sent + received) * size
 
 
 def _numel(slot: MatrixSlot) -> int:
