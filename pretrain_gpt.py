@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 
-from megatron.core import cpu_mode, parallel_state  # noqa: E402
-from megatron.training import datasets  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.training import cpu_mode, datasets  # noqa: E402
 from megatron.training.arguments import ArgumentsError, parse_args  # noqa: E402
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.core_configs import transformer_config  # noqa: E402

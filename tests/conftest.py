@@ -9,7 +9,7 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 
 import torch  # noqa: E402
 
-from megatron.core import cpu_mode  # noqa: E402
+from megatron.training import cpu_mode  # noqa: E402
 
 cpu_mode.enable_if_needed()
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))

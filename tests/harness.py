@@ -51,7 +51,8 @@ def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
     torch.set_num_threads(1)
     # upstream's deprecation and CUDA-tuning warnings, once per rank, drown the tracebacks
     warnings.simplefilter("ignore")
-    from megatron.core import cpu_mode, parallel_state, tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.training import cpu_mode
 
     cpu_mode.enable()
     torch.distributed.init_process_group(

@@ -129,7 +129,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     device = parser.parse_args().device
     if device == "cpu":
-        from megatron.core import cpu_mode
+        from megatron.training import cpu_mode
 
         cpu_mode.enable()
     failed = 0

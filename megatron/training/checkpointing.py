@@ -23,7 +23,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 # torch.distributed.checkpoint reports a failed read as a BaseException subclass.
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.core import cpu_mode, dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.training import cpu_mode
 
 from .log import print_rank_0
 

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer import TransformerConfig
 
-from megatron.core import cpu_mode
 from megatron.core.optimizer import OptimizerConfig
+from megatron.training import cpu_mode
 
 from .arguments import FLAGS, home_field
 

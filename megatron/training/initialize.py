@@ -10,7 +10,8 @@ import torch
 from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from megatron.core import cpu_mode, parallel_state
+from megatron.core import parallel_state
+from megatron.training import cpu_mode
 
 from .core_configs import virtual_pipeline_size
 

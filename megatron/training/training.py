@@ -96,7 +96,7 @@ def count_parameters(model) -> int:
 
 
 def _device():
-    from megatron.core import cpu_mode
+    from megatron.training import cpu_mode
 
     return cpu_mode.device()
 

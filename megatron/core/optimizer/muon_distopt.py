@@ -152,12 +152,15 @@ class MuonExchangePlan:
 class DistributedMuonOrthogonalizer:
     """Orthogonalizer for DP-sharded Muon params; wraps the TP orthogonalizer run by owners."""
 
-    def __init__(self, plan: MuonExchangePlan, inner: Orthogonalizer, exchange_dtype: str):
+    def __init__(
+        self, plan: MuonExchangePlan, inner: Orthogonalizer, exchange_dtype: str, device=None
+    ):
         if exchange_dtype not in EXCHANGE_DTYPES:
             raise ValueError(
                 f"muon exchange dtype {exchange_dtype!r} unknown; allowed: {list(EXCHANGE_DTYPES)}"
             )
         self.plan, self.inner = plan, inner
+        self.device = device  # of the grad buffers: where a rank without Muon shards exchanges
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[exchange_dtype]
         self.itemsize = torch.finfo(self.dtype).bits // 8
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
@@ -168,7 +171,7 @@ class DistributedMuonOrthogonalizer:
         by_matrix = {info.matrix: u for u, info in zip(updates, infos)}
         if len(by_matrix) != len(updates) or any(not isinstance(i, ShardInfo) for i in infos):
             raise AssertionError("DistributedMuonOrthogonalizer needs one ShardInfo per matrix")
-        device = updates[0].device if updates else _device_of(self.plan)
+        device = updates[0].device if updates else self.device
         pieces, self.bytes_moved = {}, 0
         for bucket in self.plan.buckets:  # one bucket at a time: transient memory ~ one bucket
             whole = self._gather_to_owners(bucket, by_matrix, device)
@@ -220,12 +223,6 @@ class DistributedMuonOrthogonalizer:
 
 def _numel(slot: MatrixSlot) -> int:
     return math.prod(slot.local_shape)
-
-
-def _device_of(plan: MuonExchangePlan):
-    from megatron.core import cpu_mode
-
-    return cpu_mode.device() if cpu_mode.is_enabled() else torch.cuda.current_device()
 
 
 # ------------------------------------------------------------------ building the plan from DistOpt
@@ -324,7 +321,10 @@ def attach(distopt, muon, exchange_dtype: str = "fp32") -> None:
     steps = specs[0].steps if specs else 0
     plan, metas = build_plan(distopt, muon.param_info.get, steps)
     muon.param_info = {shard: meta.muon for shard, meta in metas.items() if meta.muon}
-    muon.orthogonalizer = DistributedMuonOrthogonalizer(plan, muon.orthogonalizer, exchange_dtype)
+    device = distopt.buffers[0].grad_data.device if distopt.buffers else None
+    muon.orthogonalizer = DistributedMuonOrthogonalizer(
+        plan, muon.orthogonalizer, exchange_dtype, device
+    )
     # A per-rank raise on a non-finite grad would leave the other DP ranks waiting in the
     # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.
     muon.on_nonfinite_grad = "ignore"

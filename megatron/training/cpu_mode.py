@@ -1,6 +1,6 @@
 """CPU mode: run megatron-core 0.16.1 on a machine without CUDA (development, CI, laptops).
 
-    from megatron.core import cpu_mode
+    from megatron.training import cpu_mode
     cpu_mode.enable_if_needed()   # before building models; a no-op where CUDA is available
 
 Active only when ``torch.cuda.is_available()`` is false, or when ``MEGATRON_CPU_MODE=1`` asks for
