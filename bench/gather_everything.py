@@ -12,14 +12,16 @@ Newton-Schulz work and receives all Muon momentum bytes. Plugged in through the 
 import torch
 from torch import Tensor
 
-from megatron.core.optimizer.muon_distopt import MuonExchangePlan, _device_of, piece
+from megatron.core.optimizer.muon_distopt import MuonExchangePlan, piece
 
 
 class GatherEverythingOrthogonalizer:
     """Orthogonalizer for DP-sharded Muon params: all-gather per bucket, NS everywhere."""
 
-    def __init__(self, plan: MuonExchangePlan, inner, dtype: torch.dtype = torch.float32):
-        self.plan, self.inner, self.dtype = plan, inner, dtype
+    def __init__(
+        self, plan: MuonExchangePlan, inner, dtype: torch.dtype = torch.float32, device=None
+    ):
+        self.plan, self.inner, self.dtype, self.device = plan, inner, dtype, device
         self.bytes_moved = 0  # of the last step: sent + received, own shard excluded
 
     def __call__(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
@@ -57,7 +59,7 @@ class GatherEverythingOrthogonalizer:
         pad = max(sum(s) for s in sizes)
         own = zip(bucket.matrices, sizes[self.plan.rank])
         mine = [by_matrix[i].reshape(-1).to(self.dtype) for i, n in own if n]
-        device = _device_of(self.plan)
+        device = self.device
         send = torch.zeros(pad, dtype=self.dtype, device=device)
         if mine:
             flat = torch.cat(mine)
@@ -96,5 +98,5 @@ def use_gather_everything(optimizer) -> None:
             continue
         ours = distopt.optimizer.orthogonalizer
         distopt.optimizer.orthogonalizer = GatherEverythingOrthogonalizer(
-            distopt.muon_plan, ours.inner, ours.dtype
+            distopt.muon_plan, ours.inner, ours.dtype, ours.device
         )
