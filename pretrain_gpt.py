@@ -13,6 +13,7 @@ message naming it, a checkpoint that does not fit exits 1.
 """
 
 import sys
+import time
 import warnings
 from functools import partial
 
@@ -30,6 +31,7 @@ from megatron.training import cpu_mode, datasets  # noqa: E402
 from megatron.training.arguments import ArgumentsError, parse_args  # noqa: E402
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.core_configs import transformer_config  # noqa: E402
+from megatron.training.exit_conditions import ExitConditions  # noqa: E402
 from megatron.training.initialize import initialize  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
@@ -138,11 +140,13 @@ def _one_or_list(items):
 
 
 def main(argv=None) -> int:
+    start_time = time.time()  # --exit-duration-in-mins counts start-up, as Megatron-LM
     try:
         args = parse_args(argv)
     except ArgumentsError as err:
         _print_error(f"pretrain_gpt.py: error: {err}")
         return 2
+    exit_conditions = ExitConditions(args, start_time)  # catches a signal sent during start-up
     initialize(args)
     tokenizer = build_tokenizer(
         args.tokenizer_type,
@@ -162,6 +166,7 @@ def main(argv=None) -> int:
             partial(forward_step, args),
             partial(data_iterators, tokenizer=tokenizer),
             config,
+            exit_conditions,
         )
     except CheckpointError as err:
         _print_error(f"pretrain_gpt.py: checkpoint error: {err}")

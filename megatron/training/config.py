@@ -87,6 +87,14 @@ class TrainingArgs:
     """Random seed (model init, dropout, data shuffling)."""
     exit_interval: Optional[int] = None
     """Stop (after saving) when the iteration is a multiple of this."""
+    exit_duration_in_mins: Optional[float] = None
+    """Stop (after saving) once this many minutes have passed since the process started
+    (Megatron-LM takes whole minutes; a fraction is accepted too)."""
+    exit_signal_handler: bool = False
+    """On --exit-signal (SIGTERM, as Slurm sends before a time limit or preemption): finish the
+    step, save, exit 0."""
+    exit_signal: str = "SIGTERM"
+    """The signal --exit-signal-handler catches: a name or a number."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from . import checkpointing
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
+from .exit_conditions import ExitConditions
 from .log import (
     IntervalStats,
     TensorBoard,
@@ -199,11 +200,16 @@ def evaluate(args, forward_step, data_iterator, model, state: TrainState) -> dic
 # ------------------------------------------------------------------------------- loop
 
 
-def pretrain(args, model_provider, forward_step, data_iterators_provider, config) -> TrainState:
+def pretrain(
+    args, model_provider, forward_step, data_iterators_provider, config, exit_conditions=None
+) -> TrainState:
     """Build, resume, train, evaluate, save. ``data_iterators_provider(args, state, n_chunks)``
     returns (train, valid, has_valid): iterators (lists with virtual stages; None on ranks that
     read no data) from the state's consumed sample counts, so that a resumed run reads exactly
-    the data the uninterrupted one would, and whether any rank has a validation split."""
+    the data the uninterrupted one would, and whether any rank has a validation split.
+    ``exit_conditions`` (made at process start, so that its signal handler and clock cover
+    start-up) decides early exits; one is made here when not given."""
+    exit_conditions = exit_conditions or ExitConditions(args, time.time())
     model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider, config)
     state = TrainState(num_params=count_parameters(model))
     print_rank_0(f" > number of parameters: {state.num_params}")
@@ -214,13 +220,21 @@ def pretrain(args, model_provider, forward_step, data_iterators_provider, config
     valid_iter = valid_iter if has_valid and args.eval_iters > 0 else False
     checkpointing.restore_pending_rng(state)
     tb = TensorBoard(args.tensorboard_dir)
-    train_loop(args, forward_step, model, optimizer, scheduler, state, (train_iter, valid_iter), tb)
+    iterators = (train_iter, valid_iter)
+    reason = train_loop(
+        args, forward_step, model, optimizer, scheduler, state, iterators, tb, exit_conditions
+    )
     tb.close()
+    exit_conditions.release()
+    if reason:
+        print_rank_0(f" > {reason}")
     return state
 
 
-def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, tb):
+def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, tb, stop):
+    """Steps until --train-iters or an early exit (returned as its reason), then a final save."""
     train_iter, valid_iter = iterators  # valid_iter False: no evaluation (None: reads no data)
+    reason = None
     stats = IntervalStats()
     saved_at = None
     while state.iteration < args.train_iters:
@@ -242,10 +256,12 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
             checkpointing.save(args, model, optimizer, scheduler, state)
             saved_at = state.iteration
         stats.pause(time.perf_counter() - paused)
-        if args.exit_interval and state.iteration % args.exit_interval == 0:
+        reason = stop.check(state.iteration, _device())
+        if reason:
             break
     if args.save and saved_at != state.iteration:
         checkpointing.save(args, model, optimizer, scheduler, state)
+    return reason
 
 
 def _log(args, state, stats, optimizer, batch_size, grad_norm, tb) -> None:

@@ -33,6 +33,7 @@ POSITIVE = (
     ("eval_interval", "--eval-interval"),
     ("global_batch_size", "--global-batch-size"),
     ("save_interval", "--save-interval"),
+    ("exit_interval", "--exit-interval"),
     ("num_experts", "--num-experts"),
     ("muon_num_ns_steps", "--muon-num-ns-steps"),
 )
@@ -250,10 +251,26 @@ def _derive(args) -> None:
         args.grad_reduce_in_fp32 = True  # as Megatron-LM: bf16 grads reduced in fp32
     if args.finetune:
         args.no_load_optim = args.no_load_rng = True
+    _derive_exit_signal(args)
     upstream_scale = {"muon_scale_mode", "muon_extra_scale_factor"} & args.given
     if upstream_scale and "muon_matched_adamw_rms" not in args.given:
         # upstream 0.16's flags select its scale rule, which the matched-RMS rule would override
         args.muon_matched_adamw_rms = None
+
+
+def _derive_exit_signal(args) -> None:
+    from .exit_conditions import parse_signal
+
+    try:
+        args.exit_signal = parse_signal(str(args.exit_signal))
+    except ValueError as err:
+        raise ArgumentsError(f"--exit-signal: {err}") from None
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
+        raise ArgumentsError(
+            f"--exit-duration-in-mins must be >= 0, got {args.exit_duration_in_mins}"
+        )
+    if args.exit_duration_in_mins == 0:
+        args.exit_duration_in_mins = None  # Megatron-LM: 0 means no time limit
 
 
 def validate_args(args) -> None:

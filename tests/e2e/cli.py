@@ -19,14 +19,27 @@ TINY = (
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 
 
-def run(args, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+def command(args, nproc: int = 1) -> tuple[list, dict]:
+    """(argv, environment) of one launch."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("WORLD_SIZE", None)
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    cmd = launcher + [os.path.join(ROOT, "pretrain_gpt.py"), *map(str, args)]
+    return launcher + [os.path.join(ROOT, "pretrain_gpt.py"), *map(str, args)], env
+
+
+def run(args, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd, env = command(args, nproc)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start(args, nproc: int = 1) -> subprocess.Popen:
+    """A launch whose output is read while it runs (stderr merged into stdout)."""
+    cmd, env = command(args, nproc)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def losses(proc: subprocess.CompletedProcess) -> dict:
