@@ -95,7 +95,11 @@ def data_iterators(args, state, n_chunks, tokenizer):
         data_cache_path=args.data_cache_path,
     )
     samples = datasets.train_valid_test_num_samples(
-        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
+        args.train_iters,
+        args.global_batch_size,
+        args.eval_interval,
+        args.eval_iters,
+        train_samples=args.train_samples,
     )
     try:
         train_ds, valid_ds, _ = datasets.build_train_valid_test_datasets(config, samples)

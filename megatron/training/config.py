@@ -60,9 +60,12 @@ class TrainingArgs:
     global_batch_size: Optional[int] = None
     """Samples per optimizer step; defaults to micro batch x DP (no accumulation)."""
     rampup_batch_size: Optional[list] = None
-    """start increment samples: grow the global batch from start by increment over samples."""
+    """start increment samples: grow the global batch from start by increment over samples
+    (sample-based training only, as Megatron-LM)."""
     train_iters: Optional[int] = None
-    """Optimizer steps to train (required)."""
+    """Optimizer steps to train (this or --train-samples is required)."""
+    train_samples: Optional[int] = None
+    """Samples to train on (sample-based training: the lr flags in samples too)."""
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
     """Learning-rate decay after warm-up."""
     lr_decay_iters: Optional[int] = None
@@ -71,6 +74,12 @@ class TrainingArgs:
     """Linear warm-up steps."""
     lr_warmup_fraction: Optional[float] = None
     """Warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
+    lr_decay_samples: Optional[int] = None
+    """Samples to decay over (sample-based); defaults to --train-samples."""
+    lr_warmup_samples: int = 0
+    """Linear warm-up samples (sample-based)."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """Samples of WSD's final decay phase (sample-based)."""
     lr_warmup_init: float = 0.0
     """Learning rate at the start of warm-up."""
     lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"

@@ -50,8 +50,10 @@ class IntervalStats:
         return {key: total / counted for key, total in self.losses.items()}
 
 
-def training_line(args, state, stats: IntervalStats, lr, batch_size, loss_scale, grad_norm):
-    """One Megatron-LM training log line, plus tokens/s and ETA (ours)."""
+def training_line(args, state, stats: IntervalStats, lrs, batch_size, loss_scale, grad_norm):
+    """One Megatron-LM training log line, plus tokens/s and ETA (ours). ``lrs``: the learning
+    rate and the decoupled one (None without --decoupled-lr)."""
+    lr, decoupled_lr = lrs
     elapsed = (time.perf_counter() - stats.start) / max(1, stats.iterations)
     tokens_per_s = batch_size * args.seq_length / elapsed
     eta = datetime.timedelta(seconds=int(elapsed * (args.train_iters - state.iteration)))
@@ -65,7 +67,10 @@ def training_line(args, state, stats: IntervalStats, lr, batch_size, loss_scale,
     if args.log_throughput:
         tflops = 6 * state.num_params * tokens_per_s / 1e12 / args.world_size
         parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
-    parts += [f" learning rate: {lr:.6E}", f" global batch size: {batch_size:5d}"]
+    parts.append(f" learning rate: {lr:.6E}")
+    if decoupled_lr is not None:
+        parts.append(f" decoupled learning rate: {decoupled_lr:.6E}")
+    parts.append(f" global batch size: {batch_size:5d}")
     parts += [f" {key}: {value:.6E}" for key, value in stats.averages().items()]
     parts += [f" loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:

@@ -20,7 +20,6 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
@@ -31,6 +30,7 @@ from . import checkpointing
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
+from .schedule import get_scheduler, learning_rates
 from .log import (
     IntervalStats,
     TensorBoard,
@@ -115,31 +115,6 @@ def setup_model_and_optimizer(args, model_provider, config):
     config.grad_scale_func = optimizer.scale_loss
     scheduler = get_scheduler(args, optimizer)
     return model, optimizer, scheduler
-
-
-def get_scheduler(args, optimizer):
-    """Megatron-LM's iteration-based OptimizerParamScheduler, counted in samples (so that a
-    --rampup-batch-size run decays over the same data)."""
-    gbs = args.global_batch_size
-    warmup = args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None:
-        warmup = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    wd = args.weight_decay
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr or 0.0,
-        lr_warmup_steps=warmup * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=wd if args.start_weight_decay is None else args.start_weight_decay,
-        end_wd=wd if args.end_weight_decay is None else args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style=args.weight_decay_incr_style,
-        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * gbs or None,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-    )
 
 
 # ------------------------------------------------------------------------------ steps
@@ -265,12 +240,14 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
 
 
 def _log(args, state, stats, optimizer, batch_size, grad_norm, tb) -> None:
-    lr = optimizer.param_groups[0]["lr"]
+    lr, decoupled_lr = learning_rates(optimizer, args.decoupled_lr is not None)
     scale = optimizer.get_loss_scale().item()
     norm = None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm
-    print_rank_last(training_line(args, state, stats, lr, batch_size, scale, grad_norm))
+    lrs = (lr, decoupled_lr)
+    print_rank_last(training_line(args, state, stats, lrs, batch_size, scale, grad_norm))
     values = {f"train/{k}": v for k, v in stats.averages().items()}
     values.update({"learning-rate": lr, "loss-scale": scale, "grad-norm": norm})
+    values["decoupled-learning-rate"] = decoupled_lr
     values["batch-size"] = batch_size
     tb.scalars(values, state.iteration)
 

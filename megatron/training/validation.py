@@ -15,7 +15,6 @@ REQUIRED = (
     ("num_attention_heads", "--num-attention-heads"),
     ("seq_length", "--seq-length"),
     ("micro_batch_size", "--micro-batch-size"),
-    ("train_iters", "--train-iters"),
     ("lr", "--lr"),
 )
 
@@ -26,6 +25,8 @@ POSITIVE = (
     ("seq_length", "--seq-length"),
     ("micro_batch_size", "--micro-batch-size"),
     ("train_iters", "--train-iters"),
+    ("train_samples", "--train-samples"),
+    ("lr_decay_samples", "--lr-decay-samples"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ("expert_model_parallel_size", "--expert-model-parallel-size"),
@@ -118,8 +119,22 @@ RULES = (
         lambda a: f"--lr-warmup-fraction must be in [0, 1], got {a.lr_warmup_fraction}",
     ),
     (
-        lambda a: a.lr_decay_style == "WSD" and a.lr_wsd_decay_iters is None,
-        lambda a: "--lr-decay-style WSD needs --lr-wsd-decay-iters",
+        lambda a: a.lr_decay_style == "WSD"
+        and a.lr_wsd_decay_iters is None
+        and a.lr_wsd_decay_samples is None,
+        lambda a: "--lr-decay-style WSD needs --lr-wsd-decay-iters (or, sample-based, "
+        "--lr-wsd-decay-samples)",
+    ),
+    (
+        lambda a: a.decoupled_min_lr is not None and a.decoupled_lr is None,
+        lambda a: "--decoupled-min-lr needs --decoupled-lr",
+    ),
+    (
+        lambda a: a.decoupled_lr is not None
+        and a.decoupled_min_lr is not None
+        and a.decoupled_min_lr > a.decoupled_lr,
+        lambda a: f"--decoupled-min-lr ({a.decoupled_min_lr}) must be <= --decoupled-lr "
+        f"({a.decoupled_lr})",
     ),
     (
         lambda a: a.position_embedding_type == "learned_absolute"
@@ -173,6 +188,55 @@ RULES = (
     (lambda a: a.eval_iters < 0, lambda a: f"--eval-iters must be >= 0, got {a.eval_iters}"),
     (lambda a: a.num_workers < 0, lambda a: f"--num-workers must be >= 0, got {a.num_workers}"),
 )
+
+# Megatron-LM: iteration-based and sample-based training are exclusive, flag by flag; a flag of
+# the other form would be silently ignored, so it is an error (checked before deriving).
+_ITERATION_FORMS = (
+    ("train_iters", "--train-iters"),
+    ("lr_decay_iters", "--lr-decay-iters"),
+    ("lr_warmup_iters", "--lr-warmup-iters"),
+    ("lr_wsd_decay_iters", "--lr-wsd-decay-iters"),
+)
+_SAMPLE_FORMS = (
+    ("train_samples", "--train-samples"),
+    ("lr_decay_samples", "--lr-decay-samples"),
+    ("lr_warmup_samples", "--lr-warmup-samples"),
+    ("lr_wsd_decay_samples", "--lr-wsd-decay-samples"),
+    ("rampup_batch_size", "--rampup-batch-size"),
+)
+
+
+def _check_schedule_form(args) -> None:
+    iteration = [flag for attr, flag in _ITERATION_FORMS if attr in args.given]
+    sample = [flag for attr, flag in _SAMPLE_FORMS if attr in args.given]
+    if args.train_iters is None and args.train_samples is None:
+        raise ArgumentsError("--train-iters or --train-samples is required")
+    if iteration and sample:
+        raise ArgumentsError(
+            f"iteration-based ({', '.join(iteration)}) and sample-based "
+            f"({', '.join(sample)}) training flags are exclusive, as in Megatron-LM: "
+            "use --train-iters with the *-iters flags, or --train-samples with the *-samples "
+            "flags (--rampup-batch-size needs --train-samples)"
+        )
+    if args.lr_warmup_fraction is not None and "lr_warmup_samples" in args.given:
+        raise ArgumentsError("--lr-warmup-samples and --lr-warmup-fraction are exclusive: pick one")
+
+
+def _derive_train_iters(args) -> None:
+    """Sample-based training: the step count and decay length from the samples."""
+    if args.train_samples is None:
+        return
+    from .schedule import train_iters_from_samples
+
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+    args.train_iters = train_iters_from_samples(args)
+    if args.train_iters < 1:
+        raise ArgumentsError(
+            f"--train-samples ({args.train_samples}) is less than one global batch "
+            f"({args.global_batch_size}): nothing to train"
+        )
+
 
 VPP_RULES = (
     (
@@ -239,7 +303,7 @@ def _derive(args) -> None:
         from megatron.core.transformer.enums import AttnBackend
 
         args.attention_backend = AttnBackend[args.attention_backend]
-    if args.lr_decay_iters is None:
+    if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     if args.data_path and args.split is None:
         args.split = "969, 30, 1"
@@ -276,12 +340,14 @@ def _derive_exit_signal(args) -> None:
 def validate_args(args) -> None:
     _check_required(args)
     _check_table(args)
+    _check_schedule_form(args)
     _derive(args)
     _check_rules(args, RULES)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _check_rules(args, VPP_RULES)
     if args.rampup_batch_size is not None:
         _check_rampup(args)
+    _derive_train_iters(args)
     _check_core_configs(args)
 
 

@@ -120,7 +120,7 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
         2,
         ["must divide"],
     ),
-    ("--rampup-batch-size 3 2 100 --global-batch-size 8", 1, ["multiples"]),
+    ("--rampup-batch-size 4 2 100 --global-batch-size 8", 1, ["exclusive", "--train-samples"]),
     ("--expert-model-parallel-size 2", 2, ["--num-experts"]),
     ("--muon-momentum 1.5", 1, ["muon_momentum"]),
     ("--micro-batch-size -1", 1, ["--micro-batch-size must be >= 1"]),
@@ -140,7 +140,7 @@ def test_required_flags(flag):
     argv = list(BASE)
     i = argv.index(flag)
     del argv[i : i + 2]
-    with pytest.raises(ArgumentsError, match=f"{flag} is required"):
+    with pytest.raises(ArgumentsError, match=f"{flag} (or --train-samples )?is required"):
         parse_args(argv, world_size=1)
 
 
@@ -165,3 +165,39 @@ def test_help_shows_homes_and_defaults(capsys):
     text = capsys.readouterr().out
     assert "OptimizerConfig.muon_momentum, default: 0.95" in text
     assert default_of(FLAGS[0]) == 0  # TransformerConfig.num_layers: required, checked above
+
+
+SAMPLES = [a for a in BASE if a not in ("--train-iters", "10")] + ["--train-samples", "100"]
+
+SAMPLE_ERRORS = [  # sample-based training: exclusive with the iteration forms, as Megatron-LM
+    ("--train-iters 5", ["--train-iters", "--train-samples", "exclusive"]),
+    ("--lr-decay-iters 5", ["--lr-decay-iters", "exclusive"]),
+    ("--lr-warmup-iters 5", ["--lr-warmup-iters", "exclusive"]),
+    ("--lr-warmup-samples 8 --lr-warmup-fraction 0.1", ["--lr-warmup-samples", "exclusive"]),
+    ("--rampup-batch-size 3 2 40 --global-batch-size 8", ["multiples"]),
+    ("--global-batch-size 128 --micro-batch-size 2", ["--train-samples (100)", "one global"]),
+    ("--decoupled-min-lr 1e-4", ["--decoupled-min-lr needs --decoupled-lr"]),
+    ("--decoupled-lr 1e-4 --decoupled-min-lr 1e-3", ["--decoupled-min-lr (0.001)"]),
+]
+
+
+@pytest.mark.parametrize("extra, words", SAMPLE_ERRORS)
+def test_sample_based_bad_input(extra, words):
+    with pytest.raises(ArgumentsError) as err:
+        parse_args(SAMPLES + extra.split(), world_size=1)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra, iters",
+    [
+        ("--global-batch-size 8", 12),  # 100 // 8, the partial last batch dropped
+        # batch +2 every 40/3 samples: 7 steps of 2 (to 14 samples), 4 of 4 (to 30), 2 of 6
+        # (to 42, past the ramp), then (100 - 42) // 8 = 7 of 8: Megatron-LM's count
+        ("--global-batch-size 8 --rampup-batch-size 2 2 40", 20),
+    ],
+)
+def test_train_iters_from_samples(extra, iters):
+    args = parse_args(SAMPLES + extra.split(), world_size=1)
+    assert args.train_iters == iters and args.lr_decay_samples == 100

@@ -1,0 +1,93 @@
+"""Sample-based schedules, --rampup-batch-size and --decoupled-lr through the real CLI.
+
+.venv/bin/python -m pytest -q tests/e2e/test_schedule.py
+"""
+
+import os
+import re
+
+import pytest
+import torch
+
+from .cli import TINY, losses, run
+
+_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \|.*? learning rate: (\S+) \|"
+    r"(?: decoupled learning rate: (\S+) \|)? global batch size:\s+(\d+) \|"
+)
+
+
+def _lines(proc) -> list:
+    """[(iteration, of, consumed samples, lr, decoupled lr or None, global batch)] as printed."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [
+        (int(m[1]), int(m[2]), int(m[3]), float(m[4]), m[5] and float(m[5]), int(m[6]))
+        for m in _LINE.finditer(proc.stdout)
+    ]
+
+
+def _without(args: list, *flags) -> list:
+    out, skip = [], 0
+    for a in args:
+        if skip:
+            skip -= 1
+        elif a in flags:
+            skip = 1
+        else:
+            out.append(a)
+    return out
+
+
+BASE = _without(TINY, "--global-batch-size") + ["--global-batch-size", 4, "--optimizer", "muon"]
+
+
+def test_sample_based_run_equals_its_iteration_based_twin():
+    """--train-samples 32 / warm-up 8 / decay 24 samples at batch 4 is --train-iters 8 / warm-up
+    2 / decay 6: same losses, same learning rates."""
+    samples = run(
+        BASE
+        + "--train-samples 32 --lr-warmup-samples 8 --lr-decay-samples 24 --min-lr 1e-3".split()
+    )
+    iters = run(
+        BASE + "--train-iters 8 --lr-warmup-iters 2 --lr-decay-iters 6 --min-lr 1e-3".split()
+    )
+    assert losses(samples) == losses(iters) and len(losses(samples)) == 8
+    assert [x[3] for x in _lines(samples)] == [x[3] for x in _lines(iters)]
+
+
+def test_rampup_batch_size_grows_the_batch_over_samples():
+    """--rampup-batch-size 2 2 12 to batch 6 (micro batch 2): +2 every 6 samples, Megatron-LM's
+    calculator; the lr warms up over 12 samples and decays linearly to --min-lr at 40."""
+    args = _without(BASE, "--global-batch-size") + ["--global-batch-size", 6]
+    args += "--train-samples 40 --rampup-batch-size 2 2 12 --lr-warmup-samples 12".split()
+    lines = _lines(run(args + ["--min-lr", 1e-3]))
+    batches = [x[5] for x in lines]
+    # consumed 0,2,4 -> batch 2; 6,10 -> 4 (6/6 = 1 increment); 14 -> past the ramp: 6 ...
+    assert batches[:6] == [2, 2, 2, 4, 4, 6] and set(batches[6:]) == {6}
+    consumed = [x[2] for x in lines]
+    assert consumed == [sum(batches[: i + 1]) for i in range(len(batches))]
+    assert lines[-1][0] == lines[-1][1] == len(lines) and consumed[-1] <= 40 < consumed[-1] + 6
+    for _, _, c, lr, _, _ in lines:  # the scheduler steps by the batch just consumed
+        expected = 1e-2 * c / 12 if c <= 12 else 1e-3 + (1e-2 - 1e-3) * (40 - c) / (40 - 12)
+        assert lr == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adam"])
+def test_decoupled_lr_applies_to_embedding_and_output_only(tmp_path, optimizer):
+    """--decoupled-lr 0: the (untied) embedding and output layer stay at their initial values
+    while Muon's matrices and AdamW's other params (the final norm) train at --lr."""
+    save = str(tmp_path / "save")
+    args = _without(BASE, "--optimizer") + ["--optimizer", optimizer, "--train-iters", 2]
+    args += "--untie-embeddings-and-output-weights --decoupled-lr 0 --ckpt-format torch".split()
+    lines = _lines(run(args + ["--save", save, "--save-interval", 1]))
+    assert [(x[3], x[4]) for x in lines] == [(1e-2 * (1 - i / 2), 0.0) for i in (1, 2)]
+    one, two = (_model(save, i) for i in (1, 2))
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert torch.equal(one[name], two[name]), name
+    for name in ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.final_layernorm.weight"):
+        assert not torch.equal(one[name], two[name]), name
+
+
+def _model(save: str, iteration: int) -> dict:
+    path = os.path.join(save, f"iter_{iteration:07d}", "mp_rank_00", "model_optim_rng.pt")
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
