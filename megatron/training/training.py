@@ -30,7 +30,6 @@ from . import checkpointing
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
-from .schedule import get_scheduler, learning_rates
 from .log import (
     IntervalStats,
     TensorBoard,
@@ -39,6 +38,7 @@ from .log import (
     training_line,
     validation_block,
 )
+from .schedule import get_scheduler, learning_rates
 
 
 @dataclass
