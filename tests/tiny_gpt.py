@@ -30,6 +30,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.qk_clip import clip_qk
 
 
 @dataclass
@@ -294,7 +295,9 @@ def train_step(spec: TinyGPT, model_chunks, optimizer, batch: torch.Tensor) -> d
         forward_only=False,
     )
     ok, grad_norm, _ = optimizer.step()
-    return {"loss": _dp_mean_loss(losses), "ok": ok, "grad_norm": grad_norm}
+    max_logit = clip_qk(model_chunks, optimizer=optimizer)  # None unless the config asks for it
+    info = {"ok": ok, "grad_norm": grad_norm, "max_logit": max_logit}
+    return {"loss": _dp_mean_loss(losses), **info}
 
 
 def _dp_mean_loss(losses: list) -> float:

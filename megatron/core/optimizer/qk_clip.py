@@ -1,0 +1,165 @@
+"""QK-clip (Kimi K2's MuonClip, arXiv 2507.20534) on every layout, without Transformer Engine.
+
+After each optimizer step, with S_h the step's maximum pre-softmax logit of query head h (recorded
+by the core attention, megatron/core/transformer/max_attention_logit.py), threshold tau and balance
+alpha (``TransformerConfig.qk_clip_threshold`` / ``qk_clip_alpha``):
+
+    eta_h = tau / S_h if S_h > tau else 1
+    W_q[h] <- W_q[h] * eta_h ** alpha                 (query rows of head h)
+    W_k[g] <- W_k[g] * (min_{h in g} eta_h) ** (1 - alpha)   (key rows of key head g)
+
+GQA rule: key head g serves the query heads h of its group; it takes the group's smallest eta
+(the largest S_h), so that every head's logit, bilinear in its query and key rows, ends at
+S_h * eta_h**alpha * eta_g**(1-alpha) <= tau, and a head whose group stays below tau is left
+alone. (Upstream 0.16.1's TE-only clip scales every query head of a group by the group's eta;
+here a query head is scaled by its own.) Bias rows, where the QKV projection has them, scale with
+their weight rows, so the head's query/key output scales exactly.
+
+Where the rows live:
+* TP: ``linear_qkv`` is column-parallel by query group; each rank clips the heads it holds (the
+  core attention's per-partition heads), no TP communication.
+* DP/CP: S_h is a max over every rank's micro-batches: one all-reduce (MAX) over the DP x CP
+  group of all local layers' maxima together.
+* PP and virtual stages: each stage clips its own layers.
+* fp32 main params (bf16/fp16): scaled too, so that the next main-to-model copy keeps the clip;
+  a DistributedOptimizer holds a 1-D shard of the flattened matrix that cuts through heads: the
+  rows of exactly the elements it holds are scaled, from the DistOpt's own param range (works for
+  Adam and Muon alike). fp32 DistOpt shards are views of the model params: scaled once, with them.
+The clip keeps no state (the maxima are reset every step), so checkpoints are unchanged and a
+resumed run clips as the uninterrupted one.
+"""
+
+from typing import Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.utils import get_model_config
+
+# ------------------------------------------------------------------------------ the math
+
+
+def head_scales(max_logits: torch.Tensor, num_groups: int, threshold: float, alpha: float):
+    """(query scale per head [np], key scale per key head [ng]) from the per-head maxima [np]
+    (heads ordered group by group, as Megatron lays them out)."""
+    eta = torch.where(max_logits > threshold, threshold / max_logits, torch.ones_like(max_logits))
+    group_eta = eta.view(num_groups, -1).amin(dim=1)
+    return eta.pow(alpha), group_eta.pow(1.0 - alpha)
+
+
+def qkv_row_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """One scale per output row of Megatron's fused QKV: per group [q heads, k, v] x head_dim."""
+    groups = k_scale.numel()
+    q = q_scale.view(groups, -1).repeat_interleave(head_dim, dim=1)
+    k = k_scale.view(groups, 1).expand(groups, head_dim)
+    v = torch.ones_like(k)
+    return torch.cat([q, k, v], dim=1).reshape(-1)
+
+
+def scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, row_len: int, start: int) -> None:
+    """Scale in place the elements ``flat`` holds of a row-major matrix (``row_len`` elements per
+    row) flattened, ``flat`` starting at element ``start``: each by its row's scale."""
+    index = torch.arange(start, start + flat.numel(), device=flat.device) // row_len
+    flat.mul_(row_scale.to(flat.device)[index])
+
+
+# ------------------------------------------------------------------------------ the step
+
+
+@torch.no_grad()
+def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float]:
+    """After the optimizer step: clip every attention layer (``config.qk_clip``, unless
+    ``log_max_only``) and return the model-wide max attention logit (same on every rank), or
+    None where neither ``qk_clip`` nor ``log_max_attention_logit`` is set (then nothing runs).
+
+    ``model`` is the list of model chunks; ``optimizer`` (Megatron's, chained or not) is needed
+    with the DistributedOptimizer to place the 16-bit params' fp32 main shards. Collective over
+    the whole world: call it on every rank.
+    """
+    config = get_model_config(model[0])
+    if not (config.qk_clip or config.log_max_attention_logit):
+        return None
+    layers = [m for chunk in model for m in chunk.modules() if isinstance(m, SelfAttention)]
+    _check_ready(layers, optimizer)
+    maxima = _reduce_over_data_parallel([_local_maxima(layer) for layer in layers])
+    if config.qk_clip and not log_max_only:
+        for layer, max_logits in zip(layers, maxima):
+            _clip_layer(layer, max_logits, config, optimizer)
+    for layer in layers:
+        layer.core_attention.current_max_attn_logits = None
+    return _model_wide_max(maxima)
+
+
+def _check_ready(layers, optimizer) -> None:
+    # Same answer on every rank (same spec, same optimizer kind): raised before any collective.
+    for layer in layers:
+        if not hasattr(layer.core_attention, "current_max_attn_logits"):
+            raise ValueError(
+                f"qk_clip: {type(layer.core_attention).__name__} records no attention logits "
+                "(use the local core attention, or Transformer Engine >= 2.9)"
+            )
+        weight = layer.linear_qkv.weight
+        if getattr(weight, "main_param_sharded", False) and optimizer is None:
+            raise ValueError("qk_clip: pass the optimizer: DistributedOptimizer main params")
+
+
+def _local_maxima(layer) -> torch.Tensor:
+    """This rank's per-head maxima; -inf (never clips) for a layer that ran no forward."""
+    attention = layer.core_attention
+    current = attention.current_max_attn_logits
+    if current is not None:
+        return current.float()
+    device = layer.linear_qkv.weight.device
+    return torch.full((attention.num_attention_heads_per_partition,), float("-inf"), device=device)
+
+
+def _reduce_over_data_parallel(maxima: list) -> list:
+    if not maxima:
+        return maxima
+    flat = torch.cat(maxima)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+    return list(flat.split([m.numel() for m in maxima]))
+
+
+def _model_wide_max(maxima: list) -> float:
+    local = torch.stack([m.max() for m in maxima]).max() if maxima else None
+    if local is None:
+        local = torch.tensor(float("-inf"))
+    group = parallel_state.get_model_parallel_group()
+    torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=group)
+    return local.item()
+
+
+def _clip_layer(layer, max_logits: torch.Tensor, config, optimizer) -> None:
+    attention = layer.core_attention
+    q_scale, k_scale = head_scales(
+        max_logits,
+        attention.num_query_groups_per_partition,
+        config.qk_clip_threshold,
+        config.qk_clip_alpha,
+    )
+    rows = qkv_row_scales(q_scale, k_scale, attention.hidden_size_per_attention_head)
+    for param in (layer.linear_qkv.weight, getattr(layer.linear_qkv, "bias", None)):
+        if isinstance(param, torch.Tensor) and param.numel() > 0:
+            _scale_param(param, rows, optimizer)
+
+
+def _scale_param(param, rows: torch.Tensor, optimizer) -> None:
+    """Scale the fp32 main copy (whole, or this rank's DistOpt shard), then the model param."""
+    row_len = param.numel() // param.shape[0]
+    main = getattr(param, "main_param", None)
+    if main is not None and main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+        start = shard_start(optimizer, param) if getattr(param, "main_param_sharded", False) else 0
+        scale_rows_(main.data.view(-1), rows, row_len, start)
+    scale_rows_(param.data.view(-1), rows, row_len, 0)
+
+
+def shard_start(optimizer, param) -> int:
+    """Where this rank's DistributedOptimizer main shard of ``param`` starts in the flattened
+    param (the DistOpt's own per-param range, ``param_range_map['param']``)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if param in getattr(opt, "model_param_gbuf_map", {}):
+            return opt._get_model_param_range_map(param)["param"].start
+    raise AssertionError("a sharded main param whose DistributedOptimizer is not given")

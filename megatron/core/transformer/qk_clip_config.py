@@ -1,0 +1,42 @@
+"""Checks of TransformerConfig's QK-clip fields (``qk_clip``, ``qk_clip_alpha``,
+``qk_clip_threshold``, ``log_max_attention_logit``), called from ``__post_init__``.
+
+The fields are upstream's (0.16.1 declares them without checks); the refusals below are where the
+clip (megatron/core/optimizer/qk_clip.py) cannot keep its promise that every head's logit ends at
+or below the threshold, so a run asking for it fails at configuration time on every rank alike.
+"""
+
+import math
+
+
+def validate_qk_clip_config(config) -> None:
+    """Raise ValueError naming the field when the QK-clip settings are out of range or the
+    attention variant is one the clip cannot bound."""
+    alpha, tau = config.qk_clip_alpha, config.qk_clip_threshold
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"qk_clip_alpha must be in (0, 1), got {alpha}")
+    if not (tau > 0 and math.isfinite(tau)):
+        raise ValueError(f"qk_clip_threshold must be a finite number > 0, got {tau}")
+    if config.multi_latent_attention and (config.qk_clip or config.log_max_attention_logit):
+        raise ValueError(
+            "qk_clip / log_max_attention_logit do not support multi_latent_attention: this "
+            "fork records logits in the local core attention and clips the fused linear_qkv; "
+            "MLA's q/kv up-projections (upstream's MLA clip, Transformer Engine only) are not "
+            "handled"
+        )
+    if not config.qk_clip:
+        return
+    for field in ("qk_layernorm", "qk_l2_norm"):
+        if getattr(config, field, False):
+            raise ValueError(
+                f"qk_clip with {field}: the clip scales the query/key weights, which the norm "
+                "applied after the projection undoes (the norm already bounds the logits)"
+            )
+    if getattr(config, "attention_output_gate", False):
+        raise ValueError("qk_clip does not support attention_output_gate (its fused QKV layout)")
+    if config.num_query_groups < config.tensor_model_parallel_size:
+        raise ValueError(
+            f"qk_clip needs num_query_groups ({config.num_query_groups}) >= "
+            f"tensor_model_parallel_size ({config.tensor_model_parallel_size}): with fewer key "
+            "heads than ranks a key head is replicated across ranks holding different queries"
+        )

@@ -1,0 +1,202 @@
+"""QK-clip (MuonClip) after each optimizer step matches one process under TP, PP, DP and the
+DistributedOptimizer, caps the logits at the threshold, and keeps DistOpt's fp32 main shards in
+step with the model params.
+
+A tiny real GPT (local spec, GQA 4 heads / 2 query groups, RoPE) whose initial max logit is ~0.73;
+the threshold 0.5 makes the clip act on most heads at every step. Reproduce a case by hand:
+
+    .venv/bin/python -m pytest tests/distributed/test_qk_clip.py -k tp2_pp2_dp2 -q
+"""
+
+import functools
+
+import pytest
+import torch
+from harness import run_distributed
+from parity import assert_close_runs, update_rel_error
+from tiny_gpt import (
+    TinyGPT,
+    _forward_step,
+    _micro_batches,
+    build_model,
+    build_optimizer,
+    global_batches,
+    train,
+    train_step,
+)
+
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import qk_clip
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.attention import SelfAttention
+
+STEPS = 3
+TAU = 0.5
+CLIP = dict(qk_clip=True, qk_clip_threshold=TAU, qk_clip_alpha=0.5)
+SPEC = TinyGPT(num_layers=2, extra=CLIP)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+BUCKET = 6000  # with overlap_grad_reduce: several buckets, QKV matrices cut by DP shards
+
+# Tolerance on parity.update_rel_error, as in test_muon_parity.py (measured there ~7e-6 for these
+# layouts without the clip). The clip adds an elementwise product by per-row factors computed from
+# maxima that every layout reduces exactly (a max is order-free), so it adds fp32 rounding only.
+# Without the clip the same runs miss by > 100x TOL (asserted below), so 1e-4 tests the clip.
+TOL = 1e-4
+LOSS_RTOL = 1e-5
+
+LAYOUTS = {
+    "tp2": dict(world_size=2, tp=2),
+    "pp2": dict(world_size=2, pp=2),
+    "dp2_distopt": dict(world_size=2, distopt=True, bucket_size=BUCKET, overlap=True),
+    "tp2_pp2_dp2_distopt": dict(world_size=8, tp=2, pp=2, distopt=True, bucket_size=BUCKET),
+}
+
+
+def run_layout(world_size, tp=1, pp=1, spec=SPEC, **kwargs):
+    return run_distributed(
+        train, world_size, tp=tp, pp=pp, args=(spec, STEPS), kwargs={**MUON, **kwargs}
+    )
+
+
+@functools.cache
+def reference(clip: bool = True):
+    return run_layout(1, spec=SPEC if clip else TinyGPT(num_layers=2))[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_qk_clip_layout_matches_one_process(layout):
+    assert_close_runs(reference(), run_layout(**LAYOUTS[layout]), tol=TOL, loss_rtol=LOSS_RTOL)
+
+
+def test_the_clip_changes_the_run():
+    """Without it the reference moves the QKV weights far beyond TOL: parity is not vacuous."""
+    initial, clipped, _ = reference()
+    _, unclipped, _ = reference(clip=False)
+    errors = update_rel_error(initial, clipped, unclipped)
+    assert min(e for k, e in errors.items() if "linear_qkv" in k) > 100 * TOL
+
+
+def _swap_query_and_key_scales(optimizer):
+    """Negative control: the key heads' factor lands on query rows and vice versa."""
+
+    def wrong(q_scale, k_scale, head_dim):
+        groups = k_scale.numel()
+        swapped_q = k_scale.repeat_interleave(q_scale.numel() // groups)
+        return original(swapped_q, q_scale.view(groups, -1).amin(dim=1), head_dim)
+
+    original = qk_clip.qkv_row_scales
+    qk_clip.qkv_row_scales = wrong  # in this forked rank only
+
+
+def test_negative_control_wrong_rows_miss_the_reference():
+    initial, ref, _ = reference()
+    got = run_layout(**LAYOUTS["tp2"], optimizer_hook=_swap_query_and_key_scales)
+    errors = update_rel_error(initial, ref, got[0][1])
+    assert max(errors.values()) > 100 * TOL
+
+
+# ------------------------------------------------------------------ logits end at the threshold
+
+
+def _forward_maxima(spec, model, batch) -> list:
+    """Per-layer per-head maxima the local attention records over one global batch (training
+    mode, forward only), DP-reduced by a log-only clip_qk pass."""
+    get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(_micro_batches(spec, batch)),
+        model=model,
+        num_microbatches=len(_micro_batches(spec, batch)),
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+        forward_only=True,
+    )
+    layers = [m for m in model[0].modules() if isinstance(m, SelfAttention)]
+    maxima = [layer.core_attention.current_max_attn_logits.clone() for layer in layers]
+    group = ps.get_data_parallel_group()
+    for m in maxima:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    return maxima
+
+
+def capped_run():
+    # One layer: a later layer's input changes with the clip of the layers before it, so only
+    # the first layer's logits are a function of its own weights and the batch alone.
+    spec = TinyGPT(num_layers=1, extra=CLIP)
+    model = build_model(spec)
+    batch = global_batches(spec, 1)[0]
+    before = _forward_maxima(spec, model, batch)
+    qk_clip.clip_qk(model)  # the same maxima: no optimizer step in between
+    after = _forward_maxima(spec, model, batch)
+    return before, after, spec.num_query_groups // ps.get_tensor_model_parallel_world_size()
+
+
+@pytest.mark.parametrize("layout", [dict(world_size=1), dict(world_size=2, tp=2)], ids=str)
+def test_logits_above_threshold_end_at_it(layout):
+    """A head's logit is bilinear in its query and key rows: after the clip the largest logit of
+    every group that exceeded tau equals tau, and no head exceeds it (fp32 rounding: 1e-5)."""
+    for before, after, groups in run_distributed(capped_run, **layout):
+        clipped = 0
+        for b, a in zip(before, after):
+            for b_group, a_group in zip(b.view(groups, -1), a.view(groups, -1)):
+                if b_group.max() > TAU:
+                    clipped += 1
+                    assert a_group.max().item() == pytest.approx(TAU, rel=1e-5)
+                    assert (a_group <= TAU * (1 + 1e-5)).all()
+                else:
+                    torch.testing.assert_close(a_group, b_group, rtol=1e-5, atol=0)
+        assert clipped > 0, "the threshold should have been exceeded"
+
+
+# --------------------------------------------------- DistOpt: fp32 main shards cut through heads
+
+
+def main_shard_run(optimizer_name: str, break_shards: bool = False):
+    """bf16 DP2 DistOpt with small buckets: after the clip each rank's fp32 main shard of every
+    QKV matrix must equal its model param region to bf16 rounding."""
+    # hidden 80 (rows of 80 elements): DistOpt's 64-element-aligned shard bounds fall inside rows
+    spec = TinyGPT(num_layers=2, hidden_size=80, dtype="bf16", extra=CLIP)
+    model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
+    optimizer = build_optimizer(
+        spec, model, use_distributed_optimizer=True, optimizer=optimizer_name
+    )
+    true_start = qk_clip.shard_start
+    if break_shards:  # negative control: treat every shard as if it began at the matrix's start
+        qk_clip.shard_start = lambda optimizer, param: 0
+    for batch in global_batches(spec, 2):
+        train_step(spec, model, optimizer, batch)
+    worst, row_cuts = 0.0, 0
+    for layer in (m for m in model[0].modules() if isinstance(m, SelfAttention)):
+        weight = layer.linear_qkv.weight
+        if weight.main_param is None:  # this rank holds none of it
+            continue
+        start, row_len = true_start(optimizer, weight), weight.shape[1]
+        region = weight.detach().view(-1)[start : start + weight.main_param.numel()].float()
+        rel = (weight.main_param - region).abs() / region.abs().clamp_min(1e-30)
+        worst = max(worst, rel.max().item())
+        row_cuts += int(start % row_len != 0)
+    return worst, row_cuts
+
+
+# The model param is bf16(bf16(main) * r), the main shard main * r: two roundings to bf16's 8
+# significant bits, each at most 2**-8 relative, so <= ~2**-7 (measured up to 0.0077); 2**-6
+# leaves 2x. A shard scaled with another row's factor is off by the ratio of two factors (query
+# or key ~0.8 against value 1 here; measured 0.22), over 5x this bound.
+BF16_REL = 2.0**-6
+
+
+def _check_main_shards(results, expect_ok: bool):
+    worst = max(w for w, _ in results)
+    assert sum(cuts for _, cuts in results) > 0, "no shard starts inside a row: test too weak"
+    if expect_ok:
+        assert worst <= BF16_REL, worst
+    else:
+        assert worst > 5 * BF16_REL, worst
+
+
+@pytest.mark.parametrize("optimizer_name", ["adam", "muon"])
+def test_distopt_main_shards_are_clipped_with_their_rows(optimizer_name):
+    _check_main_shards(run_distributed(main_shard_run, 2, args=(optimizer_name,)), True)
+
+
+def test_negative_control_shards_scaled_from_the_wrong_offset():
+    _check_main_shards(run_distributed(main_shard_run, 2, args=("adam", True)), False)
