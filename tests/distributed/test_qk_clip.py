@@ -13,6 +13,8 @@ import functools
 import pytest
 import torch
 from harness import run_distributed
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.attention import SelfAttention
 from parity import assert_close_runs, update_rel_error
 from tiny_gpt import (
     TinyGPT,
@@ -27,8 +29,6 @@ from tiny_gpt import (
 
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import qk_clip
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.attention import SelfAttention
 
 STEPS = 3
 TAU = 0.5

@@ -32,10 +32,10 @@ resumed run clips as the uninterrupted one.
 from typing import Optional
 
 import torch
-
-from megatron.core import parallel_state
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.utils import get_model_config
+
+from megatron.core import parallel_state
 
 # ------------------------------------------------------------------------------ the math
 

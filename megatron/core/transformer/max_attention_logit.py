@@ -10,7 +10,6 @@ maxima over data-parallel ranks and resets them after each optimizer step.
 """
 
 import torch
-
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import get_sliding_window_causal_mask
 
