@@ -1,0 +1,163 @@
+"""QK-clip's per-head rule on hand-made weights, the recorded max logit, and the config checks.
+
+.venv/bin/python -m pytest tests/unit/test_qk_clip.py -q
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.max_attention_logit import record_max_attention_logit
+
+from megatron.core.optimizer.qk_clip import head_scales, qkv_row_scales, scale_rows_
+
+S2 = math.sqrt(2.0)
+
+
+def test_head_scales_by_hand():
+    """4 query heads in 2 groups, tau 2, alpha 1/2: eta = (1/2, 1, 1, 1/4); a query head takes
+    its own eta**alpha, a key head its group's smallest eta (largest logit) ** (1 - alpha)."""
+    q, k = head_scales(torch.tensor([4.0, 1.0, 0.5, 8.0]), 2, threshold=2.0, alpha=0.5)
+    torch.testing.assert_close(q, torch.tensor([1 / S2, 1.0, 1.0, 0.5]))
+    torch.testing.assert_close(k, torch.tensor([1 / S2, 0.5]))
+    q, k = head_scales(torch.tensor([4.0, 1.0]), 1, threshold=2.0, alpha=0.25)
+    torch.testing.assert_close(q, torch.tensor([0.5**0.25, 1.0]))
+    torch.testing.assert_close(k, torch.tensor([0.5**0.75]))
+
+
+def test_heads_at_or_below_tau_and_unrecorded_heads_are_left_alone():
+    q, k = head_scales(torch.tensor([2.0, -3.0, float("-inf"), 0.0]), 2, 2.0, 0.5)
+    assert q.tolist() == [1.0] * 4 and k.tolist() == [1.0, 1.0]
+
+
+def test_row_scales_follow_megatrons_fused_qkv_layout():
+    """Per group: the group's query heads, then its key head, then its value head (head_dim rows
+    each), as SelfAttention.get_query_key_value_tensors splits them."""
+    rows = qkv_row_scales(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([5.0, 6.0]), 2)
+    assert rows.tolist() == [1, 1, 2, 2, 5, 5, 1, 1, 3, 3, 4, 4, 6, 6, 1, 1]
+
+
+def _logits(w_q, w_k, x, heads, groups, dim):
+    """[heads] max over token pairs of q_h . k_g(h), with GQA's key head sharing."""
+    q = (x @ w_q.T).view(-1, heads, dim)
+    k = (x @ w_k.T).view(-1, groups, dim).repeat_interleave(heads // groups, dim=1)
+    return torch.einsum("shd,thd->hst", q, k).amax(dim=(1, 2))
+
+
+def test_clipped_hand_made_weights_cap_every_head_at_tau():
+    """Random Q/K weights of 4 heads / 2 key heads, fused as Megatron fuses them: after scaling
+    the rows, each head's max logit is S_h * eta_q * eta_k <= tau, with equality for the largest
+    head of a group over tau; a group below tau is untouched."""
+    gen = torch.Generator().manual_seed(0)
+    heads, groups, dim, hidden = 4, 2, 3, 5
+    w_q, w_k = torch.randn(heads * dim, hidden, generator=gen), torch.randn(groups * dim, hidden)
+    w_k[:dim] *= 4  # group 0 far above tau, group 1 below it
+    w_v = torch.randn(groups * dim, hidden, generator=gen)
+    x = torch.randn(7, hidden, generator=gen)
+    before = _logits(w_q, w_k, x, heads, groups, dim)
+    tau = (before[2:].max().item() + before[:2].max().item()) / 2
+    assert before[:2].max() > tau > before[2:].max()
+    fused = _fuse(w_q, w_k, w_v, groups)
+    rows = qkv_row_scales(*head_scales(before, groups, tau, 0.5), dim)
+    scale_rows_(fused.view(-1), rows, hidden, start=0)
+    after = _logits(*_unfuse(fused, heads, groups, dim)[:2], x, heads, groups, dim)
+    assert after[:2].max().item() == pytest.approx(tau, rel=1e-5)
+    assert (after <= tau * (1 + 1e-5)).all()
+    torch.testing.assert_close(after[2:], before[2:])
+    torch.testing.assert_close(_unfuse(fused, heads, groups, dim)[2], w_v)  # values untouched
+
+
+def _fuse(w_q, w_k, w_v, groups):
+    per = [t.view(groups, -1, t.shape[1]) for t in (w_q, w_k, w_v)]
+    return torch.cat(per, dim=1).reshape(-1, w_q.shape[1]).clone()
+
+
+def _unfuse(fused, heads, groups, dim):
+    g = fused.view(groups, -1, fused.shape[1])
+    q_rows = heads // groups * dim
+    parts = g[:, :q_rows], g[:, q_rows : q_rows + dim], g[:, q_rows + dim :]
+    return [p.reshape(-1, fused.shape[1]) for p in parts]
+
+
+@pytest.mark.parametrize("cuts", [[0, 7, 20, 33, 48], [0, 16, 48], [0, 48]])
+def test_shards_scaled_from_their_offset_equal_the_whole(cuts):
+    """A DistOpt shard is a piece of the flattened matrix that may start and end inside rows."""
+    whole = torch.randn(8, 6)
+    rows = torch.arange(1.0, 9.0)
+    expected = whole * rows[:, None]
+    flat = whole.clone().view(-1)
+    pieces = [flat[a:b] for a, b in zip(cuts, cuts[1:])]
+    for (start, _), piece in zip(zip(cuts, cuts[1:]), pieces):
+        scale_rows_(piece, rows, 6, start)
+    torch.testing.assert_close(flat.view(8, 6), expected)
+    wrong = whole.clone().view(-1)
+    scale_rows_(wrong[7:20], rows, 6, 0)  # negative control: the offset forgotten
+    assert not torch.allclose(wrong[7:20], expected.view(-1)[7:20])
+
+
+# ----------------------------------------------------------------------- the recorded max logit
+
+
+def _attention(coeff=None, training=True):
+    config = SimpleNamespace(qk_clip=True, log_max_attention_logit=False)
+    softmax = SimpleNamespace(window_size=None, attn_mask_type=AttnMaskType.causal, scale=coeff)
+    return SimpleNamespace(config=config, scale_mask_softmax=softmax, training=training)
+
+
+def test_recorded_max_skips_masked_scores_and_keeps_the_running_max():
+    scores = torch.zeros(1, 2, 3, 3)
+    scores[0, 0, 0, 2] = 50.0  # a future token: causally masked, not a logit the softmax sees
+    scores[0, 0, 2, 0] = 3.0
+    scores[0, 1, 1, 1] = -1.0
+    attention = _attention()
+    record_max_attention_logit(attention, scores, None)
+    assert attention.current_max_attn_logits.tolist() == [3.0, 0.0]
+    record_max_attention_logit(attention, scores - 10 + torch.eye(3) * 14, None)
+    assert attention.current_max_attn_logits.tolist() == [4.0, 4.0]
+
+
+def test_recorded_max_uses_the_given_mask_and_the_layer_scaling_coefficient():
+    scores = torch.arange(9.0).view(1, 1, 3, 3)
+    mask = torch.zeros(1, 1, 3, 3, dtype=torch.bool)
+    mask[..., 2, 2] = True
+    attention = _attention(coeff=2.0)
+    record_max_attention_logit(attention, scores, mask)
+    assert attention.current_max_attn_logits.tolist() == [14.0]  # 7 * 2
+
+
+def test_evaluation_forwards_record_nothing():
+    attention = _attention(training=False)
+    record_max_attention_logit(attention, torch.ones(1, 1, 2, 2), None)
+    assert getattr(attention, "current_max_attn_logits", None) is None
+
+
+# ------------------------------------------------------------------------------ config checks
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+
+BAD_CONFIGS = [
+    (dict(qk_clip_alpha=0.0), r"qk_clip_alpha must be in \(0, 1\), got 0\.0"),
+    (dict(qk_clip_alpha=1.0), r"qk_clip_alpha must be in \(0, 1\), got 1\.0"),
+    (dict(qk_clip_threshold=0.0), "qk_clip_threshold must be a finite number > 0"),
+    (dict(qk_clip_threshold=float("inf")), "qk_clip_threshold must be a finite number > 0"),
+    (dict(qk_clip=True, qk_layernorm=True), "qk_clip with qk_layernorm"),
+    (
+        dict(qk_clip=True, num_query_groups=1, tensor_model_parallel_size=2),
+        r"num_query_groups \(1\) >= tensor_model_parallel_size \(2\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields, message", BAD_CONFIGS)
+def test_bad_qk_clip_configs_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**BASE, **fields)
+
+
+def test_defaults_are_upstreams_and_off():
+    config = TransformerConfig(**BASE)
+    assert (config.qk_clip, config.log_max_attention_logit) == (False, False)
+    assert (config.qk_clip_alpha, config.qk_clip_threshold) == (0.5, 100)
