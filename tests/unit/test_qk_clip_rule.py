@@ -1,6 +1,6 @@
 """QK-clip's per-head rule on hand-made weights, the recorded max logit, and the config checks.
 
-.venv/bin/python -m pytest tests/unit/test_qk_clip.py -q
+.venv/bin/python -m pytest tests/unit/test_qk_clip_rule.py -q
 """
 
 import math
