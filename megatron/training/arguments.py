@@ -90,6 +90,10 @@ MODEL = [
     F("--moe-router-topk", TC, "moe_router_topk", type=int),
     F("--make-vocab-size-divisible-by", ModelArgs, "make_vocab_size_divisible_by", type=int),
     F("--fp8-format", ModelArgs, "fp8_format", type=str),
+    F("--qk-clip", TC, "qk_clip", switch=True, help="QK-clip (MuonClip) after each step"),
+    F("--qk-clip-alpha", TC, "qk_clip_alpha", type=float, help="query share of the clip"),
+    F("--qk-clip-threshold", TC, "qk_clip_threshold", type=float, help="max logit tau"),
+    F("--log-max-attention-logit", TC, "log_max_attention_logit", switch=True),
 ]
 
 PARALLEL = [

@@ -25,19 +25,23 @@ def print_rank_last(message: str) -> None:
 
 
 class IntervalStats:
-    """Sums over one --log-interval: losses of non-skipped steps, skipped and nan counts."""
+    """Sums over one --log-interval: losses of non-skipped steps, skipped and nan counts, and
+    the max attention logit of the interval's steps (None unless QK-clip or its log is on)."""
 
     def __init__(self):
         self.start = time.perf_counter()
         self.iterations = self.skipped = self.nan = 0
         self.losses: dict = {}
+        self.max_logit = None
 
     def pause(self, seconds: float) -> None:
         """Leave evaluation and checkpoint time out of the per-iteration time, as Megatron-LM."""
         self.start += seconds
 
-    def add(self, losses: dict, skipped: bool) -> None:
+    def add(self, losses: dict, skipped: bool, max_logit=None) -> None:
         self.iterations += 1
+        if max_logit is not None:
+            self.max_logit = max(max_logit, self.max_logit or -math.inf)
         self.skipped += int(skipped)
         if skipped:
             return
@@ -75,6 +79,8 @@ def training_line(args, state, stats: IntervalStats, lrs, batch_size, loss_scale
     parts += [f" loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
+    if stats.max_logit is not None:
+        parts.append(f" max attention logit: {stats.max_logit:.6E}")
     parts += [
         f" number of skipped iterations: {stats.skipped:3d}",
         f" number of nan iterations: {stats.nan:3d}",

@@ -25,6 +25,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.qk_clip import clip_qk
 
 from . import checkpointing
 from .arguments import ArgumentsError
@@ -151,9 +152,10 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler):
     optimizer.zero_grad()
     outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
+    max_logit = clip_qk(model, optimizer=optimizer)  # --qk-clip / --log-max-attention-logit
     if ok:
         scheduler.step(increment=get_current_global_batch_size())
-    return reduce_losses(outputs), not ok, grad_norm
+    return reduce_losses(outputs), not ok, grad_norm, max_logit
 
 
 @torch.no_grad()
@@ -215,12 +217,12 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
     while state.iteration < args.train_iters:
         update_num_microbatches(state.consumed_train_samples, consistency_check=True)
         batch_size = get_current_global_batch_size()
-        losses, skipped, grad_norm = train_step(
+        losses, skipped, grad_norm, max_logit = train_step(
             args, forward_step, train_iter, model, optimizer, scheduler
         )
         state.iteration += 1
         state.consumed_train_samples += batch_size
-        stats.add(losses, skipped)
+        stats.add(losses, skipped, max_logit)
         if state.iteration % args.log_interval == 0:
             _log(args, state, stats, optimizer, batch_size, grad_norm, tb)
             stats = IntervalStats()
@@ -249,6 +251,7 @@ def _log(args, state, stats, optimizer, batch_size, grad_norm, tb) -> None:
     values.update({"learning-rate": lr, "loss-scale": scale, "grad-norm": norm})
     values["decoupled-learning-rate"] = decoupled_lr
     values["batch-size"] = batch_size
+    values["max-attention-logit"] = stats.max_logit
     tb.scalars(values, state.iteration)
 
 

@@ -161,3 +161,39 @@ def test_defaults_are_upstreams_and_off():
     config = TransformerConfig(**BASE)
     assert (config.qk_clip, config.log_max_attention_logit) == (False, False)
     assert (config.qk_clip_alpha, config.qk_clip_threshold) == (0.5, 100)
+
+
+# ------------------------------------------------------------------------------ command line
+
+CLI_BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data"
+).split()
+
+
+def test_cli_flags_set_upstreams_fields():
+    from megatron.training.arguments import parse_args
+    from megatron.training.core_configs import transformer_config
+
+    flags = "--qk-clip --qk-clip-alpha 0.25 --qk-clip-threshold 50 --log-max-attention-logit"
+    config = transformer_config(parse_args(CLI_BASE + flags.split(), world_size=1))
+    assert (config.qk_clip, config.qk_clip_alpha, config.qk_clip_threshold) == (True, 0.25, 50.0)
+    assert config.log_max_attention_logit
+    config = transformer_config(parse_args(CLI_BASE, world_size=1))
+    assert not (config.qk_clip or config.log_max_attention_logit)  # off by default
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        ("--qk-clip-alpha 1.5", ["qk_clip_alpha must be in (0, 1)", "1.5"]),
+        ("--qk-clip --qk-clip-threshold -1", ["qk_clip_threshold must be a finite number > 0"]),
+        ("--qk-clip-threshold x", ["--qk-clip-threshold", "invalid float value"]),
+    ],
+)
+def test_cli_bad_qk_clip_values_name_the_setting(flags, words):
+    from megatron.training.arguments import ArgumentsError, parse_args
+
+    with pytest.raises(ArgumentsError) as err:
+        parse_args(CLI_BASE + flags.split(), world_size=1)
+    assert all(word in str(err.value) for word in words), str(err.value)
