@@ -12,6 +12,7 @@ Flags follow Megatron-LM (``--help`` lists them with their defaults); a bad flag
 message naming it, a checkpoint that does not fit exits 1.
 """
 
+import os
 import sys
 import time
 import warnings
@@ -27,11 +28,12 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
-from megatron.training import cpu_mode, datasets  # noqa: E402
+from megatron.training import cpu_mode, data_check, datasets  # noqa: E402
 from megatron.training.arguments import ArgumentsError, parse_args  # noqa: E402
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.core_configs import transformer_config  # noqa: E402
 from megatron.training.exit_conditions import ExitConditions  # noqa: E402
+from megatron.training.failures import FailureBroadcast, TrainingError  # noqa: E402
 from megatron.training.initialize import initialize  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
@@ -151,7 +153,31 @@ def main(argv=None) -> int:
         _print_error(f"pretrain_gpt.py: error: {err}")
         return 2
     exit_conditions = ExitConditions(args, start_time)  # catches a signal sent during start-up
+    try:
+        data_check.check_data(args)  # before any process group or model exists
+    except data_check.DataError as err:  # each rank checks its own view of the files
+        print(f"{_where()}: error: {err}", file=sys.stderr, flush=True)
+        return 1
     initialize(args)
+    guard = FailureBroadcast("pretrain_gpt.py").start()
+    try:
+        train(args, exit_conditions)
+    except Exception as err:  # every failing rank says why, the others stop naming it
+        label, code = _classify(err)
+        guard.fail_with(err, label, expected=code is not None)
+        if guard.world > 1:  # leave now: launchers name the first rank to exit as the cause
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 1)
+        return code or 1
+    guard.stop()
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def train(args, exit_conditions) -> None:
     tokenizer = build_tokenizer(
         args.tokenizer_type,
         args.vocab_file,
@@ -163,31 +189,37 @@ def main(argv=None) -> int:
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     config = transformer_config(args)
-    try:
-        pretrain(
-            args,
-            partial(model_provider, args, config),
-            partial(forward_step, args),
-            partial(data_iterators, tokenizer=tokenizer),
-            config,
-            exit_conditions,
-        )
-    except CheckpointError as err:
-        _print_error(f"pretrain_gpt.py: checkpoint error: {err}")
-        return 1
-    except ArgumentsError as err:  # found once the model exists (e.g. by the optimizer factory)
-        _print_error(f"pretrain_gpt.py: error: {err}")
-        return 2
-    torch.distributed.barrier()
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-    return 0
+    pretrain(
+        args,
+        partial(model_provider, args, config),
+        partial(forward_step, args),
+        partial(data_iterators, tokenizer=tokenizer),
+        config,
+        exit_conditions,
+    )
+
+
+def _classify(err: Exception):
+    """(label, exit code) of an error this program reports in one line; code None: a bug."""
+    if isinstance(err, CheckpointError):
+        return "checkpoint error", 1
+    if isinstance(err, ArgumentsError):  # found once the model exists (optimizer factory...)
+        return "error", 2
+    if isinstance(err, (data_check.DataError, TrainingError)):
+        return "error", 1
+    return "error", None
+
+
+def _where() -> str:
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    return (
+        f"pretrain_gpt.py: rank {os.environ.get('RANK', '0')}" if ranks > 1 else "pretrain_gpt.py"
+    )
 
 
 def _print_error(message: str) -> None:
-    # Every rank fails the same way; one copy of the message is enough.
-    import os
-
+    # Argument errors come before any process group; every rank parses the same command line
+    # and fails the same way, so one copy of the message is enough.
     if os.environ.get("RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
 

@@ -130,8 +130,16 @@ def output_prefix(prefix: str, key: str) -> str:
 
 
 def _numbered_lines(path: str):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """(line number, text) of the non-blank lines; bad UTF-8 is an error naming the line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"--input {path!r} line {lineno} is not valid UTF-8 ({err.reason} at byte "
+                    f"{err.start} of the line)"
+                ) from None
             if line.strip():
                 yield lineno, line
 
@@ -151,13 +159,15 @@ def _write(args: argparse.Namespace, tokenizer, partial: dict[str, str]) -> None
 
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype=dtype) for k, p in partial.items()}
-    start, total_bytes = time.time(), 0
+    start, total_bytes, n = time.time(), 0, 0
     for n, (ids, nbytes) in enumerate(_encoded_docs(args, Encoder(args)), 1):
         total_bytes += nbytes
         for key, doc in ids.items():
             builders[key].add_document(doc, [len(doc)] if doc else [])
         if n % args.log_interval == 0:
             _log_progress(n, total_bytes, time.time() - start)
+    if n == 0:
+        raise ValueError(f"--input {args.input!r} has no documents (empty or blank lines only)")
     for key, builder in builders.items():
         builder.finalize(partial[key] + ".idx")
 
@@ -180,6 +190,7 @@ def _remove(paths) -> None:
 def preprocess(args: argparse.Namespace) -> list[str]:
     """Write one dataset per json key; returns their prefixes. ValueError on bad input, after
     removing every file this call wrote."""
+    _check_output_prefix(args.output_prefix)
     tokenizer = build_tokenizer_from_args(args)
     if args.append_eod:
         tokenizer.eod  # noqa: B018 -- fail before writing if the tokenizer has no eod
@@ -195,6 +206,13 @@ def preprocess(args: argparse.Namespace) -> list[str]:
         for ext in (".bin", ".idx"):
             os.replace(partial[key] + ext, finals[key] + ext)
     return list(finals.values())
+
+
+def _check_output_prefix(prefix: str) -> None:
+    """Before any tokenizing: the output folder exists or can be created, and is writable."""
+    from megatron.training.data_check import check_writable
+
+    check_writable(os.path.dirname(os.path.abspath(prefix)), "--output-prefix")
 
 
 def main(argv=None) -> int:

@@ -156,6 +156,12 @@ TRAINING = [
     F("--loss-scale-window", OC, "loss_scale_window", type=float),
     F("--hysteresis", OC, "hysteresis", type=int),
     F("--seed", TrainingArgs, "seed", type=int),
+    F(
+        "--no-check-for-nan-in-loss-and-grad",
+        TrainingArgs,
+        "check_for_nan_in_loss_and_grad",
+        switch=False,
+    ),
 ]
 
 # Seed names, upstream 0.16 names and ours; aliases share a field.
@@ -285,6 +291,9 @@ def _raise_unknown(unknown: list) -> None:
         if item.startswith("-"):
             name = item.split("=", 1)[0]
             close = difflib.get_close_matches(name, known_flags(), n=3, cutoff=0.6)
+            # a known flag that is a prefix of the given one (--optimizer for
+            # --optimizer-cpu-offload) names another feature, not a misspelling
+            close = [c for c in close if not name.startswith(c + "-")]
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ArgumentsError(f"unknown flag {name}{hint}")
     raise ArgumentsError(f"unexpected argument {unknown[0]!r} (flags start with --)")

@@ -104,6 +104,9 @@ class TrainingArgs:
     step, save, exit 0."""
     exit_signal: str = "SIGTERM"
     """The signal --exit-signal-handler catches: a name or a number."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop with an error naming the iteration when a loss or gradient is NaN/inf (before the
+    optimizer step, so no NaN weights are applied or saved)."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ torch.distributed process group and megatron-core's parallel_state:
 """
 
 import contextlib
+import math
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -49,8 +50,8 @@ def parse_data_path(data_path: str | list[str] | None, flag: str = "--data-path"
         return items, None
     if any(w is None for w in weights):
         raise ValueError(f"{flag} {items}: weights and prefixes must alternate: w1 p1 w2 p2")
-    if any(w <= 0 for w in weights):
-        raise ValueError(f"{flag} {items}: every weight must be > 0, got {weights}")
+    if any(not (0 < w < math.inf) for w in weights):  # NaN fails both comparisons
+        raise ValueError(f"{flag} {items}: every weight must be finite and > 0, got {weights}")
     return items[1::2], weights
 
 

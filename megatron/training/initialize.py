@@ -42,12 +42,16 @@ def _init_process_group(on_cpu: bool) -> None:
         return
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend, timeout = "gloo" if on_cpu else "nccl", datetime.timedelta(minutes=10)
     if "RANK" not in os.environ:  # a plain `python pretrain_gpt.py`: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-    torch.distributed.init_process_group(
-        backend="gloo" if on_cpu else "nccl", timeout=datetime.timedelta(minutes=10)
-    )
+        # an in-memory store: no TCP port to collide with another run on this machine
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(
+            backend=backend, store=store, rank=0, world_size=1, timeout=timeout
+        )
+        return
+    torch.distributed.init_process_group(backend=backend, timeout=timeout)
 
 
 def set_seeds(seed: int) -> None:

@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing
+from . import checkpointing, failures
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
@@ -146,11 +146,15 @@ def reduce_losses(outputs: list) -> dict:
     return reduced
 
 
-def train_step(args, forward_step, data_iterator, model, optimizer, scheduler):
+def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, iteration=None):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
+    if args.check_for_nan_in_loss_and_grad:
+        # fp16's loss scaler already skips steps with inf/NaN grads: there only the loss counts
+        grads = [] if args.fp16 else failures.model_grad_buffers(model)
+        failures.check_finite(outputs, grads, iteration, _device())
     ok, grad_norm, _ = optimizer.step()
     max_logit = clip_qk(model, optimizer=optimizer)  # --qk-clip / --log-max-attention-logit
     if ok:
@@ -218,7 +222,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         update_num_microbatches(state.consumed_train_samples, consistency_check=True)
         batch_size = get_current_global_batch_size()
         losses, skipped, grad_norm, max_logit = train_step(
-            args, forward_step, train_iter, model, optimizer, scheduler
+            args, forward_step, train_iter, model, optimizer, scheduler, state.iteration + 1
         )
         state.iteration += 1
         state.consumed_train_samples += batch_size

@@ -6,6 +6,7 @@ feature this stack does not run: using one is an error naming it, never a silent
 """
 
 import importlib.util
+import math
 
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
@@ -260,8 +261,21 @@ def _model_parallel(a) -> int:
 
 def _check_required(args) -> None:
     for attr, flag in REQUIRED:
-        if getattr(args, attr) in (None, 0):
+        # not given (the home's default is None or 0); a given 0 is checked by its range
+        if attr not in args.given and getattr(args, attr) in (None, 0):
             raise ArgumentsError(f"{flag} is required")
+
+
+def _check_finite(args) -> None:
+    """Float flags take finite numbers only: an inf or NaN hyper-parameter trains to NaN."""
+    for flag in FLAGS:
+        value = getattr(args, flag.attr, None)
+        if flag.attr in args.given and isinstance(value, float) and not math.isfinite(value):
+            raise ArgumentsError(f"{flag.names[0]} must be a finite number, got {value}")
+    if not args.lr > 0:
+        raise ArgumentsError(
+            f"--lr must be > 0, got {args.lr} (a zero learning rate trains nothing)"
+        )
 
 
 def _check_table(args) -> None:
@@ -337,8 +351,26 @@ def _derive_exit_signal(args) -> None:
         args.exit_duration_in_mins = None  # Megatron-LM: 0 means no time limit
 
 
+def _check_optimizer_specific(args) -> None:
+    """Muon's flags with another optimizer, and DistOpt-only flags without DistOpt, would be
+    silently ignored: refused instead (drop them, or pick the optimizer they configure)."""
+    muon = sorted(f.names[0] for f in FLAGS if f.attr in args.given and f.field.startswith("muon_"))
+    if muon and args.optimizer != "muon":
+        raise ArgumentsError(
+            f"{', '.join(muon)} configure Muon, but --optimizer is {args.optimizer!r}: "
+            "add --optimizer muon or drop them"
+        )
+    if "muon_distopt_exchange_dtype" in args.given and not args.use_distributed_optimizer:
+        raise ArgumentsError(
+            "--muon-exchange-dtype sets the DistributedOptimizer's momentum exchange: it needs "
+            "--use-distributed-optimizer"
+        )
+
+
 def validate_args(args) -> None:
     _check_required(args)
+    _check_finite(args)
+    _check_optimizer_specific(args)
     _check_table(args)
     _check_schedule_form(args)
     _derive(args)

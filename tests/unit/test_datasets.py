@@ -64,7 +64,7 @@ def test_parse_data_path(data_path, blend):
     "data_path, message",
     [("0.3 prefA prefB", "weights and prefixes must alternate"),
      ("0.3 prefA prefB 0.7", "weights and prefixes must alternate"),
-     ("0 prefA 1 prefB", "every weight must be > 0")],
+     ("0 prefA 1 prefB", "every weight must be finite and > 0")],
 )  # fmt: skip
 def test_parse_data_path_errors(data_path, message):
     with pytest.raises(ValueError, match=message):

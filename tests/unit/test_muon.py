@@ -299,25 +299,25 @@ def _adamw(**kw):
 
 
 BAD_SETTINGS = [
-    (_muon, dict(lr=-1.0), "lr must be >= 0, got -1.0"),
-    (_muon, dict(weight_decay=-0.1), "weight_decay must be >= 0, got -0.1"),
-    (_muon, dict(momentum=-0.1), r"momentum must be in \[0, 1\), got -0.1"),
-    (_muon, dict(momentum=1.0), r"momentum must be in \[0, 1\), got 1.0"),
+    (_muon, dict(lr=-1.0), "lr must be a finite number >= 0, got -1.0"),
+    (_muon, dict(weight_decay=-0.1), "weight_decay must be a finite number >= 0, got -0.1"),
+    (_muon, dict(momentum=-0.1), r"momentum must be a finite number in \[0, 1\), got -0.1"),
+    (_muon, dict(momentum=1.0), r"momentum must be a finite number in \[0, 1\), got 1.0"),
     (_muon, dict(ns_steps=0), "ns_steps must be an int >= 1, got 0"),
     (_muon, dict(ns_steps=2.5), "ns_steps must be an int >= 1, got 2.5"),
-    (_muon, dict(ns_eps=0.0), "ns_eps must be > 0, got 0.0"),
+    (_muon, dict(ns_eps=0.0), "ns_eps must be a finite number > 0, got 0.0"),
     (_muon, dict(ns_coefficients="cubic"), "unknown Newton-Schulz coefficient set 'cubic'"),
     (_muon, dict(ns_precision="fp8"), "unknown Newton-Schulz precision 'fp8'"),
     (_muon, dict(scale_mode="rms"), "unknown scale_mode 'rms'"),
-    (_muon, dict(matched_adamw_rms=-0.2), "matched_adamw_rms must be > 0 or None, got -0.2"),
-    (_muon, dict(extra_scale_factor=0.0), "extra_scale_factor must be > 0, got 0.0"),
+    (_muon, dict(matched_adamw_rms=-0.2), r"matched_adamw_rms must be a finite .* got -0.2"),
+    (_muon, dict(extra_scale_factor=0.0), "extra_scale_factor must be a finite number > 0, got 0"),
     (_muon, dict(scale_mode="unit_rms_norm"), "cannot be combined with scale_mode='unit_rms_n"),
     (_muon, dict(extra_scale_factor=2.0), "cannot be combined with .* extra_scale_factor=2.0"),
     (_muon, dict(exp_avg_dtype=torch.int8), "exp_avg_dtype must be a floating dtype"),
     (_muon, dict(on_nonfinite_grad="warn"), "on_nonfinite_grad must be one of"),
     (_adamw, dict(betas=(0.9, 1.0)), r"betas must be in \[0, 1\), got \(0.9, 1.0\)"),
-    (_adamw, dict(eps=-1e-8), "eps must be >= 0, got -1e-08"),
-    (_adamw, dict(lr=-3.0), "lr must be >= 0, got -3.0"),
+    (_adamw, dict(eps=-1e-8), "eps must be a finite number >= 0, got -1e-08"),
+    (_adamw, dict(lr=-3.0), "lr must be a finite number >= 0, got -3.0"),
 ]
 
 

@@ -6,6 +6,7 @@ upstream's constructor. The math lives in ``newton_schulz.py`` (pure Newton-Schu
 """
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Optional
 
@@ -74,8 +75,8 @@ class Muon(Optimizer):
     ``FloatingPointError`` before anything is updated; ``'skip'`` skips the whole step (params
     and state untouched, ``skipped_steps`` counts it), as Megatron's grad scaler does;
     ``'ignore'`` does not check (the caller already did, e.g. the grad scaler's ``found_inf``).
-    The check sees only this process's gradients: with sharded params use ``'ignore'`` behind a
-    check that agrees across ranks, or ranks could disagree about skipping.
+    ``Muon``'s check sees only this process's gradients: with sharded params use ``'ignore'``
+    behind a check that agrees across ranks (``TensorParallelMuon`` agrees over its TP groups).
     """
 
     def __init__(
@@ -278,15 +279,25 @@ class Muon(Optimizer):
         """False when the step must be skipped; raises under 'raise'. One sync for all grads."""
         if self.on_nonfinite_grad == "ignore":
             return True
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+        local_ok = self._local_grads_finite()
+        if self._agree(local_ok):
             return True
         if self.on_nonfinite_grad == "skip":
             return False
+        where = self._first_nonfinite() if not local_ok else "a peer rank's shard"
         raise FloatingPointError(
-            f"non-finite gradient in {self._first_nonfinite()}; nothing "
+            f"non-finite gradient in {where}; nothing "
             "was updated. Use on_nonfinite_grad='skip' to skip such steps"
         )
+
+    def _local_grads_finite(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
+
+    def _agree(self, local_ok: bool) -> bool:
+        """Whether every rank that shares this step's collectives has finite grads (here:
+        only this process; TensorParallelMuon asks its TP peers)."""
+        return local_ok
 
     def _first_nonfinite(self) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -297,23 +308,49 @@ class Muon(Optimizer):
 
 
 def _validate_group(group: dict[str, Any]) -> None:
-    """ValueError naming the bad setting and what is allowed."""
-    _require(group["lr"] >= 0, f"lr must be >= 0, got {group['lr']}")
-    _require(group["weight_decay"] >= 0, f"weight_decay must be >= 0, got {group['weight_decay']}")
+    """ValueError naming the bad setting and what is allowed (NaN, inf, strings and None
+    included: a non-finite lr would silently train to NaN)."""
+    _finite(group, "lr", ">= 0", lambda v: v >= 0)
+    _finite(group, "weight_decay", ">= 0", lambda v: v >= 0)
     if not group["use_muon"]:
-        beta1, beta2 = group["betas"]
+        betas = group["betas"]
         _require(
-            0 <= beta1 < 1 and 0 <= beta2 < 1, f"betas must be in [0, 1), got {group['betas']}"
+            isinstance(betas, (tuple, list)) and len(betas) == 2,
+            f"betas must be a pair of numbers in [0, 1), got {betas!r}",
         )
-        _require(group["eps"] >= 0, f"eps must be >= 0, got {group['eps']}")
+        for beta in betas:
+            _require(_is_real(beta) and 0 <= beta < 1, f"betas must be in [0, 1), got {betas}")
+        _finite(group, "eps", ">= 0", lambda v: v >= 0)
         return
-    mu, steps = group["momentum"], group["ns_steps"]
-    _require(0 <= mu < 1, f"momentum must be in [0, 1), got {mu}")
-    _require(isinstance(steps, int) and steps >= 1, f"ns_steps must be an int >= 1, got {steps}")
-    _require(group["ns_eps"] > 0, f"ns_eps must be > 0, got {group['ns_eps']}")
+    _finite(group, "momentum", "in [0, 1)", lambda v: 0 <= v < 1)
+    steps = group["ns_steps"]
+    _require(
+        isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
+        f"ns_steps must be an int >= 1, got {steps!r}",
+    )
+    _finite(group, "ns_eps", "> 0", lambda v: v > 0)
+    if group["matched_adamw_rms"] is not None:
+        _finite(group, "matched_adamw_rms", "> 0 (or None)", lambda v: v > 0)
+    _finite(group, "extra_scale_factor", "> 0", lambda v: v > 0)
     coefficient_set(group["ns_coefficients"])
     compute_dtype(group["ns_precision"])
     resolve_scale(group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"])
+
+
+def _is_real(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        or (isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point())
+    )
+
+
+def _finite(group: dict[str, Any], key: str, allowed: str, ok: Callable[[float], bool]) -> None:
+    value = group[key]
+    _require(
+        _is_real(value) and math.isfinite(float(value)) and ok(float(value)),
+        f"{key} must be a finite number {allowed}, got {value!r}",
+    )
 
 
 def _require(ok: bool, message: str) -> None:
@@ -390,6 +427,7 @@ class TensorParallelMuon(Muon):
         groups = _tp_groups(pg_collection)
         infos = _tp_infos(params, groups, qkv_split_shapes if split_qkv else None, is_qkv_fn)
         self.pg_collection = pg_collection
+        self._tp_group_map = groups
         self.mode = mode
         self.split_qkv = split_qkv
         self.is_qkv_fn = is_qkv_fn
@@ -410,6 +448,14 @@ class TensorParallelMuon(Muon):
             param_info=infos,
             orthogonalizer=_tp_orthogonalizer(mode, groups),
         )
+
+    def _agree(self, local_ok: bool) -> bool:
+        """One all-reduce so that all TP peers raise or skip together: a rank that raised
+        alone would leave its peers waiting in the TP all-gather."""
+        from .muon_megatron import agree_across
+
+        params = [p for g in self.param_groups for p in g["params"]]
+        return agree_across(local_ok, self._tp_group_map, params[0].device if params else None)
 
 
 def _tp_groups(pg_collection: Optional[Any]) -> dict:

@@ -283,9 +283,11 @@ def _cut(distopt, buffer, bucket, world: Tensor, key: str, meta: dict, out: dict
 def scatter_state(distopt, state) -> None:
     """Inverse of ``gather_state``: ``state`` on DP rank 0 (None elsewhere)."""
     group, device = _comm(distopt)
-    if group.rank() == 0:
-        _require_ours(state, "the parameter state file")
-    meta = broadcast_object(distopt, _meta_of_state(state) if group.rank() == 0 else None)
+    # DP rank 0 alone reads the file: its verdict travels with the broadcast, so that a file
+    # of another format raises on every rank instead of leaving the others in a collective.
+    meta = broadcast_object(distopt, _checked_meta(state) if group.rank() == 0 else None)
+    if isinstance(meta, str):
+        raise ValueError(meta)
     check_compatible(distopt, meta)
     held = _by_bucket(distopt)
     for where, buffer, bucket in _buckets(distopt):
@@ -296,6 +298,17 @@ def scatter_state(distopt, state) -> None:
                     set_piece_key(distopt, p, key, local[p.local[0] : p.local[1]])
     for p in pieces(distopt):
         set_scalars(distopt, p, meta[p.name]["scalars"])
+
+
+def _checked_meta(state):
+    """The file's metadata, or the message of why it cannot be loaded (a str)."""
+    try:
+        _require_ours(state, "the parameter state file")
+        return _meta_of_state(state)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        if isinstance(err, ValueError):
+            return str(err)
+        return f"the parameter state file is malformed ({type(err).__name__}: {err})"
 
 
 def _meta_of_state(state) -> dict:
@@ -341,7 +354,7 @@ def set_scalars(distopt, piece: Piece, scalars: dict) -> None:
 
 def _require_ours(state, what: str) -> None:
     if not (isinstance(state, dict) and state.get("format") == FORMAT):
-        found = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
+        found = sorted(map(str, state))[:6] if isinstance(state, dict) else type(state).__name__
         raise ValueError(
             f"{what} was not written by a DistributedOptimizer whose optimizer declares its "
             f"state (format {FORMAT!r}); found keys {found}: a checkpoint of another optimizer "

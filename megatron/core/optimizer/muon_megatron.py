@@ -63,10 +63,31 @@ def tp_groups(pg_collection=None) -> dict[bool, Any]:
     }
 
 
+def agree_across(local_ok: bool, groups: dict, device=None) -> bool:
+    """True iff ``local_ok`` holds on every rank of the given TP groups ({expert?: group}).
+
+    Both groups of size > 1 and different: one all-reduce over all ranks (Megatron steps every
+    rank's optimizer together), so that no chain of overlapping groups can disagree.
+    """
+    active = [g for g in {id(g): g for g in groups.values() if g is not None}.values()]
+    active = [g for g in active if torch.distributed.get_world_size(g) > 1]
+    if not active:
+        return local_ok
+    group = active[0] if len(active) == 1 else None
+    flag = torch.tensor([0 if local_ok else 1], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return not bool(flag.item())
+
+
 def param_info(
     param: Tensor, tp_size: int, qkv_split: Optional[Sequence[int]]
 ) -> MegatronMuonParamInfo:
     """Global info of a (possibly TP-sharded) 2-D param: the local shape times TP on its dim."""
+    if param.ndim != 2:
+        raise ValueError(
+            f"Muon only takes 2-D parameters, got shape {tuple(param.shape)}; give it to an "
+            "AdamW optimizer (or a use_muon=False group of Muon)"
+        )
     shape = list(param.shape)
     dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", 0) else -1
     if dim in (0, 1):
