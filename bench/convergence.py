@@ -198,6 +198,15 @@ def parse_args(argv=None):
     parser.add_argument(
         "--reuse", action="store_true", help="keep the runs already in <out>/convergence.csv"
     )
+    parser.add_argument(
+        "--qk-clip",
+        type=float,
+        default=None,
+        metavar="TAU",
+        help="instead: Muon with and "
+        "without QK-clip at threshold TAU, max attention logits (bench/qk_clip_study.py)",
+    )
+    parser.add_argument("--qk-clip-lr", type=float, default=1e-2, help="Muon lr of --qk-clip")
     return parser.parse_args(argv)
 
 
@@ -212,6 +221,12 @@ def main(argv=None) -> dict:
     os.makedirs(out, exist_ok=True)
     from megatron.training.corpus import build_corpus
 
+    if args.qk_clip is not None:
+        import qk_clip_study
+
+        base = train_args(size, "muon", args.qk_clip_lr, build_corpus())
+        print(qk_clip_study.study(ROOT, base, args.qk_clip, out))
+        return {}
     start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
     done, before = read_csv(os.path.join(out, "convergence.csv")) if args.reuse else ({}, [])
     curves = sweep(size, lrs, build_corpus(), args.jobs, done)
