@@ -82,7 +82,7 @@ def _unfuse(fused, heads, groups, dim):
     return [p.reshape(-1, fused.shape[1]) for p in parts]
 
 
-@pytest.mark.parametrize("cuts", [[0, 7, 20, 33, 48], [0, 16, 48], [0, 48]])
+@pytest.mark.parametrize("cuts", [[0, 7, 20, 33, 48], [0, 16, 48], [0, 48], [0, 7, 10, 12, 48]])
 def test_shards_scaled_from_their_offset_equal_the_whole(cuts):
     """A DistOpt shard is a piece of the flattened matrix that may start and end inside rows."""
     whole = torch.randn(8, 6)

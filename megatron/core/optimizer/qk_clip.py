@@ -59,9 +59,20 @@ def qkv_row_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) 
 
 def scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, row_len: int, start: int) -> None:
     """Scale in place the elements ``flat`` holds of a row-major matrix (``row_len`` elements per
-    row) flattened, ``flat`` starting at element ``start``: each by its row's scale."""
-    index = torch.arange(start, start + flat.numel(), device=flat.device) // row_len
-    flat.mul_(row_scale.to(flat.device)[index])
+    row) flattened, ``flat`` starting at element ``start``: each by its row's scale. Three slices
+    (the end of a cut first row, whole rows, the start of a cut last row), no index tensor."""
+    row_scale = row_scale.to(flat.device)
+    row, offset, n = start // row_len, start % row_len, flat.numel()
+    lead = min(n, (row_len - offset) % row_len)
+    if lead:
+        flat[:lead].mul_(row_scale[row])
+        row += 1
+    whole = (n - lead) // row_len
+    if whole:
+        body = flat[lead : lead + whole * row_len].view(whole, row_len)
+        body.mul_(row_scale[row : row + whole, None])
+    if lead + whole * row_len < n:
+        flat[lead + whole * row_len :].mul_(row_scale[row + whole])
 
 
 # ------------------------------------------------------------------------------ the step
@@ -124,9 +135,11 @@ def _reduce_over_data_parallel(maxima: list) -> list:
 
 
 def _model_wide_max(maxima: list) -> float:
-    local = torch.stack([m.max() for m in maxima]).max() if maxima else None
-    if local is None:
-        local = torch.tensor(float("-inf"))
+    if maxima:
+        local = torch.stack([m.max() for m in maxima]).max()
+    else:  # a stage without attention layers still joins the all-reduce
+        cuda = torch.cuda.is_available()
+        local = torch.tensor(float("-inf"), device=torch.cuda.current_device() if cuda else None)
     group = parallel_state.get_model_parallel_group()
     torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=group)
     return local.item()
