@@ -150,31 +150,33 @@ def test_logits_above_threshold_end_at_it(layout):
 # --------------------------------------------------- DistOpt: fp32 main shards cut through heads
 
 
-def main_shard_run(optimizer_name: str, break_shards: bool = False):
-    """bf16 DP2 DistOpt with small buckets: after the clip each rank's fp32 main shard of every
-    QKV matrix must equal its model param region to bf16 rounding."""
+def main_shard_run(optimizer_name: str, break_shards: bool = False, distopt: bool = True):
+    """bf16 with DP2 DistOpt and small buckets (or one process, whole fp32 main params): after
+    the clip each rank's fp32 main copy of every QKV matrix must equal its model param region to
+    bf16 rounding."""
     # hidden 80 (rows of 80 elements): DistOpt's 64-element-aligned shard bounds fall inside rows
     spec = TinyGPT(num_layers=2, hidden_size=80, dtype="bf16", extra=CLIP)
-    model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
+    model = build_model(spec, distopt=distopt, bucket_size=BUCKET, overlap_grad_reduce=distopt)
     optimizer = build_optimizer(
-        spec, model, use_distributed_optimizer=True, optimizer=optimizer_name
+        spec, model, use_distributed_optimizer=distopt, optimizer=optimizer_name
     )
     true_start = qk_clip.shard_start
     if break_shards:  # negative control: treat every shard as if it began at the matrix's start
         qk_clip.shard_start = lambda optimizer, param: 0
-    for batch in global_batches(spec, 2):
-        train_step(spec, model, optimizer, batch)
+    max_logit = max(
+        train_step(spec, model, optimizer, b)["max_logit"] for b in global_batches(spec, 2)
+    )
     worst, row_cuts = 0.0, 0
     for layer in (m for m in model[0].modules() if isinstance(m, SelfAttention)):
         weight = layer.linear_qkv.weight
         if weight.main_param is None:  # this rank holds none of it
             continue
-        start, row_len = true_start(optimizer, weight), weight.shape[1]
+        start = true_start(optimizer, weight) if distopt else 0
         region = weight.detach().view(-1)[start : start + weight.main_param.numel()].float()
-        rel = (weight.main_param - region).abs() / region.abs().clamp_min(1e-30)
+        rel = (weight.main_param.view(-1) - region).abs() / region.abs().clamp_min(1e-30)
         worst = max(worst, rel.max().item())
-        row_cuts += int(start % row_len != 0)
-    return worst, row_cuts
+        row_cuts += int(start % weight.shape[1] != 0)
+    return worst, row_cuts, max_logit
 
 
 # The model param is bf16(bf16(main) * r), the main shard main * r: two roundings to bf16's 8
@@ -184,9 +186,11 @@ def main_shard_run(optimizer_name: str, break_shards: bool = False):
 BF16_REL = 2.0**-6
 
 
-def _check_main_shards(results, expect_ok: bool):
-    worst = max(w for w, _ in results)
-    assert sum(cuts for _, cuts in results) > 0, "no shard starts inside a row: test too weak"
+def _check_main_shards(results, expect_ok: bool, sharded: bool = True):
+    worst = max(w for w, _, _ in results)
+    assert all(m > TAU for _, _, m in results), "the clip had nothing to do: test too weak"
+    if sharded:
+        assert sum(cuts for _, cuts, _ in results) > 0, "no shard starts inside a row: too weak"
     if expect_ok:
         assert worst <= BF16_REL, worst
     else:
@@ -200,3 +204,9 @@ def test_distopt_main_shards_are_clipped_with_their_rows(optimizer_name):
 
 def test_negative_control_shards_scaled_from_the_wrong_offset():
     _check_main_shards(run_distributed(main_shard_run, 2, args=("adam", True)), False)
+
+
+def test_float16_optimizer_main_params_are_clipped_too():
+    """Without DistOpt, Megatron's Float16Optimizer keeps whole fp32 main params."""
+    results = run_distributed(main_shard_run, 1, args=("adam", False, False))
+    _check_main_shards(results, True, sharded=False)
