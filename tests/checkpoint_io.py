@@ -25,13 +25,17 @@ def sync_params(model_chunks) -> None:
 
 def _torch_file(directory: str, what: str) -> str:
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    return os.path.join(directory, f"{what}_tp{tp}_pp{pp}.pt")
+    ep = ""  # expert-parallel ranks hold different experts: one file each (as Megatron)
+    if ps.get_expert_model_parallel_world_size() > 1:
+        ep = f"_ep{ps.get_expert_model_parallel_rank()}"
+    return os.path.join(directory, f"{what}_tp{tp}_pp{pp}{ep}.pt")
 
 
 def _sharded(model_chunks, optimizer, fmt: str, is_loading: bool) -> dict:
     (chunk,) = model_chunks
     model_sd = chunk.module.sharded_state_dict()  # DDP itself has no sharded_state_dict
-    metadata = {"distrib_optim_sharding_type": fmt}
+    # as Megatron-LM's checkpointing passes it: no ChainedOptimizer prefix for fully_reshardable
+    metadata = {"distrib_optim_sharding_type": fmt, "chained_optim_avoid_prefix": True}
     opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": opt_sd}
 
@@ -42,7 +46,7 @@ def save(fmt: str, directory: str, model_chunks, optimizer) -> None:
         os.makedirs(directory, exist_ok=True)
     torch.distributed.barrier()
     if fmt == "torch":
-        if ps.get_data_parallel_rank() == 0:  # as Megatron: common state from DP rank 0 only
+        if ps.get_expert_data_parallel_rank() == 0:  # as Megatron: one writer per DP replica
             common = {"model": model_chunks[0].state_dict(), "optimizer": optimizer.state_dict()}
             torch.save(common, _torch_file(directory, "common"))
         optimizer.save_parameter_state(_torch_file(directory, "param_state"))

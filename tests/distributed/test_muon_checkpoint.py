@@ -211,3 +211,37 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path, saved_by, loaded_by, s
     with pytest.raises(RankFailure, match=message) as failure:
         run_distributed(load_with, 2, args=(TinyGPT(), loaded_by, str(tmp_path)))
     assert "ValueError" in str(failure.value) and "KeyError" not in str(failure.value)
+
+
+# ------------------------------------------------------------------------ MoE: two DistOpts
+
+MOE = TinyGPT(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather")
+
+
+def moe_meta_keys(spec):
+    """The declared-state metadata key of the dense and of the expert DistOpt on this rank."""
+    from megatron.core.optimizer.muon_checkpoint_sharded import _meta_key
+
+    _, optimizer = build(spec, MUON)
+    return [(d.data_parallel_group_idx, _meta_key(d)) for d in distopts(optimizer)]
+
+
+def test_moe_dense_and_expert_distopts_keep_apart_their_metadata():
+    """Premise and fix: on rank 0 both DistOpts have dp_group_idx 0 (the collision with
+    chained_optim_avoid_prefix=True), yet their metadata keys differ."""
+    (dense, expert), _ = run_distributed(moe_meta_keys, 2, ep=2, args=(MOE,))
+    assert dense[0] == expert[0] == 0
+    assert dense[1] != expert[1] and expert[1].endswith(".expert.declared_state_meta")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_ep2_resume_is_bit_exact(tmp_path, fmt):
+    """MoE EP2 + DistOpt (a ChainedOptimizer of a dense and an expert DistOpt), saved with
+    Megatron-LM's metadata (chained_optim_avoid_prefix=True), resumes bit-exactly."""
+    results = run_distributed(
+        save_then_resume, 2, ep=2, args=(MOE, fmt, str(tmp_path), MUON), timeout=300
+    )
+    for uninterrupted, resumed in results:
+        assert any(".experts." in name for name in uninterrupted)
+        for name, tensor in uninterrupted.items():
+            assert torch.equal(resumed[name], tensor), f"{name} differs after resume"

@@ -29,9 +29,24 @@ def _prefix(distopt) -> str:
     return f"optimizer.distributed.dp_group_idx_{distopt.data_parallel_group_idx}"
 
 
+def _holds_experts(distopt) -> bool:
+    # Megatron marks expert-parallel params with allreduce=False
+    return any(
+        not getattr(p, "allreduce", True) for b in distopt.buffers for p in b.param_index_map
+    )
+
+
+def _meta_key(distopt) -> str:
+    """The dense and the expert DistOpt of an MoE model can share a ``dp_group_idx`` (the
+    model-parallel and the expert-model-parallel rank are both 0 on rank 0), and with
+    ``chained_optim_avoid_prefix=True`` (Megatron-LM's checkpointing passes it) the
+    ChainedOptimizer adds no prefix for fully_reshardable: the expert one's key says so."""
+    return f"{_prefix(distopt)}{'.expert' if _holds_experts(distopt) else ''}.declared_state_meta"
+
+
 def _meta_object(distopt, meta) -> ShardedObject:
     return ShardedObject(
-        f"{_prefix(distopt)}.declared_state_meta",
+        _meta_key(distopt),
         meta,
         (1,),
         (0,),
