@@ -7,12 +7,15 @@ against ~21 s for spawn, which re-imports torch and megatron in every rank). Eac
 intra-op thread first: forked children must not touch the parent's OpenMP pool, and 8 ranks on 2
 cores gain nothing from more. A failure in any rank is raised in the test with that rank's
 traceback; the other ranks (likely blocked in a collective) are killed, and a run that exceeds
-``timeout`` seconds is killed and reported with the ranks that never answered: no hangs.
+``timeout`` seconds is killed and reported with the ranks that never answered: no hangs. A rank
+killed by a signal (a native crash) prints every thread's native and Python stack, and is named
+as the root cause ahead of the peers' transport errors.
 """
 
 import multiprocessing
 import queue
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
 
     import torch
 
+    _print_stacks_on_fatal_signals()
     torch.set_num_threads(1)
     # upstream's deprecation and CUDA-tuning warnings, once per rank, drown the tracebacks
     warnings.simplefilter("ignore")
@@ -70,6 +74,29 @@ def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
         expert_tensor_parallel_size=layout.etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _print_stacks_on_fatal_signals() -> None:
+    """A rank killed by SIGSEGV/SIGABRT/SIGBUS prints every thread's stack to stderr (pytest
+    shows it with the failure): native frames from c10's handler, which then chains to
+    faulthandler's Python frames. Without this a native crash in a gloo thread left only the
+    peers' "Connection reset by peer"."""
+    import faulthandler
+
+    import torch
+
+    faulthandler.enable(all_threads=True)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
+
+
+def _native_threads() -> int:
+    """Threads of this process, native ones included (Linux; 0 where /proc is absent)."""
+    import os
+
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _teardown_rank() -> None:
@@ -144,11 +171,14 @@ def run_distributed(
         )
         for r in range(world_size)
     ]
+    # Forking copies only the calling thread; others (torch's intra-op pool, a leftover Python
+    # thread) leave their locks behind in the child. Recorded for the report of a crashed rank.
+    at_fork = f"{_native_threads()} threads ({threading.active_count()} Python) in the parent"
     for p in procs:
         p.start()
     finished = False
     try:
-        outputs = _collect(results, procs, world_size, timeout)
+        outputs = _collect(results, procs, world_size, timeout, at_fork)
         finished = True
         return outputs
     finally:
@@ -161,7 +191,17 @@ def run_distributed(
             p.join()
 
 
-def _collect(results, procs, world_size, timeout):
+def _crashed(procs, grace: float) -> list:
+    """Ranks killed by a signal, waiting up to ``grace`` seconds for the exit to show."""
+    deadline = time.monotonic() + grace
+    while True:
+        crashed = [i for i, p in enumerate(procs) if (p.exitcode or 0) < 0]
+        if crashed or time.monotonic() > deadline:
+            return crashed
+        time.sleep(0.05)
+
+
+def _collect(results, procs, world_size, timeout, at_fork=""):
     outputs, deadline = {}, time.monotonic() + timeout
     while len(outputs) < world_size:
         try:
@@ -175,10 +215,19 @@ def _collect(results, procs, world_size, timeout):
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if dead:
                 raise RankFailure(
-                    f"ranks {dead} died without a report (exit {procs[dead[0]].exitcode})"
+                    f"ranks {dead} died without a report (exit {procs[dead[0]].exitcode}; a "
+                    f"negative exit is a signal: its stacks are in the captured stderr; forked "
+                    f"with {at_fork})"
                 ) from None
             continue
         if not ok:
+            crashed = _crashed(procs, grace=3.0)  # a peer's native crash is the root cause
+            if crashed:
+                raise RankFailure(
+                    f"ranks {crashed} crashed (exit {procs[crashed[0]].exitcode}: a signal; "
+                    f"stacks in the captured stderr; forked with {at_fork}); then rank {rank} "
+                    f"of {world_size} failed:\n{value}"
+                )
             raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
         outputs[rank] = _from_bytes(value)
     return [outputs[r] for r in range(world_size)]

@@ -44,3 +44,19 @@ def _sleep_forever():
 def test_timeout_kills_ranks_and_names_them():
     with pytest.raises(RankFailure, match=r"timeout after 2s; ranks \[0, 1\]"):
         run_distributed(_sleep_forever, 2, timeout=2)
+
+
+def _segfault():
+    import ctypes
+
+    if torch.distributed.get_rank() == 1:
+        ctypes.string_at(0)  # a native crash, as a gloo thread's SIGSEGV would be
+    torch.distributed.barrier()
+
+
+def test_a_native_crash_prints_its_stack_and_is_reported(capfd):
+    reported = r"ranks \[1\] (crashed|died without a report) \(exit -11"
+    with pytest.raises(RankFailure, match=reported):
+        run_distributed(_segfault, 2, timeout=60)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err and "_segfault" in err, err[-2000:]
