@@ -41,7 +41,7 @@ class IntervalStats:
     def add(self, losses: dict, skipped: bool, max_logit=None) -> None:
         self.iterations += 1
         if max_logit is not None:
-            self.max_logit = max(max_logit, self.max_logit or -math.inf)
+            self.max_logit = max_logit if self.max_logit is None else max(self.max_logit, max_logit)
         self.skipped += int(skipped)
         if skipped:
             return
