@@ -31,6 +31,8 @@ def test_head_scales_by_hand():
 def test_heads_at_or_below_tau_and_unrecorded_heads_are_left_alone():
     q, k = head_scales(torch.tensor([2.0, -3.0, float("-inf"), 0.0]), 2, 2.0, 0.5)
     assert q.tolist() == [1.0] * 4 and k.tolist() == [1.0, 1.0]
+    q, k = head_scales(torch.tensor([float("inf"), float("nan")]), 1, 2.0, 0.5)
+    assert q.tolist() == [1.0, 1.0] and k.tolist() == [1.0]  # overflowed: not zeroed
 
 
 def test_row_scales_follow_megatrons_fused_qkv_layout():

@@ -42,8 +42,10 @@ from megatron.core import parallel_state
 
 def head_scales(max_logits: torch.Tensor, num_groups: int, threshold: float, alpha: float):
     """(query scale per head [np], key scale per key head [ng]) from the per-head maxima [np]
-    (heads ordered group by group, as Megatron lays them out)."""
-    eta = torch.where(max_logits > threshold, threshold / max_logits, torch.ones_like(max_logits))
+    (heads ordered group by group, as Megatron lays them out). A non-finite max (an fp16
+    overflow, whose step the loss scaler skips) leaves its head alone rather than zeroing it."""
+    clip = (max_logits > threshold) & torch.isfinite(max_logits)
+    eta = torch.where(clip, threshold / max_logits, torch.ones_like(max_logits))
     group_eta = eta.view(num_groups, -1).amin(dim=1)
     return eta.pow(alpha), group_eta.pow(1.0 - alpha)
 
