@@ -225,7 +225,9 @@ def main(argv=None) -> dict:
         import qk_clip_study
 
         base = train_args(size, "muon", args.qk_clip_lr, build_corpus())
-        print(qk_clip_study.study(ROOT, base, args.qk_clip, out))
+        cmd = "python bench/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        header = [f"command: {cmd.strip()}", f"versions: {versions()}"]
+        print(qk_clip_study.study(ROOT, base, args.qk_clip, out, header))
         return {}
     start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
     done, before = read_csv(os.path.join(out, "convergence.csv")) if args.reuse else ({}, [])

@@ -41,10 +41,11 @@ def run(root, base_args: list, tau) -> dict:
     }
 
 
-def study(root, base_args: list, tau: float, out: str) -> str:
+def study(root, base_args: list, tau: float, out: str, header=()) -> str:
     with ThreadPoolExecutor(2) as pool:
         plain, clipped = pool.map(lambda t: run(root, base_args, t), [None, tau])
     with open(os.path.join(out, "qk_clip.csv"), "w", newline="") as f:
+        f.writelines(f"# {line}\n" for line in header)
         writer = csv.writer(f)
         writer.writerow(["run", "iteration", "max_attention_logit"])
         for name, result in (("muon", plain), (f"muon+qk_clip({tau})", clipped)):
