@@ -45,9 +45,13 @@ def layer_spec(args, config):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts, qk_layernorm=config.qk_layernorm
+        )
     return get_gpt_layer_local_spec(
-        num_experts=args.num_experts, normalization=config.normalization
+        num_experts=args.num_experts,
+        normalization=config.normalization,
+        qk_layernorm=config.qk_layernorm,
     )
 
 
@@ -62,6 +66,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
         vp_stage=vp_stage,
     )
 

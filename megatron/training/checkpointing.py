@@ -43,6 +43,7 @@ MODEL_SHAPE = (
     ("position_embedding_type", "--position-embedding-type"),
     ("normalization", "--normalization"),
     ("swiglu", "--swiglu"),
+    ("qk_layernorm", "--qk-layernorm"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("disable_bias_linear", "--disable-bias-linear"),
     ("num_experts", "--num-experts"),

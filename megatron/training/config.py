@@ -29,6 +29,10 @@ class ModelArgs:
     """Kind of position embedding."""
     rotary_base: int = 10000
     """RoPE base period."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates."""
+    squared_relu: bool = False
+    """Squared ReLU activation in the MLP (instead of GeLU; not with --swiglu)."""
     transformer_impl: Literal["local", "transformer_engine"] = field(
         default_factory=_default_transformer_impl
     )

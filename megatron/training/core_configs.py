@@ -28,7 +28,7 @@ def transformer_config(args) -> TransformerConfig:
     dtype = params_dtype(args)
     kw.update(
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=activation_func(args),
         add_bias_linear=not args.disable_bias_linear,
         params_dtype=dtype,
         pipeline_dtype=dtype,  # bf16/fp16 under PP sends activations in that dtype
@@ -39,6 +39,17 @@ def transformer_config(args) -> TransformerConfig:
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
     )
     return TransformerConfig(**kw)
+
+
+def activation_func(args):
+    """Megatron-LM's choice: SiLU gated by --swiglu, squared ReLU, else GeLU."""
+    if args.swiglu:
+        return F.silu
+    if args.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
+    return F.gelu
 
 
 def virtual_pipeline_size(args):

@@ -63,6 +63,18 @@ UNSUPPORTED = (
         "with local: auto, local or unfused",
     ),
     (
+        lambda a: a.layernorm_zero_centered_gamma and a.transformer_impl == "local",
+        "--apply-layernorm-1p needs --transformer-impl transformer_engine: the local spec's "
+        "torch LayerNorm/RMSNorm has no zero-centered gamma (megatron-core refuses it)",
+    ),
+    (
+        lambda a: a.cross_entropy_loss_fusion
+        and a.cross_entropy_fusion_impl == "te"
+        and not _has_te(),
+        "--cross-entropy-fusion-impl te needs Transformer Engine (not installed here); "
+        "use native",
+    ),
+    (
         lambda a: a.tensorboard_dir and importlib.util.find_spec("tensorboard") is None,
         "--tensorboard-dir needs the tensorboard package: pip install tensorboard",
     ),
@@ -70,6 +82,18 @@ UNSUPPORTED = (
 
 RULES = (
     (lambda a: a.bf16 and a.fp16, lambda a: "--bf16 and --fp16 are exclusive: pick one"),
+    (
+        lambda a: a.squared_relu and a.swiglu,
+        lambda a: "--squared-relu and --swiglu are exclusive: pick one activation",
+    ),
+    (
+        lambda a: not 0 < a.rotary_percent <= 1,
+        lambda a: f"--rotary-percent must be in (0, 1], got {a.rotary_percent}",
+    ),
+    (
+        lambda a: a.layernorm_epsilon <= 0,
+        lambda a: f"--norm-epsilon must be > 0, got {a.layernorm_epsilon}",
+    ),
     (
         lambda a: a.world_size % _model_parallel(a),
         lambda a: f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) x "

@@ -1,0 +1,118 @@
+"""Model flags reach the built model: the CLI's own parse_args, transformer_config and
+pretrain_gpt.model_provider on one gloo rank, then the GPTModel is inspected (not only args).
+
+    .venv/bin/python -m pytest -q tests/unit/test_model_flags.py
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --vocab-size 64"
+).split()
+
+
+def _pretrain_gpt():
+    spec = importlib.util.spec_from_file_location(
+        "pretrain_gpt", os.path.join(ROOT, "pretrain_gpt.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(flags: str):
+    """(args, GPTModel) as pretrain_gpt.py builds them, on the calling rank."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.core_configs import transformer_config
+
+    main = _pretrain_gpt()
+    args = parse_args(BASE + flags.split(), world_size=1)
+    args.padded_vocab_size = 128
+    return args, main.model_provider(args, transformer_config(args))
+
+
+def _norm_facts(flags: str) -> dict:
+    _, model = _build(flags)
+    attention = model.decoder.layers[0].self_attention
+    return {
+        "input_eps": model.decoder.layers[0].input_layernorm.eps,
+        "final_eps": model.decoder.final_layernorm.eps,
+        "q_eps": getattr(getattr(attention, "q_layernorm", None), "eps", None),
+        "k_eps": getattr(getattr(attention, "k_layernorm", None), "eps", None),
+    }
+
+
+def _mlp_activation(flags: str) -> list:
+    """The MLP's activation on fixed inputs (what the built layer computes)."""
+    import torch
+
+    _, model = _build(flags)
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.5, 2.0])
+    return model.decoder.layers[0].mlp.activation_func(x).tolist()
+
+
+def _rotary_dims(flags: str) -> int:
+    _, model = _build(flags)
+    return 2 * model.rotary_pos_emb.inv_freq.numel()  # channels RoPE rotates per head
+
+
+def _losses_fused_and_unfused(flags: str) -> tuple:
+    """Per-token losses of one model with the fused cross-entropy path, then the unfused one."""
+    import torch
+
+    _, model = _build(flags)
+    assert model.config.cross_entropy_loss_fusion
+    model.eval()  # no dropout: both passes see the same logits
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16), generator=gen)
+    labels = torch.randint(0, 64, (2, 16), generator=gen)
+    position_ids = torch.arange(16).expand(2, 16)
+    with torch.no_grad():
+        fused = model(tokens, position_ids, None, labels=labels)
+        model.config.cross_entropy_loss_fusion = False
+        unfused = model(tokens, position_ids, None, labels=labels)
+    return fused, unfused
+
+
+def _one_rank(fn, flags):
+    return run_distributed(fn, 1, args=(flags,))[0]
+
+
+def test_norm_epsilon_and_qk_layernorm():
+    facts = _one_rank(_norm_facts, "--norm-epsilon 1e-6 --qk-layernorm")
+    assert facts == {"input_eps": 1e-6, "final_eps": 1e-6, "q_eps": 1e-6, "k_eps": 1e-6}
+    plain = _one_rank(_norm_facts, "")
+    assert plain["input_eps"] == 1e-5 and plain["q_eps"] is None  # Megatron-LM's defaults
+
+
+def test_squared_relu_is_the_mlp_activation():
+    assert _one_rank(_mlp_activation, "--squared-relu") == [0.0, 0.0, 0.0, 0.25, 4.0]
+    gelu = _one_rank(_mlp_activation, "")
+    assert gelu[0] < 0 and gelu[4] == pytest.approx(1.9545, abs=1e-4)  # the default: GeLU
+
+
+def test_rotary_percent_sets_the_rotated_channels():
+    rope = "--position-embedding-type rope"
+    assert _one_rank(_rotary_dims, rope) == 8  # kv channels = 32 / 4 heads
+    assert _one_rank(_rotary_dims, rope + " --rotary-percent 0.5") == 4
+
+
+def test_cross_entropy_loss_fusion_gives_the_unfused_numbers():
+    fused, unfused = _one_rank(_losses_fused_and_unfused, "--cross-entropy-loss-fusion")
+    # Same math, different op order (fused log-sum-exp vs torch's cross entropy): fp32 rounding.
+    assert fused.shape == unfused.shape == (2, 16)
+    assert (fused - unfused).abs().max().item() < 1e-5
+
+
+def test_apply_layernorm_1p_with_the_local_spec_is_refused():
+    from megatron.training.arguments import ArgumentsError, parse_args
+
+    with pytest.raises(ArgumentsError, match="--apply-layernorm-1p needs"):
+        parse_args(BASE + ["--apply-layernorm-1p", "--transformer-impl", "local"], world_size=1)
