@@ -71,8 +71,7 @@ UNSUPPORTED = (
         lambda a: a.cross_entropy_loss_fusion
         and a.cross_entropy_fusion_impl == "te"
         and not _has_te(),
-        "--cross-entropy-fusion-impl te needs Transformer Engine (not installed here); "
-        "use native",
+        "--cross-entropy-fusion-impl te needs Transformer Engine (not installed here); use native",
     ),
     (
         lambda a: a.tensorboard_dir and importlib.util.find_spec("tensorboard") is None,
