@@ -219,6 +219,14 @@ LOGGING = [
     F("--eval-iters", LoggingArgs, "eval_iters", type=int),
     F("--tensorboard-dir", LoggingArgs, "tensorboard_dir", type=str),
     F("--log-throughput", LoggingArgs, "log_throughput", switch=True),
+    F("--log-num-zeros-in-grad", OC, "log_num_zeros_in_grad", switch=True),
+    F("--log-params-norm", LoggingArgs, "log_params_norm", switch=True),
+    F(
+        "--log-validation-ppl-to-tensorboard",
+        LoggingArgs,
+        "log_validation_ppl_to_tensorboard",
+        switch=True,
+    ),
 ]
 
 GROUPS = {

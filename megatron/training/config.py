@@ -171,3 +171,7 @@ class LoggingArgs:
     """Write TensorBoard scalars here (needs the tensorboard package)."""
     log_throughput: bool = False
     """Add tokens/s per GPU to the log line."""
+    log_params_norm: bool = False
+    """Add the L2 norm of the model's params to the log line (a collective per log line)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write validation perplexity to TensorBoard."""

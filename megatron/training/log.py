@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from .log_figures import FORMATS as FIGURE_FORMATS
+
 
 def is_last_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
@@ -54,7 +56,9 @@ class IntervalStats:
         return {key: total / counted for key, total in self.losses.items()}
 
 
-def training_line(args, state, stats: IntervalStats, lrs, batch_size, loss_scale, grad_norm):
+def training_line(
+    args, state, stats: IntervalStats, lrs, batch_size, loss_scale, grad_norm, extra=None
+):
     """One Megatron-LM training log line, plus tokens/s and ETA (ours). ``lrs``: the learning
     rate and the decoupled one (None without --decoupled-lr)."""
     lr, decoupled_lr = lrs
@@ -79,6 +83,8 @@ def training_line(args, state, stats: IntervalStats, lrs, batch_size, loss_scale
     parts += [f" loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
+    for key, value in (extra or {}).items():  # log_figures: num zeros, params norm
+        parts.append(f" {key}: {FIGURE_FORMATS[key].format(value)}")
     if stats.max_logit is not None:
         parts.append(f" max attention logit: {stats.max_logit:.6E}")
     parts += [

@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing, failures
+from . import checkpointing, failures, log_figures
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
@@ -155,11 +155,11 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
         # fp16's loss scaler already skips steps with inf/NaN grads: there only the loss counts
         grads = [] if args.fp16 else failures.model_grad_buffers(model)
         failures.check_finite(outputs, grads, iteration, _device())
-    ok, grad_norm, _ = optimizer.step()
+    ok, grad_norm, num_zeros = optimizer.step()
     max_logit = clip_qk(model, optimizer=optimizer)  # --qk-clip / --log-max-attention-logit
     if ok:
         scheduler.step(increment=get_current_global_batch_size())
-    return reduce_losses(outputs), not ok, grad_norm, max_logit
+    return reduce_losses(outputs), not ok, (grad_norm, num_zeros), max_logit
 
 
 @torch.no_grad()
@@ -221,14 +221,15 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
     while state.iteration < args.train_iters:
         update_num_microbatches(state.consumed_train_samples, consistency_check=True)
         batch_size = get_current_global_batch_size()
-        losses, skipped, grad_norm, max_logit = train_step(
+        losses, skipped, (grad_norm, num_zeros), max_logit = train_step(
             args, forward_step, train_iter, model, optimizer, scheduler, state.iteration + 1
         )
         state.iteration += 1
         state.consumed_train_samples += batch_size
         stats.add(losses, skipped, max_logit)
         if state.iteration % args.log_interval == 0:
-            _log(args, state, stats, optimizer, batch_size, grad_norm, tb)
+            extra = log_figures.figures(args, model, num_zeros)
+            _log(args, state, stats, optimizer, batch_size, grad_norm, tb, extra)
             stats = IntervalStats()
         paused = time.perf_counter()
         if valid_iter is not False and state.iteration % args.eval_interval == 0:
@@ -245,17 +246,19 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
     return reason
 
 
-def _log(args, state, stats, optimizer, batch_size, grad_norm, tb) -> None:
+def _log(args, state, stats, optimizer, batch_size, grad_norm, tb, extra) -> None:
     lr, decoupled_lr = learning_rates(optimizer, args.decoupled_lr is not None)
     scale = optimizer.get_loss_scale().item()
     norm = None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm
     lrs = (lr, decoupled_lr)
-    print_rank_last(training_line(args, state, stats, lrs, batch_size, scale, grad_norm))
+    line = training_line(args, state, stats, lrs, batch_size, scale, grad_norm, extra)
+    print_rank_last(line)
     values = {f"train/{k}": v for k, v in stats.averages().items()}
     values.update({"learning-rate": lr, "loss-scale": scale, "grad-norm": norm})
     values["decoupled-learning-rate"] = decoupled_lr
     values["batch-size"] = batch_size
     values["max-attention-logit"] = stats.max_logit
+    values.update({log_figures.TAGS[k]: v for k, v in extra.items()})
     tb.scalars(values, state.iteration)
 
 
@@ -266,3 +269,6 @@ def _evaluate_and_print(args, forward_step, valid_iter, model, state, tb) -> Non
     if losses:
         print_rank_last(validation_block(f"iteration {state.iteration}", losses))
         tb.scalars({f"validation/{k}": v for k, v in losses.items()}, state.iteration)
+        if args.log_validation_ppl_to_tensorboard:
+            ppl = {f"validation/{k} ppl": math.exp(min(20.0, v)) for k, v in losses.items()}
+            tb.scalars(ppl, state.iteration)

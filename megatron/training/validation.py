@@ -198,6 +198,10 @@ RULES = (
     ),
     (lambda a: a.finetune and a.load is None, lambda a: "--finetune needs --load"),
     (
+        lambda a: a.log_validation_ppl_to_tensorboard and not a.tensorboard_dir,
+        lambda a: "--log-validation-ppl-to-tensorboard needs --tensorboard-dir",
+    ),
+    (
         lambda a: not a.mock_data and not a.data_path,
         lambda a: "no data: give --data-path PREFIX [PREFIX ...] or --mock-data",
     ),
