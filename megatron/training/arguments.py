@@ -210,6 +210,8 @@ CHECKPOINT = [
     F("--ckpt-format", CheckpointArgs, "ckpt_format", type=str),
     F("--no-load-optim", CheckpointArgs, "no_load_optim", switch=True),
     F("--no-load-rng", CheckpointArgs, "no_load_rng", switch=True),
+    F("--no-save-optim", CheckpointArgs, "no_save_optim", switch=True),
+    F("--no-save-rng", CheckpointArgs, "no_save_rng", switch=True),
     F("--finetune", CheckpointArgs, "finetune", switch=True),
 ]
 

@@ -94,6 +94,8 @@ def _common_state(args, scheduler, state) -> dict:
         "consumed_valid_samples": state.consumed_valid_samples,
         "args": _saved_args(args),
         "opt_param_scheduler": scheduler.state_dict(),
+        # What --no-save-optim / --no-save-rng left out; a load that needs it is refused.
+        "saved_parts": {"optimizer": not args.no_save_optim, "rng": not args.no_save_rng},
     }
 
 
@@ -192,7 +194,8 @@ def _sharded_state(args, model, optimizer, scheduler, state, is_loading, with_op
 
 
 def _save_torch_dist(folder, args, model, optimizer, scheduler, state) -> None:
-    sd = _sharded_state(args, model, optimizer, scheduler, state, False, True, True)
+    with_optim, with_rng = not args.no_save_optim, not args.no_save_rng
+    sd = _sharded_state(args, model, optimizer, scheduler, state, False, with_optim, with_rng)
     dist_checkpointing.save(sd, folder)
 
 
@@ -208,7 +211,7 @@ def torch_file(folder: str) -> str:
 
 def _save_torch(folder, args, model, optimizer, scheduler, state) -> None:
     path = torch_file(folder)
-    if args.use_distributed_optimizer:  # a DP collective: every rank takes part
+    if args.use_distributed_optimizer and not args.no_save_optim:  # a DP collective
         _makedirs_for(path)
         optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
     if parallel_state.get_expert_data_parallel_rank() != 0:
@@ -216,8 +219,10 @@ def _save_torch(folder, args, model, optimizer, scheduler, state) -> None:
     sd = _common_state(args, scheduler, state)
     for i, chunk in enumerate(model):
         sd[_model_key(model, i)] = chunk.module.state_dict()
-    sd["optimizer"] = optimizer.state_dict()
-    sd["rng_state"] = rng_state()
+    if not args.no_save_optim:
+        sd["optimizer"] = optimizer.state_dict()
+    if not args.no_save_rng:
+        sd["rng_state"] = rng_state()
     _makedirs_for(path)
     torch.save(sd, path)
 
@@ -270,6 +275,7 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
     if os.path.isfile(os.path.join(folder, "metadata.json")):
         common = _read(lambda: dist_checkpointing.load_common_state_dict(folder), folder)
         check_compatible(args, common.get("args", {}), folder)
+        check_saved_parts(args, common.get("saved_parts", {}), folder)
         sd = _sharded_state(
             args,
             model,
@@ -289,6 +295,7 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
         )
     loaded = _read(lambda: torch.load(path, map_location="cpu", weights_only=False), path)
     check_compatible(args, loaded.get("args", {}), folder)
+    check_saved_parts(args, loaded.get("saved_parts", {}), folder)
     loaded["_distrib_optim"] = os.path.join(os.path.dirname(path), "distrib_optim.pt")
     return loaded
 
@@ -310,6 +317,21 @@ def _read(reader, path):
         raise CheckpointError(
             f"checkpoint {path} is unreadable (corrupt or truncated?): {_why(err)}"
         ) from err
+
+
+def check_saved_parts(args, parts: dict, folder: str) -> None:
+    """A checkpoint saved with --no-save-optim / --no-save-rng lacks that part: loading it needs
+    --no-load-optim / --no-load-rng (or --finetune), as Megatron-LM says."""
+    for part, save_flag, load_flag in (
+        ("optimizer", "--no-save-optim", "--no-load-optim"),
+        ("rng", "--no-save-rng", "--no-load-rng"),
+    ):
+        needed = not getattr(args, load_flag[2:].replace("-", "_"))
+        if needed and parts.get(part, True) is False:
+            raise CheckpointError(
+                f"checkpoint {folder} was saved with {save_flag}: it has no {part} state; "
+                f"load it with {load_flag} (or --finetune)"
+            )
 
 
 def check_compatible(args, saved: dict, folder: str) -> None:

@@ -153,6 +153,10 @@ class CheckpointArgs:
     """Resume without optimizer state (fresh optimizer)."""
     no_load_rng: bool = False
     """Resume without the RNG states."""
+    no_save_optim: bool = False
+    """Save without optimizer state (Megatron-LM's default is None, meaning the same)."""
+    no_save_rng: bool = False
+    """Save without the RNG states."""
     finetune: bool = False
     """Load weights only; start at iteration 0 with fresh optimizer and RNG."""
 
