@@ -100,6 +100,11 @@ def data_iterators(args, state, n_chunks, tokenizer):
         split=args.split,
         mock_data=args.mock_data,
         data_cache_path=args.data_cache_path,
+        train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path,
+        mmap_bin_files=args.mmap_bin_files,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
     )
     samples = datasets.train_valid_test_num_samples(
         args.train_iters,

@@ -192,6 +192,17 @@ MUON = [
 
 DATA = [
     F("--data-path", DataArgs, "data_path", nargs="+"),
+    F("--train-data-path", DataArgs, "train_data_path", nargs="*"),
+    F("--valid-data-path", DataArgs, "valid_data_path", nargs="*"),
+    F("--test-data-path", DataArgs, "test_data_path", nargs="*"),
+    F("--no-mmap-bin-files", DataArgs, "mmap_bin_files", switch=False),
+    F(
+        "--no-create-attention-mask-in-dataloader",
+        DataArgs,
+        "create_attention_mask_in_dataloader",
+        switch=False,
+    ),
+    F("--dataloader-type", DataArgs, "dataloader_type", type=str),
     F("--split", DataArgs, "split", type=str),
     F("--mock-data", DataArgs, "mock_data", switch=True),
     F("--tokenizer-type", DataArgs, "tokenizer_type", type=str),

@@ -133,6 +133,20 @@ class DataArgs:
     """HuggingFaceTokenizer tokenizer.json (or its folder)."""
     data_cache_path: Optional[str] = None
     """Where dataset index caches go (default: beside the data)."""
+    train_data_path: Optional[list] = None
+    """Training split's prefixes (optionally weighted); instead of --data-path and --split."""
+    valid_data_path: Optional[list] = None
+    """Validation split's prefixes (optionally weighted)."""
+    test_data_path: Optional[list] = None
+    """Test split's prefixes (optionally weighted)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin token files (--no-mmap-bin-files reads them instead)."""
+    create_attention_mask_in_dataloader: bool = False
+    """Build a [s, s] attention mask per sample. Megatron-LM defaults to True; our models use
+    causal masks, so the mask would cost memory and broadcast time for nothing (off here)."""
+    dataloader_type: Optional[Literal["single", "cyclic", "external"]] = None
+    """single (ours: Megatron's pretraining sampler, resumable by consumed samples; the
+    default); cyclic and external are refused."""
     num_workers: int = 2
     """DataLoader worker processes per rank."""
 

@@ -202,12 +202,23 @@ RULES = (
         lambda a: "--log-validation-ppl-to-tensorboard needs --tensorboard-dir",
     ),
     (
-        lambda a: not a.mock_data and not a.data_path,
-        lambda a: "no data: give --data-path PREFIX [PREFIX ...] or --mock-data",
+        lambda a: not a.mock_data and not a.data_path and not _per_split(a),
+        lambda a: "no data: give --data-path PREFIX [PREFIX ...] (or --train-data-path, "
+        "--valid-data-path, --test-data-path) or --mock-data",
     ),
     (
-        lambda a: a.mock_data and a.data_path,
-        lambda a: "--mock-data and --data-path are exclusive: pick one",
+        lambda a: a.mock_data and (a.data_path or _per_split(a)),
+        lambda a: "--mock-data and --data-path (or the per-split paths) are exclusive: pick one",
+    ),
+    (
+        lambda a: a.data_path and _per_split(a),
+        lambda a: "--data-path and --train-data-path/--valid-data-path/--test-data-path are "
+        "exclusive (megatron-core: blend and blend_per_split are incompatible)",
+    ),
+    (
+        lambda a: a.dataloader_type in ("cyclic", "external"),
+        lambda a: f"--dataloader-type {a.dataloader_type} is not supported here: only single "
+        "(Megatron's pretraining sampler, resumable by consumed samples; the default)",
     ),
     (
         lambda a: a.tokenizer_type == "NullTokenizer" and a.vocab_size is None,
@@ -280,6 +291,10 @@ VPP_RULES = (
         f"({a.num_layers // a.pipeline_model_parallel_size})",
     ),
 )
+
+
+def _per_split(a) -> bool:
+    return bool(a.train_data_path or a.valid_data_path or a.test_data_path)
 
 
 def _model_parallel(a) -> int:
