@@ -24,6 +24,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron.core.optimizer import OptimizerConfig
 
+from . import refused
 from .config import CheckpointArgs, DataArgs, LoggingArgs, ModelArgs, TrainingArgs
 
 TC, OC, DDP = TransformerConfig, OptimizerConfig, DistributedDataParallelConfig
@@ -319,6 +320,9 @@ def _raise_unknown(unknown: list) -> None:
     for item in unknown:
         if item.startswith("-"):
             name = item.split("=", 1)[0]
+            why = refused.reason(name)
+            if why:
+                raise ArgumentsError(f"{name} is not supported by this stack: {why}")
             close = difflib.get_close_matches(name, known_flags(), n=3, cutoff=0.6)
             # a known flag that is a prefix of the given one (--optimizer for
             # --optimizer-cpu-offload) names another feature, not a misspelling

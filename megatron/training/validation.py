@@ -221,6 +221,17 @@ RULES = (
         "(Megatron's pretraining sampler, resumable by consumed samples; the default)",
     ),
     (
+        lambda a: a.tokenizer_type not in _tokenizer_types(),
+        lambda a: f"--tokenizer-type {a.tokenizer_type} is not supported by this stack; "
+        f"implemented: {', '.join(_tokenizer_types())}"
+        + (
+            " (sentencepiece and tiktoken tokenizers are not yet)"
+            if "Piece" in a.tokenizer_type
+            or a.tokenizer_type in ("Llama2Tokenizer", "TikTokenizer")
+            else ""
+        ),
+    ),
+    (
         lambda a: a.tokenizer_type == "NullTokenizer" and a.vocab_size is None,
         lambda a: "--tokenizer-type NullTokenizer needs --vocab-size",
     ),
@@ -291,6 +302,12 @@ VPP_RULES = (
         f"({a.num_layers // a.pipeline_model_parallel_size})",
     ),
 )
+
+
+def _tokenizer_types() -> tuple:
+    from .tokenizer import TOKENIZER_TYPES
+
+    return TOKENIZER_TYPES
 
 
 def _per_split(a) -> bool:
