@@ -6,8 +6,9 @@
 Every run is ``pretrain_gpt.py`` (the real training stack: GPTModel, DDP, Megatron's optimizer
 and lr schedule) on the built-in corpus (the Python stdlib's sources, byte-level tokens), one
 process, two runs at a time. Both optimizers see the same data order (same ``--seed``), batch,
-warmup and cosine decay; only ``--optimizer`` and ``--lr`` differ. Muon uses the matched-AdamW-RMS
-scale (the default), so one lr grid serves both. Validation loss is read from the log lines.
+warmup and cosine decay; only ``--optimizer`` and ``--lr`` differ, plus the seed's Muon recipe
+flags (``megatron/training/muon_recipe.py``): its matched-AdamW-RMS scale lets one lr grid serve
+both. Validation loss is read from the log lines.
 
 Figure: the first (linearly interpolated) step at which the best Muon run's validation loss
 reaches the best AdamW run's final validation loss, divided by the number of training steps.
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from megatron.training.muon_recipe import SEED_RECIPE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
@@ -49,7 +52,8 @@ def train_args(size: dict, optimizer: str, lr: float, data: str) -> list[str]:
         --log-interval {size["iters"]} --data-path {data} --split 98,2,0
         --tokenizer-type ByteLevelTokenizer --num-workers 0
     """
-    return flags.split()
+    recipe = SEED_RECIPE_FLAGS if optimizer == "muon" else []  # the seed's Muon recipe
+    return flags.split() + recipe
 
 
 def free_port() -> int:

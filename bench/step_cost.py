@@ -34,7 +34,9 @@ from gather_everything import (  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step  # noqa: E402
 
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
+
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
 SMALL_BUCKET = 40_000  # elements; DDP's default (one bucket here) is the timed layout
 ADAM = dict(optimizer="adam")
 SINGLE = {"adamw": (ADAM, False), "muon": (MUON, False)}

@@ -2,7 +2,8 @@
 # CPU quick start (what `make demo` runs): a small GPT trained with Muon on 4 CPU processes,
 # tensor parallel 2 x data parallel 2 with the distributed optimizer, on the built-in corpus
 # (the Python standard library's own source, byte-level tokens; built offline on first use),
-# then a checkpoint.
+# then a checkpoint. Muon runs with the seed's recipe (megatron/training/muon_recipe.py): matched
+# AdamW RMS 0.2, Nesterov, momentum 0.95, Keller Jordan's coefficients, exact TP (duplicated).
 #
 #   bash examples/cpu_quickstart.sh                 # from the repo root, after `make install`
 #   DRY_RUN=1 bash examples/cpu_quickstart.sh       # print the command instead of running it
@@ -25,6 +26,8 @@ fi
 
 args=(
   --tensor-model-parallel-size 2 --optimizer muon
+  --muon-matched-adamw-rms 0.2 --muon-use-nesterov --muon-momentum 0.95
+  --muon-coefficient-type simple --muon-tp-mode duplicated
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
   --position-embedding-type rope --normalization RMSNorm --swiglu
   --disable-bias-linear --untie-embeddings-and-output-weights

@@ -16,10 +16,11 @@ from parity import update_rel_error
 from tiny_gpt import TinyGPT, build_model, build_optimizer, full_params, global_batches, train_step
 
 from megatron.core.optimizer import muon_checkpoint
+from megatron.training.muon_recipe import SEED_RECIPE
 
 BEFORE, AFTER = 2, 2
 BUCKET = 6000  # as test_muon_distopt.py: ~12 buckets, matrices straddle DP shard boundaries
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
 
 
 def build(spec, optimizer_kwargs, seed=0):

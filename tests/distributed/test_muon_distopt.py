@@ -15,11 +15,13 @@ from harness import run_distributed
 from parity import assert_close_runs, update_rel_error
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train, train_step
 
+from megatron.training.muon_recipe import SEED_RECIPE
+
 STEPS = 3
 # DDP makes several buckets only with overlap_grad_reduce; 6000 elements cut the tiny GPT into
 # ~12 buckets, and matrices straddle DP shard boundaries in every layout.
 BUCKET = 6000
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
 
 # Tolerances on parity.update_rel_error, as in test_muon_parity.py: DP sharding only reorders
 # fp32 gradient sums (the exchange itself moves fp32 values unchanged and NS runs on the very same

@@ -15,10 +15,11 @@ from parity import assert_close_runs, update_rel_error
 from tiny_gpt import TinyGPT, shard, train, unshard
 
 from megatron.core.optimizer.muon_functional import MuonParamInfo
+from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
 # fp32 Newton-Schulz, so the comparison measures the layouts, not bf16 matmul rounding.
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
 
 # Tolerance on parity.update_rel_error (||got - ref|| / ||ref - initial||). Measured: TP2 both
 # exact modes ~7e-6, DP2 ~5e-6, PP2 0, TP2xPP2xDP2 ~7e-6; blockwise vs exact ~0.7. TP and DP

@@ -11,7 +11,9 @@ from harness import run_distributed
 from parity import assert_close_runs
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train, train_step
 
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32")
+from megatron.training.muon_recipe import SEED_RECIPE
+
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
 # 2**10: small enough that the tiny model's fp16 grads never overflow on their own;
 # hysteresis 1: the first overflow already backs the scale off (Megatron's default waits 2).
 FP16 = dict(MUON, initial_loss_scale=2.0**10, hysteresis=1)

@@ -8,6 +8,8 @@ import subprocess
 import pytest
 
 from megatron.training.arguments import parse_args
+from megatron.training.core_configs import optimizer_config
+from megatron.training.muon_recipe import SEED_RECIPE, SEED_RECIPE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,3 +55,21 @@ def test_header_states_the_command():
     for script, *_ in EXAMPLES:
         header = open(os.path.join(ROOT, script)).read().split("set -euo")[0]
         assert "DRY_RUN=1 bash " + script in header
+
+
+def test_recipe_flags_set_the_recipe_fields():
+    args = parse_args(
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data "
+        "--optimizer muon".split()
+        + SEED_RECIPE_FLAGS,
+        world_size=1,
+    )
+    config = optimizer_config(args)
+    assert {name: getattr(config, name) for name in SEED_RECIPE} == SEED_RECIPE
+
+
+def test_make_demo_runs_the_seed_recipe():
+    words = dry_run("examples/cpu_quickstart.sh", {})
+    config = optimizer_config(parse_args(words[words.index("pretrain_gpt.py") + 1 :], world_size=4))
+    assert {name: getattr(config, name) for name in SEED_RECIPE} == SEED_RECIPE

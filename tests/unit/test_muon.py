@@ -5,8 +5,23 @@ import io
 import pytest
 import torch
 
-from megatron.core.optimizer.muon import Muon, MuonParamInfo
-from megatron.core.optimizer.newton_schulz import newton_schulz
+from megatron.core.optimizer.muon import Muon as _Muon
+from megatron.core.optimizer.muon import MuonParamInfo
+from megatron.core.optimizer.newton_schulz import newton_schulz as _newton_schulz
+
+# These tests check torch.optim.Muon's math (Nesterov, Keller Jordan's coefficients, matched
+# AdamW RMS 0.2) in fp32: the seed's recipe, given explicitly here since Muon's defaults are
+# upstream's (tests/unit/test_muon_config.py checks those).
+RECIPE = dict(nesterov=True, ns_coefficients="simple", ns_precision="fp32", matched_adamw_rms=0.2)
+
+
+def Muon(params, **kwargs):  # noqa: N802 - Muon with the recipe as this file's defaults
+    return _Muon(params, **{**RECIPE, **kwargs})
+
+
+def newton_schulz(x, steps=5, coefficients="simple", precision="fp32"):
+    return _newton_schulz(x, steps, coefficients, precision)
+
 
 SHAPES = [(32, 64), (96, 48)]  # wide and tall: both the transposed and plain NS paths
 STEPS = 5

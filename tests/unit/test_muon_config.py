@@ -1,25 +1,91 @@
-"""OptimizerConfig's Muon fields: defaults (one home) and the validation error table."""
+"""OptimizerConfig's Muon fields: upstream's defaults (one home), validation where Muon is used."""
 
+import ast
 import dataclasses
+import importlib.util
 import inspect
+import tarfile
+from pathlib import Path
 
 import pytest
 
-from megatron.core.optimizer import OptimizerConfig, newton_schulz
-from megatron.core.optimizer import muon as muon_module
+from megatron.core.optimizer import OptimizerConfig, muon_config, muon_optimizer, newton_schulz
+from megatron.core.optimizer.muon_config import validate_muon_config
+from megatron.core.optimizer.muon_megatron import check_muon_supported
+
+# upstream 0.16.1's OptimizerConfig, read from the pinned archive (tests/unit/test_fork_build.py
+# checks its hash): every field it defines keeps its default
+UPSTREAM_DEFAULTS = {
+    "muon_momentum": 0.95,
+    "muon_split_qkv": True,
+    "muon_use_nesterov": False,
+    "muon_scale_mode": "spectral",
+    "muon_fp32_matmul_prec": "medium",
+    "muon_num_ns_steps": 5,
+    "muon_tp_mode": "blockwise",
+    "muon_extra_scale_factor": 1.0,
+}
+OURS_OFF = {
+    "muon_coefficient_type": "quintic",  # what upstream 0.16.1 runs (TensorParallelMuon's default)
+    "muon_matched_adamw_rms": None,
+    "muon_distopt_exchange_dtype": "fp32",
+}
 
 
-def test_defaults_come_from_the_muon_modules():
-    config = OptimizerConfig(optimizer="muon")
-    assert config.muon_momentum == muon_module.DEFAULT_MOMENTUM == 0.95
-    assert config.muon_matched_adamw_rms == muon_module.DEFAULT_MATCHED_ADAMW_RMS == 0.2
-    assert config.muon_num_ns_steps == newton_schulz.DEFAULT_STEPS == 5
-    assert config.muon_use_nesterov is True  # upstream 0.16.1: False
-    assert config.muon_tp_mode == "duplicated"  # upstream 0.16.1: blockwise
-    assert config.muon_split_qkv is True
-    assert config.muon_coefficient_type == "simple"
-    assert config.muon_fp32_matmul_prec == "medium"
-    assert config.muon_distopt_exchange_dtype == "fp32"
+def _upstream_config_source() -> str:
+    path = Path(__file__).resolve().parents[2] / "tools" / "fork.py"
+    spec = importlib.util.spec_from_file_location("fork_for_config", path)
+    fork = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork)
+    name = f"megatron_core-{fork.UPSTREAM_VERSION}/megatron/core/optimizer/optimizer_config.py"
+    with tarfile.open(fork.archive_path()) as tar:
+        return tar.extractfile(name).read().decode()
+
+
+def _upstream_muon_defaults() -> dict:
+    """{field: literal default} of upstream's OptimizerConfig muon_* fields."""
+    tree = ast.parse(_upstream_config_source())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OptimizerConfig"]
+    return {
+        n.target.id: ast.literal_eval(n.value)
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign) and n.target.id.startswith("muon_")
+    }
+
+
+def test_upstream_fields_keep_upstream_defaults_and_ours_are_off():
+    config = OptimizerConfig()
+    assert _upstream_muon_defaults() == UPSTREAM_DEFAULTS  # the table above is upstream's
+    for name, value in {**UPSTREAM_DEFAULTS, **OURS_OFF}.items():
+        assert getattr(config, name) == value, name
+
+
+def test_one_home_muon_and_newton_schulz_take_the_config_defaults():
+    sig = inspect.signature(muon_optimizer.Muon).parameters
+    config = OptimizerConfig()
+    assert sig["momentum"].default == config.muon_momentum == muon_config.DEFAULT_MOMENTUM
+    assert sig["nesterov"].default is config.muon_use_nesterov is False
+    assert sig["ns_steps"].default == config.muon_num_ns_steps
+    assert sig["ns_coefficients"].default == config.muon_coefficient_type
+    assert sig["ns_precision"].default == config.muon_fp32_matmul_prec
+    assert sig["matched_adamw_rms"].default is config.muon_matched_adamw_rms is None
+    assert sig["scale_mode"].default == config.muon_scale_mode
+    assert sig["extra_scale_factor"].default == config.muon_extra_scale_factor
+    ns = inspect.signature(newton_schulz.newton_schulz).parameters
+    assert ns["steps"].default == config.muon_num_ns_steps
+    assert ns["coefficients"].default == config.muon_coefficient_type
+    assert ns["precision"].default == config.muon_fp32_matmul_prec
+    # the vocabularies name exactly what the math implements
+    assert tuple(newton_schulz.COEFFICIENT_SETS) == muon_config.COEFFICIENT_TYPES
+    assert set(newton_schulz.PRECISIONS) == set(muon_config.MATMUL_PRECISIONS)
+
+
+def test_muon_checks_do_not_run_for_other_optimizers():
+    # an Adam user's config is not Muon's business (no Muon validation in __post_init__)
+    config = OptimizerConfig(optimizer="adam", muon_tp_mode="rowwise")
+    check_muon_supported(config, [])  # returns: only optimizer='muon' is checked
+    with pytest.raises(ValueError, match="muon_tp_mode"):
+        check_muon_supported(dataclasses.replace(config, optimizer="muon"), [])
 
 
 def test_every_muon_field_has_a_docstring():
@@ -40,27 +106,38 @@ BAD = [
     (dict(muon_distopt_exchange_dtype="fp16"), ["muon_distopt_exchange_dtype", "bf16"]),
     (dict(muon_momentum=1.0), ["muon_momentum", "[0, 1)"]),
     (dict(muon_momentum=-0.1), ["muon_momentum", "-0.1"]),
-    (dict(muon_num_ns_steps=0), ["muon_num_ns_steps", ">= 1"]),
+    (dict(muon_num_ns_steps=0), ["muon_num_ns_steps", ">= 1", "num_ns_steps must be at least 1"]),
     (dict(muon_num_ns_steps=2.5), ["muon_num_ns_steps", "int"]),
     (dict(muon_extra_scale_factor=0.0, muon_matched_adamw_rms=None), ["muon_extra_scale_factor"]),
     (dict(muon_matched_adamw_rms=-1.0), ["muon_matched_adamw_rms", "None or a float > 0"]),
     (dict(muon_use_nesterov="yes"), ["muon_use_nesterov", "bool"]),
     (dict(muon_split_qkv=1), ["muon_split_qkv", "bool"]),
     # matched RMS fixes the scale: combining it with upstream's scale knobs is ambiguous
-    (dict(muon_scale_mode="shape_scaling"), ["muon_matched_adamw_rms", "shape_scaling", "None"]),
-    (dict(muon_extra_scale_factor=2.0), ["muon_matched_adamw_rms", "extra_scale_factor=2.0"]),
+    # giving both scale rules explicitly is an error: two rules for one number
+    (
+        dict(muon_scale_mode="shape_scaling", muon_matched_adamw_rms=0.2),
+        ["muon_matched_adamw_rms", "shape_scaling", "one scale rule"],
+    ),
+    (
+        dict(muon_extra_scale_factor=2.0, muon_matched_adamw_rms=0.2),
+        ["muon_matched_adamw_rms", "extra_scale_factor=2.0"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("overrides,words", BAD, ids=[next(iter(o)) for o, _ in BAD])
 def test_bad_value_raises_value_error_naming_field_and_allowed(overrides, words):
     with pytest.raises(ValueError) as err:
-        OptimizerConfig(optimizer="muon", **overrides)
+        validate_muon_config(OptimizerConfig(optimizer="muon", **overrides))
     for word in words:
         assert word in str(err.value), f"{word!r} not in {err.value}"
 
 
 GOOD = [
+    # giving one scale rule is not an error, whichever it is
+    dict(muon_matched_adamw_rms=0.2),
+    dict(muon_scale_mode="shape_scaling"),
+    dict(muon_extra_scale_factor=2.0),
     dict(muon_tp_mode="blockwise"),
     dict(muon_tp_mode="distributed"),
     dict(muon_matched_adamw_rms=None, muon_scale_mode="unit_rms_norm", muon_extra_scale_factor=2),
@@ -72,5 +149,6 @@ GOOD = [
 @pytest.mark.parametrize("overrides", GOOD)
 def test_good_values_are_accepted(overrides):
     config = OptimizerConfig(optimizer="muon", **overrides)
+    validate_muon_config(config)
     for name, value in overrides.items():
         assert getattr(config, name) == value

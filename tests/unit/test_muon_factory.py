@@ -5,15 +5,31 @@ import ast
 import inspect
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from harness import RankFailure, run_distributed
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
-from tiny_gpt import TinyGPT, build_model, build_optimizer
+from tiny_gpt import (
+    TinyGPT,
+    build_model,
+    build_optimizer,
+    gather_all_params,
+    global_batches,
+    train_step,
+)
 
-from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, ParamKey
-from megatron.core.optimizer.muon_megatron import MegatronMuon, get_megatron_muon_optimizer
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    OptimizerConfig,
+    ParamKey,
+    get_megatron_optimizer,
+)
+from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+from megatron.core.optimizer.muon_megatron import MegatronMuon
+from megatron.training.muon_recipe import SEED_RECIPE
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -136,17 +152,64 @@ def test_param_group_machinery_wd_mult_and_lr_overrides():
 def error_run(case):
     spec = TinyGPT(num_layers=1)
     model = build_model(spec)
-    if case == "layer_wise":
-        config = OptimizerConfig(optimizer="muon", lr=1e-3)
-        return get_megatron_muon_optimizer(config, model, layer_wise_distributed_optimizer=True)
     return build_optimizer(spec, model, optimizer="muon", decoupled_weight_decay=False)
 
 
 # (use_distributed_optimizer with Muon raised here until the DistOpt integration, which owns it)
 ERRORS = {
-    "layer_wise": "layer_wise_distributed_optimizer=True",
     "l2": "decoupled_weight_decay=False",
 }
+
+# the seed's recipe at fp32 Newton-Schulz, lr and wd as build_optimizer's defaults
+LAYER_WISE = dict(lr=1e-2, weight_decay=0.01, clip_grad=0.0, muon_fp32_matmul_prec="fp32")
+LAYER_WISE.update(SEED_RECIPE)
+
+
+def layer_wise_run(distopt: bool, upstream_entry: bool):
+    """Two steps through upstream's dist_muon entry point, or through our DistOpt path."""
+    spec = TinyGPT(num_layers=1)
+    model = build_model(spec, distopt=distopt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if upstream_entry:  # upstream's callers pass optimizer='adam' or 'dist_muon'
+            config = OptimizerConfig(optimizer="adam", **LAYER_WISE)
+            optimizer = get_megatron_muon_optimizer(
+                config, model, layer_wise_distributed_optimizer=True
+            )
+        else:
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="muon", use_distributed_optimizer=distopt, **LAYER_WISE),
+                model,
+            )
+    model[0].module.config.grad_scale_func = optimizer.scale_loss
+    for batch in global_batches(spec, 2):
+        train_step(spec, model, optimizer, batch)
+    return dict(
+        notices=[str(w.message) for w in caught if w.category is DeprecationWarning],
+        inner=sorted({type(o).__name__ for o in optimizer.chained_optimizers}),
+        params=gather_all_params(model, spec),
+    )
+
+
+@pytest.mark.parametrize("distopt", [True, False], ids=["ddp_distopt", "ddp_plain"])
+def test_layer_wise_distributed_optimizer_runs_muon_through_distopt_with_a_notice(distopt):
+    # DP=2: the DistOpt path really shards (each rank steps half of every bucket)
+    got = run_distributed(layer_wise_run, 2, args=(distopt, True))
+    want = run_distributed(layer_wise_run, 2, args=(distopt, False))
+    for ours, ref in zip(got, want):
+        # the same code path, so the same numbers bit for bit
+        assert ours["params"].keys() == ref["params"].keys()
+        for name, value in ours["params"].items():
+            assert torch.equal(value, ref["params"][name]), name
+        assert ref["notices"] == []
+        (notice,) = ours["notices"]
+        assert "layer_wise_distributed_optimizer=True" in notice and "deprecated" in notice
+        if distopt:
+            assert ours["inner"] == ["DistributedOptimizer"]
+            assert "runs inside the DistributedOptimizer" in notice
+        else:
+            assert ours["inner"] != ["DistributedOptimizer"]
+            assert "NOT sharded" in notice and "use_distributed_optimizer=True" in notice
 
 
 @pytest.mark.parametrize("case", ERRORS)

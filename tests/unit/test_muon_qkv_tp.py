@@ -37,7 +37,9 @@ def _manual_qkv(u, spec):
     out = torch.empty_like(u)
     for block in range(3):
         rows = _block_rows(block)
-        out[rows] = spec.scale(len(rows), HIDDEN) * newton_schulz(u[rows], spec.steps)
+        out[rows] = spec.scale(len(rows), HIDDEN) * newton_schulz(
+            u[rows], spec.steps, spec.coefficients, spec.precision
+        )
     return out
 
 
@@ -60,7 +62,7 @@ def test_qkv_split_with_mha_batches_all_three_blocks():
     per_group = u.view(GROUPS, 3, HEAD_DIM, HIDDEN)
     scale = max(GROUPS * HEAD_DIM, HIDDEN) ** 0.5  # spectral, from the block's shape
     for block in range(3):
-        want = scale * newton_schulz(per_group[:, block].reshape(-1, HIDDEN), 5, "quintic")
+        want = scale * newton_schulz(per_group[:, block].reshape(-1, HIDDEN), 5, "quintic", "fp32")
         block_out = got.view(GROUPS, 3, HEAD_DIM, HIDDEN)[:, block].reshape(-1, HIDDEN)
         torch.testing.assert_close(block_out, want, rtol=0, atol=1e-6)
 
@@ -150,6 +152,7 @@ def test_tensor_parallel_muon_equals_muon_with_mapped_settings(mode, pg_collecti
         ref,
         lr=3e-4,
         weight_decay=0.01,
+        nesterov=True,
         ns_coefficients="quintic",
         ns_precision="bf16",
         matched_adamw_rms=None,

@@ -1,32 +1,23 @@
-"""Muon for megatron-core: one optimizer holding Muon and AdamW param groups.
+"""Muon for megatron-core: the public names (upstream 0.16.1's, kept for its callers).
 
-Replaces upstream 0.16.1's emerging_optimizers-based ``muon.py``; ``TensorParallelMuon`` keeps
-upstream's constructor. The math lives in ``newton_schulz.py`` (pure Newton-Schulz) and
-``muon_functional.py`` (the three stages of a step, AdamW).
+Replaces upstream 0.16.1's emerging_optimizers-based ``muon.py``. The layering, leaves first:
+
+* ``muon_config.py``: vocabularies and defaults (one home), config validation;
+* ``newton_schulz.py``: pure Newton-Schulz;
+* ``muon_functional.py``: the three stages of a Muon step (Q/K/V split, scale), AdamW;
+* ``muon_optimizer.py``: ``Muon``, a plain torch optimizer (no Megatron, no DistOpt);
+* ``muon_tp.py``: tensor-parallel orthogonalizers; ``muon_distopt.py``: the DistOpt exchange;
+* ``muon_megatron.py``: Megatron glue: the factory hooks, ``TensorParallelMuon``, DistOpt attach;
+* here: ``get_megatron_muon_optimizer`` and the names upstream exported.
 """
 
-import functools
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, Optional
+import dataclasses
+import warnings
 
-import torch
-from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
-
-from .muon_functional import (
-    SCALE_MODES,
-    LocalOrthogonalizer,
-    MuonParamInfo,
-    Orthogonalizer,
-    OrthoSpec,
-    adamw_,
-    muon_apply_,
-    muon_momentum_,
-    orthogonalize_matrices,
-    resolve_scale,
-)
-from .newton_schulz import DEFAULT_EPS, DEFAULT_STEPS, Triple, coefficient_set, compute_dtype
+from . import get_megatron_optimizer
+from .muon_functional import LocalOrthogonalizer, MuonParamInfo, Orthogonalizer
+from .muon_megatron import TensorParallelMuon
+from .muon_optimizer import Muon
 
 __all__ = [
     "Muon",
@@ -34,472 +25,66 @@ __all__ = [
     "LocalOrthogonalizer",
     "Orthogonalizer",
     "TensorParallelMuon",
-    "get_megatron_muon_optimizer",  # noqa: F822 - resolved by the module __getattr__ below
+    "get_megatron_muon_optimizer",
 ]
 
-MUON_STATE_KEYS = ("momentum_buffer",)
-ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
-ADAMW_SCALAR_STATE_KEYS = ("step",)
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
-DEFAULT_MOMENTUM = 0.95
-DEFAULT_MATCHED_ADAMW_RMS = 0.2
+def get_megatron_muon_optimizer(
+    config,
+    model_chunks,
+    config_overrides=None,
+    use_gloo_process_groups: bool = True,
+    layer_wise_distributed_optimizer: bool = False,
+    pg_collection=None,
+):
+    """Upstream 0.16.1's Muon entry point (same parameters), on ``get_megatron_optimizer``.
 
+    Returns the same optimizer as ``get_megatron_optimizer(config, ...)`` with
+    ``config.optimizer='muon'`` (a copy of ``config`` is made if it names another optimizer;
+    upstream instead mutated it to 'adam'). Unlike upstream, Muon and AdamW params share one
+    optimizer per dense/expert part, and fp16 and the DistributedOptimizer are supported.
 
-class Muon(Optimizer):
-    r"""Muon for 2-D weights (``use_muon=True`` groups, the default) and AdamW for the rest.
+    Args:
+        config: the ``OptimizerConfig``.
+        model_chunks: the DDP-wrapped model chunks.
+        config_overrides: per-param-group overrides, as for ``get_megatron_optimizer``.
+        use_gloo_process_groups: as for ``get_megatron_optimizer``.
+        layer_wise_distributed_optimizer: deprecated (upstream's ``dist_muon``). Muon's state is
+            sharded by Megatron's DistributedOptimizer instead: with chunks wrapped by
+            ``DistributedDataParallelConfig(use_distributed_optimizer=True)`` it is used (the
+            same numbers as one process); otherwise Muon runs unsharded. Either way a
+            ``DeprecationWarning`` says so.
+        pg_collection: process groups, as for ``get_megatron_optimizer``.
 
-    Muon, per 2-D weight W (m x n) with gradient G, momentum buffer B (zero at start)::
-
-        B = mu B + G                                   (l2: G = G + wd W first)
-        U = G + mu B        if nesterov else   U = B
-        O = s * NS_k(U)                                (per Q/K/V block for a fused QKV weight)
-        W = W (1 - lr wd)                              (decoupled weight decay)
-        W = W - lr O
-
-    ``NS_k``: ``X = U / (||U||_F + eps)``, transposed if m > n, then k steps of
-    ``A = X X^T; X = a X + (b A + c A A) X`` (see ``newton_schulz.py``). Scale ``s``:
-    ``matched_adamw_rms * sqrt(max(m, n))`` (default r = {rms}, Moonlight's rule: the update
-    RMS matches AdamW's, so AdamW's lr and wd carry over), or with ``matched_adamw_rms=None``
-    ``scale_mode`` {modes} times ``extra_scale_factor``; ``('spectral', r)`` equals matched
-    RMS ``r``. ``m, n`` come from ``param_info``, not the tensor, so shards can be stepped.
-
-    AdamW (``use_muon=False`` groups): ``torch.optim.AdamW``'s math (decoupled wd, bias
-    correction, per-param ``step``).
-
-    State, created lazily in ``exp_avg_dtype`` (default: the param's dtype): Muon params keep
-    ``{muon_keys}``; AdamW params ``{adamw_keys}`` plus a scalar ``step``. ``state_keys(p)``
-    declares them for checkpoint code.
-
-    Non-finite gradients (``on_nonfinite_grad``): ``'raise'`` (default) raises
-    ``FloatingPointError`` before anything is updated; ``'skip'`` skips the whole step (params
-    and state untouched, ``skipped_steps`` counts it), as Megatron's grad scaler does;
-    ``'ignore'`` does not check (the caller already did, e.g. the grad scaler's ``found_inf``).
-    ``Muon``'s check sees only this process's gradients: with sharded params use ``'ignore'``
-    behind a check that agrees across ranks (``TensorParallelMuon`` agrees over its TP groups).
+    Returns:
+        A ``MegatronOptimizer`` (a ``ChainedOptimizer`` for dense and expert parts).
     """
-
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        momentum: float = DEFAULT_MOMENTUM,
-        nesterov: bool = True,
-        ns_steps: int = DEFAULT_STEPS,
-        ns_coefficients: str | Sequence[Triple] = "simple",
-        ns_precision: str = "fp32",
-        ns_eps: float = DEFAULT_EPS,
-        matched_adamw_rms: Optional[float] = DEFAULT_MATCHED_ADAMW_RMS,
-        scale_mode: str = "spectral",
-        extra_scale_factor: float = 1.0,
-        decoupled_weight_decay: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        *,
-        param_info: Optional[Mapping[Tensor, MuonParamInfo]] = None,
-        orthogonalizer: Optional[Orthogonalizer] = None,
-        exp_avg_dtype: Optional[torch.dtype] = None,
-        on_nonfinite_grad: Literal["raise", "skip", "ignore"] = "raise",
-        distopt_exchange_dtype: str = "fp32",
-    ) -> None:
-        if exp_avg_dtype is not None and not exp_avg_dtype.is_floating_point:
-            raise ValueError(f"exp_avg_dtype must be a floating dtype or None, got {exp_avg_dtype}")
-        if on_nonfinite_grad not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"on_nonfinite_grad must be one of {NONFINITE_POLICIES}, got {on_nonfinite_grad!r}"
-            )
-        self.exp_avg_dtype = exp_avg_dtype
-        self.distopt_exchange_dtype = distopt_exchange_dtype  # used once DistOpt attaches
-        self.on_nonfinite_grad = on_nonfinite_grad
-        self.orthogonalizer = orthogonalizer or LocalOrthogonalizer()
-        self.skipped_steps = 0
-        self._given_info = dict(param_info or {})
-        self.param_info: dict[Tensor, MuonParamInfo] = {}  # Muon params only
-        defaults = dict(
-            use_muon=True,
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            ns_precision=ns_precision,
-            ns_eps=ns_eps,
-            matched_adamw_rms=matched_adamw_rms,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
-            decoupled_weight_decay=decoupled_weight_decay,
-            betas=betas,
-            eps=eps,
-        )
-        super().__init__(params, defaults)
-
-    # ------------------------------------------------------------------ groups and state
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (``use_muon`` picks the rule) after validating its settings."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            _validate_group(group)
-            if group["use_muon"]:
-                for p in group["params"]:
-                    self.param_info[p] = self._given_info.get(p) or MuonParamInfo.of(p)
-        except ValueError:
-            self.param_groups.pop()
-            raise
-
-    def is_muon(self, param: Tensor) -> bool:
-        return param in self.param_info
-
-    def state_keys(self, param: Tensor) -> tuple[str, ...]:
-        """Names of the param-shaped state tensors (what a sharded checkpoint must carry)."""
-        return MUON_STATE_KEYS if self.is_muon(param) else ADAMW_STATE_KEYS
-
-    def scalar_state_keys(self, param: Tensor) -> tuple[str, ...]:
-        """Names of per-param scalar state (not sharded: one value per param)."""
-        return () if self.is_muon(param) else ADAMW_SCALAR_STATE_KEYS
-
-    def state_dtype(self, param: Tensor) -> torch.dtype:
-        return self.exp_avg_dtype or param.dtype
-
-    def init_state(self, param: Tensor) -> dict[str, Tensor]:
-        """Create the param's state if absent (lazy by default; checkpoint code may call it)."""
-        state = self.state[param]
-        if not state:
-            for key in self.state_keys(param):
-                state[key] = torch.zeros_like(param, dtype=self.state_dtype(param))
-            for key in self.scalar_state_keys(param):
-                # A CPU float32 scalar, like torch's AdamW: reading it never syncs a device.
-                state[key] = torch.zeros((), dtype=torch.float32)
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load, then restore state dtypes and give each param its own tensors.
-
-        torch casts loaded state to the param's dtype (undoing ``exp_avg_dtype``) and may alias
-        the source's tensors, e.g. one ``step`` shared by all params.
-        """
-        super().load_state_dict(state_dict)
-        for param, state in self.state.items():
-            for key in self.state_keys(param):
-                if key in state:
-                    state[key] = state[key].to(dtype=self.state_dtype(param), copy=True)
-            for key in self.scalar_state_keys(param):
-                if key in state:
-                    state[key] = state[key].to(dtype=torch.float32, copy=True)
-
-    # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._grads_usable():
-            self.skipped_steps += 1
-            return loss
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params and not group["use_muon"]:
-                self._adamw_step(group, params)
-        self._muon_steps()
-        return loss
-
-    def ortho_specs(self) -> list[OrthoSpec]:
-        """The distinct Newton-Schulz/scale settings of the Muon groups, in group order."""
-        specs: list[OrthoSpec] = []
-        for group in self.param_groups:
-            if group["use_muon"] and _ortho_spec(group) not in specs:
-                specs.append(_ortho_spec(group))
-        return specs
-
-    def _muon_steps(self) -> None:
-        """Every Muon group, with one orthogonalizer call per distinct ``OrthoSpec``.
-
-        The call is made every step, also with no Muon grads on this rank: a distributed
-        orthogonalizer runs collectives that all ranks of its group must enter, and batching
-        all groups lets it exchange each bucket once.
-        """
-        batches: list[tuple[OrthoSpec, list]] = []
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                continue
-            params = [p for p in group["params"] if p.grad is not None]
-            spec = _ortho_spec(group)
-            if not batches or batches[-1][0] != spec:
-                batches.append((spec, []))
-            batches[-1][1].append((group, params, self._muon_momentum(group, params)))
-        for spec, items in batches:
-            updates = [u for _, _, us in items for u in us]
-            infos = [self.param_info[p] for _, params, _ in items for p in params]
-            matrix_fn = functools.partial(orthogonalize_matrices, spec=spec)
-            orth = iter(self.orthogonalizer(updates, infos, matrix_fn))
-            for group, params, _ in items:
-                self._muon_apply(group, params, [next(orth) for _ in params])
-
-    def _muon_momentum(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
-        decoupled = group["decoupled_weight_decay"]
-        return muon_momentum_(
-            params,
-            [p.grad for p in params],
-            [self.init_state(p)["momentum_buffer"] for p in params],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            l2_weight_decay=0.0 if decoupled else group["weight_decay"],
-        )
-
-    def _muon_apply(self, group: dict[str, Any], params: list[Tensor], orth: list) -> None:
-        wd = group["weight_decay"] if group["decoupled_weight_decay"] else 0.0
-        muon_apply_(params, orth, lr=group["lr"], weight_decay=wd)
-
-    def attach_distributed_optimizer(self, distopt) -> None:
-        """Called by Megatron's DistributedOptimizer once it sharded the params (ZeRO-1)."""
-        from .muon_distopt import attach
-
-        attach(distopt, self, self.distopt_exchange_dtype)
-
-    def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        states = [self.init_state(p) for p in params]
-        beta1, beta2 = group["betas"]
-        adamw_(
-            params,
-            [p.grad for p in params],
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["step"] for s in states],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-        )
-
-    def _grads_usable(self) -> bool:
-        """False when the step must be skipped; raises under 'raise'. One sync for all grads."""
-        if self.on_nonfinite_grad == "ignore":
-            return True
-        local_ok = self._local_grads_finite()
-        if self._agree(local_ok):
-            return True
-        if self.on_nonfinite_grad == "skip":
-            return False
-        where = self._first_nonfinite() if not local_ok else "a peer rank's shard"
-        raise FloatingPointError(
-            f"non-finite gradient in {where}; nothing "
-            "was updated. Use on_nonfinite_grad='skip' to skip such steps"
-        )
-
-    def _local_grads_finite(self) -> bool:
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
-
-    def _agree(self, local_ok: bool) -> bool:
-        """Whether every rank that shares this step's collectives has finite grads (here:
-        only this process; TensorParallelMuon asks its TP peers)."""
-        return local_ok
-
-    def _first_nonfinite(self) -> str:
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.grad is not None and not p.grad.isfinite().all():
-                    return f"param group {gi}, param {pi} (shape {tuple(p.shape)})"
-        raise AssertionError("no non-finite gradient found")
-
-
-def _validate_group(group: dict[str, Any]) -> None:
-    """ValueError naming the bad setting and what is allowed (NaN, inf, strings and None
-    included: a non-finite lr would silently train to NaN)."""
-    _finite(group, "lr", ">= 0", lambda v: v >= 0)
-    _finite(group, "weight_decay", ">= 0", lambda v: v >= 0)
-    if not group["use_muon"]:
-        betas = group["betas"]
-        _require(
-            isinstance(betas, (tuple, list)) and len(betas) == 2,
-            f"betas must be a pair of numbers in [0, 1), got {betas!r}",
-        )
-        for beta in betas:
-            _require(_is_real(beta) and 0 <= beta < 1, f"betas must be in [0, 1), got {betas}")
-        _finite(group, "eps", ">= 0", lambda v: v >= 0)
-        return
-    _finite(group, "momentum", "in [0, 1)", lambda v: 0 <= v < 1)
-    steps = group["ns_steps"]
-    _require(
-        isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
-        f"ns_steps must be an int >= 1, got {steps!r}",
+    changes = {"optimizer": "muon"}
+    if layer_wise_distributed_optimizer:
+        sharded = all(c.ddp_config.use_distributed_optimizer for c in model_chunks)
+        changes["use_distributed_optimizer"] = config.use_distributed_optimizer or sharded
+        notice = _layer_wise_notice(changes["use_distributed_optimizer"])
+        warnings.warn(notice, DeprecationWarning, stacklevel=2)
+    config = dataclasses.replace(config, **changes)  # validated by get_megatron_optimizer
+    return get_megatron_optimizer(
+        config,
+        model_chunks,
+        config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups,
+        pg_collection=pg_collection,
     )
-    _finite(group, "ns_eps", "> 0", lambda v: v > 0)
-    if group["matched_adamw_rms"] is not None:
-        _finite(group, "matched_adamw_rms", "> 0 (or None)", lambda v: v > 0)
-    _finite(group, "extra_scale_factor", "> 0", lambda v: v > 0)
-    coefficient_set(group["ns_coefficients"])
-    compute_dtype(group["ns_precision"])
-    resolve_scale(group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"])
 
 
-def _is_real(value: Any) -> bool:
+def _layer_wise_notice(sharded: bool) -> str:
+    how = (
+        "Muon runs inside the DistributedOptimizer (use_distributed_optimizer=True)"
+        if sharded
+        else "the model's DDP was built without use_distributed_optimizer, so Muon's state is "
+        "NOT sharded; wrap the model with DistributedDataParallelConfig("
+        "use_distributed_optimizer=True) to shard it"
+    )
     return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        or (isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point())
+        "get_megatron_muon_optimizer(layer_wise_distributed_optimizer=True) (optimizer "
+        f"'dist_muon') is deprecated: {how}. Pass OptimizerConfig(optimizer='muon', "
+        "use_distributed_optimizer=True) to get_megatron_optimizer instead."
     )
-
-
-def _finite(group: dict[str, Any], key: str, allowed: str, ok: Callable[[float], bool]) -> None:
-    value = group[key]
-    _require(
-        _is_real(value) and math.isfinite(float(value)) and ok(float(value)),
-        f"{key} must be a finite number {allowed}, got {value!r}",
-    )
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:
-    mode, factor = resolve_scale(
-        group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"]
-    )
-    return OrthoSpec(
-        steps=group["ns_steps"],
-        coefficients=group["ns_coefficients"],
-        precision=group["ns_precision"],
-        eps=group["ns_eps"],
-        scale_mode=mode,
-        scale_factor=factor,
-    )
-
-
-Muon.__doc__ = Muon.__doc__.format(
-    rms=DEFAULT_MATCHED_ADAMW_RMS,
-    modes=list(SCALE_MODES),
-    muon_keys=MUON_STATE_KEYS,
-    adamw_keys=ADAMW_STATE_KEYS,
-)
-
-
-TP_MODES = ("blockwise", "duplicated", "distributed")
-
-
-class TensorParallelMuon(Muon):
-    """Upstream 0.16.1's constructor on our Muon (no emerging_optimizers).
-
-    Every param here is a Muon param (upstream keeps AdamW in a separate optimizer). Upstream's
-    names map as: ``momentum_beta`` -> momentum, ``use_nesterov`` -> nesterov,
-    ``fp32_matmul_prec`` -> ns_precision ('highest'/'high' fp32, 'medium'/'low' bf16),
-    ``coefficient_type`` -> ns_coefficients, ``num_ns_steps`` -> ns_steps, ``scale_mode`` and
-    ``extra_scale_factor`` as is (matched_adamw_rms is None), ``use_decoupled_weight_decay=False``
-    -> L2 decay added to the gradient. ``split_qkv`` orthogonalizes params for which
-    ``is_qkv_fn(p)`` holds per ``qkv_split_shapes`` block.
-
-    Tensor parallelism (``muon_tp.py``): params carry Megatron's ``tensor_model_parallel`` and
-    ``partition_dim``; ``duplicated`` and ``distributed`` are exact over ``pg_collection.tp``
-    (``expt_tp`` for expert params), ``blockwise`` orthogonalizes each TP-local slice. Without a
-    ``pg_collection``, Megatron's ``parallel_state`` groups are used when initialized, else TP=1.
-    """
-
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 3e-4,
-        momentum_beta: float = 0.95,
-        use_nesterov: bool = True,
-        weight_decay: float = 0.01,
-        use_decoupled_weight_decay: bool = True,
-        split_qkv: bool = False,
-        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
-        qkv_split_shapes: tuple[int, int, int] | None = None,
-        fp32_matmul_prec: str = "medium",
-        coefficient_type: str = "quintic",
-        num_ns_steps: int = 5,
-        scale_mode: str = "spectral",
-        extra_scale_factor: float = 1.0,
-        pg_collection: Optional[Any] = None,
-        mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
-    ) -> None:
-        if mode not in TP_MODES:
-            raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
-        if split_qkv and (is_qkv_fn is None or qkv_split_shapes is None):
-            raise ValueError("split_qkv=True needs is_qkv_fn and qkv_split_shapes")
-        params = list(params)
-        groups = _tp_groups(pg_collection)
-        infos = _tp_infos(params, groups, qkv_split_shapes if split_qkv else None, is_qkv_fn)
-        self.pg_collection = pg_collection
-        self._tp_group_map = groups
-        self.mode = mode
-        self.split_qkv = split_qkv
-        self.is_qkv_fn = is_qkv_fn
-        self.qkv_split_shapes = qkv_split_shapes
-        super().__init__(
-            params,
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum_beta,
-            nesterov=use_nesterov,
-            ns_steps=num_ns_steps,
-            ns_coefficients=coefficient_type,
-            ns_precision=fp32_matmul_prec,
-            matched_adamw_rms=None,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
-            decoupled_weight_decay=use_decoupled_weight_decay,
-            param_info=infos,
-            orthogonalizer=_tp_orthogonalizer(mode, groups),
-        )
-
-    def _agree(self, local_ok: bool) -> bool:
-        """One all-reduce so that all TP peers raise or skip together: a rank that raised
-        alone would leave its peers waiting in the TP all-gather."""
-        from .muon_megatron import agree_across
-
-        params = [p for g in self.param_groups for p in g["params"]]
-        return agree_across(local_ok, self._tp_group_map, params[0].device if params else None)
-
-
-def _tp_groups(pg_collection: Optional[Any]) -> dict:
-    from megatron.core import parallel_state
-
-    from .muon_megatron import tp_groups
-
-    if pg_collection is None and not parallel_state.model_parallel_is_initialized():
-        return {False: None, True: None}
-    return tp_groups(pg_collection)
-
-
-def _tp_infos(params: list, groups: dict, qkv_split, is_qkv_fn) -> dict:
-    """TP-global info (shape, partition dim, QKV blocks) of every param."""
-    from megatron.core.utils import get_pg_size
-
-    from .muon_megatron import is_expert_param, param_info
-
-    infos = {}
-    for p in _iter_params(params):
-        split = qkv_split if qkv_split is not None and is_qkv_fn(p) else None
-        infos[p] = param_info(p, get_pg_size(groups[is_expert_param(p)]), split)
-    return infos
-
-
-def _tp_orthogonalizer(mode: str, groups: dict):
-    from .muon_tp import TPOrthogonalizer
-
-    return TPOrthogonalizer(mode, groups)
-
-
-def _iter_params(params: list) -> Iterable[Tensor]:
-    for item in params:
-        yield from item["params"] if isinstance(item, dict) else [item]
-
-
-def __getattr__(name: str):
-    """Upstream's public factory ``get_megatron_muon_optimizer`` keeps its home here.
-
-    Resolved lazily: it lives in muon_megatron.py, which (through muon_config.py, imported by
-    OptimizerConfig) imports this module.
-    """
-    if name == "get_megatron_muon_optimizer":
-        from .muon_megatron import get_megatron_muon_optimizer
-
-        return get_megatron_muon_optimizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -397,27 +397,7 @@ def group_identity(group: dict) -> tuple:
     return tuple(group.get(k, group.get(f"pre_{k}")) for k in GROUP_IDENTITY)
 
 
-def load_state_dict(distopt, state: dict) -> None:
-    """Match groups by identity (incl. ``use_muon``), create state, then load param state."""
-    _require_marker(distopt, state)
-    saved = {group_identity(g): g for g in state["optimizer"]["param_groups"]}
-    for group in distopt.optimizer.param_groups:
-        identity = group_identity(group)
-        if identity not in saved:
-            raise ValueError(
-                f"param group {dict(zip(GROUP_IDENTITY, identity))} is not in the checkpoint; "
-                f"it has {[dict(zip(GROUP_IDENTITY, k)) for k in saved]}"
-            )
-        group.update({k: v for k, v in saved[identity].items() if k != "params"})
-        for param in group["params"]:
-            declared(distopt).init_state(param)
-    if "grad_scaler" in state and distopt.grad_scaler:
-        distopt.grad_scaler.load_state_dict(state["grad_scaler"])
-    if "param_state" in state:
-        _load_param_state(distopt, state["param_state"], state["param_state_sharding_type"])
-
-
-def _require_marker(distopt, state: dict) -> None:
+def require_marker(distopt, state: dict) -> None:
     mark = state.get(MARK)
     ours = type(distopt.optimizer).__name__ if handles(distopt) else None
     if mark is None or mark.get("format") != FORMAT or ours is None or mark["optimizer"] != ours:
@@ -427,22 +407,6 @@ def _require_marker(distopt, state: dict) -> None:
             f"DistributedOptimizer checkpoint was saved by {saved}; this optimizer is {mine}: "
             "their states differ (e.g. Muon's momentum_buffer vs Adam's exp_avg/exp_avg_sq)"
         )
-
-
-def _load_param_state(distopt, param_state, sharding_type: str) -> None:
-    from . import muon_checkpoint_sharded as sharded
-
-    loaders = {
-        "dp_zero_gather_scatter": scatter_state,
-        "fully_reshardable": sharded.load_fully_reshardable,
-        "dp_reshardable": sharded.load_dp_reshardable,
-    }
-    if sharding_type not in loaders:
-        raise NotImplementedError(
-            f"sharding_type {sharding_type!r} with {type(distopt.optimizer).__name__}: "
-            f"supported are {sorted(loaders)}"
-        )
-    loaders[sharding_type](distopt, param_state)
 
 
 def unsupported_format(distopt, name: str):

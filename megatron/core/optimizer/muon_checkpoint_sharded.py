@@ -1,6 +1,7 @@
 """torch_dist (``megatron.core.dist_checkpointing``) formats for declared-state optimizers.
 
-See ``muon_checkpoint.py`` for the torch format, the common part and why. Both formats carry
+See ``muon_checkpoint.py`` for the torch format, the common part and why; ``load_state_dict``
+lives here, since it dispatches to every format's loader. Both formats carry
 the per-param scalars (``step``) as one ShardedObject per model-parallel rank
 (``dp_group_idx`` is the model-parallel rank, unchanged by a DP resize), written by DP rank 0.
 """
@@ -13,12 +14,17 @@ from ..dist_checkpointing.dict_utils import nested_values
 from ..dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from ..dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from .muon_checkpoint import (
+    GROUP_IDENTITY,
     all_gather_object,
     all_names,
     check_compatible,
+    declared,
     gather_state,
+    group_identity,
     local_meta,
     pieces,
+    require_marker,
+    scatter_state,
     set_piece_key,
     set_scalars,
     tensors_of,
@@ -173,3 +179,44 @@ def load_dp_reshardable(distopt, param_state) -> None:
         for key, value in param_state["tensors"][p.name].items():
             set_piece_key(distopt, p, key, value)
         set_scalars(distopt, p, meta[p.name]["scalars"])
+
+
+def load_state_dict(distopt, state: dict) -> None:
+    """``DistributedOptimizer.load_state_dict`` for declared-state optimizers (every format).
+
+    Matches groups by identity (incl. ``use_muon``), creates state, then loads param state.
+
+    Args:
+        distopt: the ``DistributedOptimizer``.
+        state: the state dict ``state_dict()`` (or a sharded load) produced.
+    """
+    require_marker(distopt, state)
+    saved = {group_identity(g): g for g in state["optimizer"]["param_groups"]}
+    for group in distopt.optimizer.param_groups:
+        identity = group_identity(group)
+        if identity not in saved:
+            raise ValueError(
+                f"param group {dict(zip(GROUP_IDENTITY, identity))} is not in the checkpoint; "
+                f"it has {[dict(zip(GROUP_IDENTITY, k)) for k in saved]}"
+            )
+        group.update({k: v for k, v in saved[identity].items() if k != "params"})
+        for param in group["params"]:
+            declared(distopt).init_state(param)
+    if "grad_scaler" in state and distopt.grad_scaler:
+        distopt.grad_scaler.load_state_dict(state["grad_scaler"])
+    if "param_state" in state:
+        _load_param_state(distopt, state["param_state"], state["param_state_sharding_type"])
+
+
+def _load_param_state(distopt, param_state, sharding_type: str) -> None:
+    loaders = {
+        "dp_zero_gather_scatter": scatter_state,
+        "fully_reshardable": load_fully_reshardable,
+        "dp_reshardable": load_dp_reshardable,
+    }
+    if sharding_type not in loaders:
+        raise NotImplementedError(
+            f"sharding_type {sharding_type!r} with {type(distopt.optimizer).__name__}: "
+            f"supported are {sorted(loaders)}"
+        )
+    loaders[sharding_type](distopt, param_state)

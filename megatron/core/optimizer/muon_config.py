@@ -1,16 +1,15 @@
-"""Muon's settings in ``OptimizerConfig``: narrow types, defaults and validation.
+"""Muon's vocabularies and defaults: the one home of every Muon default, and its validation.
 
-``OptimizerConfig`` (patch ``0001-optimizer-config-muon.patch``) declares the ``muon_*`` fields
-with the types and defaults below and calls ``validate_muon_config`` from ``__post_init__``. The
-defaults come from the Muon modules themselves (``muon.py``, ``newton_schulz.py``), so a default
-has one home; this module only names them for the config and checks user values.
+A leaf module (no torch, nothing of ours): ``OptimizerConfig`` (patch
+``0001-optimizer-config-muon.patch``) takes its ``muon_*`` defaults from here, and so do the
+``Muon`` optimizer and the Newton-Schulz functions. Fields that upstream megatron-core 0.16.1
+defines keep upstream's defaults and meanings; the fields we add default to off.
+
+The seed's recipe (matched AdamW RMS 0.2, Nesterov, Keller Jordan's ``simple`` coefficients,
+the exact ``duplicated`` TP mode) is not a default: it is a set of flags, see the README.
 """
 
-from typing import Literal
-
-from .muon import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_MOMENTUM
-from .muon_functional import SCALE_MODES, resolve_scale
-from .newton_schulz import COEFFICIENT_SETS, DEFAULT_STEPS, PRECISIONS
+from typing import Literal, Optional
 
 TPMode = Literal["blockwise", "duplicated", "distributed"]
 ScaleMode = Literal["spectral", "shape_scaling", "unit_rms_norm"]
@@ -18,46 +17,104 @@ CoefficientType = Literal["simple", "quintic", "polar_express"]
 MatmulPrecision = Literal["highest", "high", "medium", "low", "fp32", "bf16"]
 ExchangeDtype = Literal["fp32", "bf16"]
 
-TP_MODES = ("blockwise", "duplicated", "distributed")
-EXCHANGE_DTYPES = ("fp32", "bf16")
+TP_MODES: tuple[str, ...] = ("blockwise", "duplicated", "distributed")
+SCALE_MODES: tuple[str, ...] = ("spectral", "shape_scaling", "unit_rms_norm")
+COEFFICIENT_TYPES: tuple[str, ...] = ("simple", "quintic", "polar_express")
+MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium", "low", "fp32", "bf16")
+EXCHANGE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 
-DEFAULT_TP_MODE: TPMode = "duplicated"
-DEFAULT_COEFFICIENTS: CoefficientType = "simple"
-DEFAULT_PRECISION: MatmulPrecision = "medium"  # upstream 0.16.1's default: bf16 Newton-Schulz
-DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"
-__all__ = [
-    "DEFAULT_MATCHED_ADAMW_RMS",
-    "DEFAULT_MOMENTUM",
-    "DEFAULT_STEPS",
-    "validate_muon_config",
-]
+# Upstream 0.16.1's OptimizerConfig defaults (same values, same meanings).
+DEFAULT_MOMENTUM = 0.95
+DEFAULT_SPLIT_QKV = True
+DEFAULT_NESTEROV = False
+DEFAULT_SCALE_MODE: ScaleMode = "spectral"
+DEFAULT_PRECISION: MatmulPrecision = "medium"  # bf16 Newton-Schulz matmuls
+DEFAULT_STEPS = 5
+DEFAULT_TP_MODE: TPMode = "blockwise"
+DEFAULT_EXTRA_SCALE_FACTOR = 1.0
+# What upstream 0.16.1 runs (TensorParallelMuon's coefficient_type, not a config field there).
+DEFAULT_COEFFICIENTS: CoefficientType = "quintic"
+# Ours: off unless asked for.
+DEFAULT_MATCHED_ADAMW_RMS: Optional[float] = None
+DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
+DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / (||X||_F + eps)
+
+
+def resolve_scale(
+    matched_adamw_rms: Optional[float], scale_mode: str, extra_scale_factor: float
+) -> tuple[str, float]:
+    """Map the two ways to name Muon's update scale onto one ``(scale_mode, factor)`` pair.
+
+    ``matched_adamw_rms=r`` means ``s = r sqrt(max(m, n))``, i.e. exactly ``('spectral', r)``;
+    it fixes the scale, so giving it together with a non-default ``scale_mode`` or
+    ``extra_scale_factor`` is an error (two rules for one number). Giving either rule alone is not.
+
+    Args:
+        matched_adamw_rms: ``r`` of the matched-AdamW-RMS rule, or None for upstream's rule.
+        scale_mode: one of ``SCALE_MODES``.
+        extra_scale_factor: a float > 0 multiplying the ``scale_mode`` scale.
+
+    Returns:
+        ``(scale_mode, factor)``: the scale is ``SCALE_FNS[scale_mode](m, n) * factor``.
+
+    Raises:
+        ValueError: naming the bad value and what is allowed.
+    """
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; allowed: {list(SCALE_MODES)}")
+    if not extra_scale_factor > 0:
+        raise ValueError(f"extra_scale_factor must be > 0, got {extra_scale_factor}")
+    if matched_adamw_rms is None:
+        return scale_mode, float(extra_scale_factor)
+    if not matched_adamw_rms > 0:
+        raise ValueError(f"matched_adamw_rms must be > 0 or None, got {matched_adamw_rms}")
+    if scale_mode != DEFAULT_SCALE_MODE or extra_scale_factor != DEFAULT_EXTRA_SCALE_FACTOR:
+        raise ValueError(
+            f"matched_adamw_rms={matched_adamw_rms} fixes the scale to r*sqrt(max(m, n)); it "
+            f"cannot be combined with scale_mode={scale_mode!r}, extra_scale_factor="
+            f"{extra_scale_factor}: give one scale rule (matched_adamw_rms=None to use those)"
+        )
+    return "spectral", float(matched_adamw_rms)
+
 
 # (field, allowed values) for the fields that take one of a few names.
 _CHOICES = {
     "muon_tp_mode": TP_MODES,
-    "muon_scale_mode": tuple(SCALE_MODES),
-    "muon_coefficient_type": tuple(COEFFICIENT_SETS),
-    "muon_fp32_matmul_prec": tuple(PRECISIONS),
+    "muon_scale_mode": SCALE_MODES,
+    "muon_coefficient_type": COEFFICIENT_TYPES,
+    "muon_fp32_matmul_prec": MATMUL_PRECISIONS,
     "muon_distopt_exchange_dtype": EXCHANGE_DTYPES,
 }
 
 
 def validate_muon_config(config) -> None:
-    """Raise ``ValueError`` naming the ``OptimizerConfig`` field, its value and what is allowed."""
+    """Check the ``muon_*`` fields of an ``OptimizerConfig`` that is used for Muon.
+
+    Called where Muon is built (``get_megatron_optimizer`` with ``optimizer='muon'``,
+    ``get_megatron_muon_optimizer``), not in every ``OptimizerConfig.__post_init__``: an Adam
+    user's config never pays for, or trips over, Muon's checks.
+
+    Args:
+        config: an ``OptimizerConfig``.
+
+    Raises:
+        ValueError: naming the field, its value and what is allowed.
+    """
     for name, allowed in _CHOICES.items():
         value = getattr(config, name)
-        _require(value in allowed, name, value, f"one of {list(allowed)}")
+        _require(value in allowed, name, value, f"be one of {list(allowed)}")
     for name in ("muon_split_qkv", "muon_use_nesterov"):
-        _require(isinstance(getattr(config, name), bool), name, getattr(config, name), "a bool")
+        _require(isinstance(getattr(config, name), bool), name, getattr(config, name), "be a bool")
     mu = config.muon_momentum
-    _require(0.0 <= mu < 1.0, "muon_momentum", mu, "a float in [0, 1)")
+    _require(0.0 <= mu < 1.0, "muon_momentum", mu, "be a float in [0, 1)")
     steps = config.muon_num_ns_steps
     ok = isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1
-    _require(ok, "muon_num_ns_steps", steps, "an int >= 1")
+    # "num_ns_steps must be at least 1": upstream 0.16.1's words for the same check
+    _require(ok, "muon_num_ns_steps", steps, "be at least 1 (an int >= 1)")
     factor = config.muon_extra_scale_factor
-    _require(factor > 0, "muon_extra_scale_factor", factor, "a float > 0")
+    _require(factor > 0, "muon_extra_scale_factor", factor, "be a float > 0")
     rms = config.muon_matched_adamw_rms
-    _require(rms is None or rms > 0, "muon_matched_adamw_rms", rms, "None or a float > 0")
+    _require(rms is None or rms > 0, "muon_matched_adamw_rms", rms, "be None or a float > 0")
     try:
         resolve_scale(rms, config.muon_scale_mode, factor)
     except ValueError as err:
@@ -66,4 +123,4 @@ def validate_muon_config(config) -> None:
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"OptimizerConfig.{name}={value!r} is not allowed; expected {allowed}")
+        raise ValueError(f"OptimizerConfig.{name} must {allowed}, got {value!r}")

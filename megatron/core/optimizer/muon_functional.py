@@ -13,6 +13,7 @@ QKV weight scales each block by its own shape); it comes from ``MuonParamInfo``,
 local tensor's shape, so a shard's stage 2 can be fed the global layout.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,10 +22,12 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
+from .muon_config import SCALE_MODES
 from .newton_schulz import CoefficientSet, Triple, newton_schulz
 
-# Update scale s = SCALE_MODES[mode](m, n) * factor, m x n the (block's) global shape.
-SCALE_MODES: dict[str, Callable[[int, int], float]] = {
+# Update scale s = SCALE_FNS[mode](m, n) * factor, m x n the (block's) global shape; the names
+# (and the matched-AdamW-RMS alias, resolve_scale) live in muon_config.
+SCALE_FNS: dict[str, Callable[[int, int], float]] = {
     # Moonlight / Keller Jordan: RMS(O) = 1 / sqrt(max(m, n)), so this gives RMS(s O) = factor.
     "spectral": lambda m, n: math.sqrt(max(m, n)),
     # Keller Jordan's original Muon (torch.optim.Muon adjust_lr_fn="original").
@@ -32,6 +35,7 @@ SCALE_MODES: dict[str, Callable[[int, int], float]] = {
     # Scion / Bernstein: unit RMS->RMS operator norm.
     "unit_rms_norm": lambda m, n: math.sqrt(m / n),
 }
+assert tuple(SCALE_FNS) == SCALE_MODES, "muon_config.SCALE_MODES names these rules"
 
 
 @dataclass(frozen=True)
@@ -85,34 +89,8 @@ class OrthoSpec:
     scale_factor: float
 
     def scale(self, rows: int, cols: int) -> float:
-        return SCALE_MODES[self.scale_mode](rows, cols) * self.scale_factor
-
-
-def resolve_scale(
-    matched_adamw_rms: Optional[float], scale_mode: str, extra_scale_factor: float
-) -> tuple[str, float]:
-    """Map both naming families onto (scale_mode, factor).
-
-    ``matched_adamw_rms=r`` means ``s = r sqrt(max(m, n))``, i.e. exactly ``('spectral', r)``;
-    it fixes the scale, so it may only be combined with the defaults ``scale_mode='spectral'``,
-    ``extra_scale_factor=1.0``. With ``matched_adamw_rms=None``: ``(scale_mode,
-    extra_scale_factor)``.
-    """
-    if scale_mode not in SCALE_MODES:
-        raise ValueError(f"unknown scale_mode {scale_mode!r}; allowed: {list(SCALE_MODES)}")
-    if not extra_scale_factor > 0:
-        raise ValueError(f"extra_scale_factor must be > 0, got {extra_scale_factor}")
-    if matched_adamw_rms is None:
-        return scale_mode, float(extra_scale_factor)
-    if not matched_adamw_rms > 0:
-        raise ValueError(f"matched_adamw_rms must be > 0 or None, got {matched_adamw_rms}")
-    if scale_mode != "spectral" or extra_scale_factor != 1.0:
-        raise ValueError(
-            f"matched_adamw_rms={matched_adamw_rms} fixes the scale to r*sqrt(max(m, n)); it "
-            f"cannot be combined with scale_mode={scale_mode!r}, extra_scale_factor="
-            f"{extra_scale_factor}: set matched_adamw_rms=None to use those"
-        )
-    return "spectral", float(matched_adamw_rms)
+        """The update scale ``s`` of a (block of) global shape ``rows x cols``."""
+        return SCALE_FNS[self.scale_mode](rows, cols) * self.scale_factor
 
 
 # ----------------------------------------------------------------------------- stage 1
@@ -173,38 +151,72 @@ class LocalOrthogonalizer:
 def orthogonalize_matrices(
     updates: list[Tensor], infos: list[MuonParamInfo], spec: OrthoSpec
 ) -> list[Tensor]:
-    """``s * NS_k(U)`` for each whole matrix, QKV weights block by block."""
-    return [
-        _scaled_ns(u, info.shape, spec) if info.qkv_split is None else _qkv(u, info, spec)
-        for u, info in zip(updates, infos)
-    ]
+    """``s * NS_k(U)`` for each whole matrix, QKV weights block by block.
 
+    Args:
+        updates: whole matrices U (the Newton-Schulz inputs).
+        infos: their ``MuonParamInfo`` (global shape, QKV split).
+        spec: Newton-Schulz and scale settings.
 
-def _scaled_ns(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
-    # Scaled after the cast back to x's dtype (not folded into the bf16 polynomial) so that the
-    # update rounds exactly as torch.optim.Muon's ``add_(O, alpha=-lr * s)``, up to fp32 ulps.
-    out = newton_schulz(x, spec.steps, spec.coefficients, spec.precision, spec.eps)
-    return out.mul_(spec.scale(*shape))
-
-
-def _qkv(u: Tensor, info: MuonParamInfo, spec: OrthoSpec) -> Tensor:
-    """Orthogonalize each of the Q, K, V blocks (all query groups of a block together).
-
-    Blocks with the same row count (K and V; also Q under MHA) run as one batched NS.
+    Returns:
+        The scaled orthogonalized updates, laid out like ``updates``.
     """
-    rows, cols = info.shape
+    return [orthogonalize(u, info, spec) for u, info in zip(updates, infos)]
+
+
+BlocksFn = Callable[[list[Tensor]], list[Tensor]]
+
+
+def orthogonalize(
+    u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: Optional[BlocksFn] = None
+) -> Tensor:
+    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight.
+
+    The one home of the Q/K/V split and of the scale: ``u`` may be the whole matrix or a row
+    shard of whole query groups (the ``distributed`` TP mode), since the scale and the block
+    shapes come from ``info`` (global), never from ``u``.
+
+    Args:
+        u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
+        info: the global shape and QKV split.
+        spec: Newton-Schulz and scale settings.
+        ns_blocks: unscaled Newton-Schulz of a list of same-shape blocks; default: this
+            process's ``newton_schulz`` on the stacked blocks (one batched call).
+
+    Returns:
+        The scaled orthogonalized update, shaped like ``u``.
+    """
+    if info.qkv_split is None:
+        orth = ns_blocks([u])[0] if ns_blocks else _local_ns(u, spec)
+        return _scale_(orth, info.shape, spec)
+    ns_blocks = ns_blocks or functools.partial(_local_ns_blocks, spec=spec)
+    rows, cols = u.shape
     split = info.qkv_split
-    groups = rows // sum(split)
-    per_group = u.view(groups, sum(split), cols)
+    per_group = u.view(rows // sum(split), sum(split), cols)
+    global_groups = info.shape[0] // sum(split)
     out = torch.empty(per_group.shape, dtype=u.dtype, device=u.device)
     starts = [sum(split[:i]) for i in range(len(split))]
-    for r in dict.fromkeys(split):  # unique row counts, in order
+    for r in dict.fromkeys(split):  # unique row counts (K and V, Q too under MHA): batched
         ids = [i for i, ri in enumerate(split) if ri == r]
-        blocks = [per_group[:, starts[i] : starts[i] + r].reshape(groups * r, cols) for i in ids]
-        orth = _scaled_ns(torch.stack(blocks), (groups * r, cols), spec)
-        for j, i in enumerate(ids):
-            out[:, starts[i] : starts[i] + r] = orth[j].view(groups, r, cols)
+        blocks = [per_group[:, starts[i] : starts[i] + r].reshape(-1, cols) for i in ids]
+        for i, orth in zip(ids, ns_blocks(blocks)):
+            orth = _scale_(orth, (global_groups * r, cols), spec)
+            out[:, starts[i] : starts[i] + r] = orth.view(-1, r, cols)
     return out.view(rows, cols)
+
+
+def _local_ns(x: Tensor, spec: OrthoSpec) -> Tensor:
+    return newton_schulz(x, spec.steps, spec.coefficients, spec.precision, spec.eps)
+
+
+def _local_ns_blocks(blocks: list[Tensor], spec: OrthoSpec) -> list[Tensor]:
+    return list(_local_ns(torch.stack(blocks), spec).unbind(0))
+
+
+def _scale_(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
+    # Scaled after the cast back to x's dtype (not folded into the bf16 polynomial) so that the
+    # update rounds exactly as torch.optim.Muon's ``add_(O, alpha=-lr * s)``, up to fp32 ulps.
+    return x.mul_(spec.scale(*shape))
 
 
 # ----------------------------------------------------------------------------- stage 3

@@ -12,21 +12,25 @@ params, grad scaler, clipping and grad norm; ``ChainedOptimizer``). Patch
   whose groups are Megatron's groups, each split into a Muon half (``use_muon=True``: 2-D weights
   that are not embeddings or the output layer, expert weights included) and an AdamW half.
 
-Tensor parallelism lives in ``muon_tp.py`` (the orthogonalizers); the math in ``muon.py``.
+Also here: upstream's ``TensorParallelMuon`` constructor on our optimizer, and the DistOpt
+attach. Tensor parallelism lives in ``muon_tp.py`` (the orthogonalizers), the plain optimizer in
+``muon_optimizer.py``; ``muon.py`` is the public face.
 """
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
-from megatron.core import parallel_state
-
-from .muon import Muon
+from .. import parallel_state
+from ..utils import get_pg_size
+from .muon_config import EXCHANGE_DTYPES, TP_MODES, validate_muon_config
+from .muon_distopt import attach
 from .muon_functional import MuonParamInfo
+from .muon_optimizer import Muon
 from .muon_tp import TPOrthogonalizer
 
 
@@ -142,9 +146,18 @@ def split_param_groups(param_groups: list[dict]) -> list[dict]:
 
 
 def check_muon_supported(config, model_chunks) -> None:
-    """ValueError for what Muon does not support yet (never a silent fallback)."""
+    """Validate a Muon config where Muon is built; ValueError for what Muon does not support.
+
+    Args:
+        config: the ``OptimizerConfig``; nothing is checked unless ``optimizer == 'muon'``.
+        model_chunks: the DDP-wrapped model chunks.
+
+    Raises:
+        ValueError: naming the field, its value and what is allowed (never a silent fallback).
+    """
     if config.optimizer != "muon":
         return
+    validate_muon_config(config)
     unsupported = {
         "optimizer_cpu_offload": "Muon has no CPU-offloaded (HybridDeviceOptimizer) variant",
         "use_precision_aware_optimizer": "Muon keeps its state in the main params' dtype",
@@ -179,7 +192,6 @@ def muon_kwargs(config) -> dict:
         # Megatron's wrappers own non-finite handling (the fp16 grad scaler skips the step
         # before Muon runs; NaN checks live in DDP), exactly as for Adam
         on_nonfinite_grad="ignore",
-        distopt_exchange_dtype=config.muon_distopt_exchange_dtype,
     )
 
 
@@ -188,6 +200,7 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
     infos = muon_param_infos(config, model_chunks, pg_collection)
     optimizer = MegatronMuon(
         split_param_groups(param_groups),
+        distopt_exchange_dtype=config.muon_distopt_exchange_dtype,
         param_info=infos,
         orthogonalizer=TPOrthogonalizer(config.muon_tp_mode, tp_groups(pg_collection)),
         **muon_kwargs(config),
@@ -231,50 +244,137 @@ class _PositionalInfo(dict):
 
 
 class MegatronMuon(Muon):
-    """``Muon`` whose per-param infos follow the fp32 main-param swap (``_PositionalInfo``)."""
+    """``Muon`` inside Megatron's optimizer wrappers and DistributedOptimizer.
 
-    def __init__(self, params, **kwargs) -> None:
+    Its per-param infos follow the fp32 main-param swap (``_PositionalInfo``), and the
+    DistributedOptimizer (patch 0010) hands it the shard layout through
+    ``attach_distributed_optimizer``.
+
+    Args:
+        params: param groups (``use_muon`` picks the rule), as for ``Muon``.
+        distopt_exchange_dtype: dtype of the momentum exchanged over DP ranks ('fp32', 'bf16').
+        **kwargs: ``Muon``'s settings.
+    """
+
+    def __init__(self, params, distopt_exchange_dtype: str = "fp32", **kwargs) -> None:
+        if distopt_exchange_dtype not in EXCHANGE_DTYPES:
+            raise ValueError(
+                f"distopt_exchange_dtype must be one of {list(EXCHANGE_DTYPES)}, "
+                f"got {distopt_exchange_dtype!r}"
+            )
+        self.distopt_exchange_dtype = distopt_exchange_dtype
         self.group_infos: list[list[MuonParamInfo]] = []
         super().__init__(params, **kwargs)
         built = self.param_info
         self.param_info = _PositionalInfo(self)
         self.param_info.update(built)
 
+    def attach_distributed_optimizer(self, distopt) -> None:
+        """Step DP-sharded params exactly; called by Megatron's DistributedOptimizer (ZeRO-1).
+
+        Args:
+            distopt: the ``DistributedOptimizer`` that just sharded this optimizer's params.
+        """
+        attach(distopt, self, self.distopt_exchange_dtype)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``Muon.add_param_group``, remembering the group's infos by position."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         muon = group["use_muon"]
         self.group_infos.append([self.param_info[p] for p in group["params"]] if muon else [])
 
 
-def get_megatron_muon_optimizer(
-    config,
-    model_chunks,
-    config_overrides=None,
-    use_gloo_process_groups: bool = True,
-    layer_wise_distributed_optimizer: bool = False,
-    pg_collection=None,
-):
-    """Upstream 0.16.1's Muon entry point (same parameters), on ``get_megatron_optimizer``.
+class TensorParallelMuon(Muon):
+    """Upstream 0.16.1's constructor on our Muon (no emerging_optimizers).
 
-    Returns the same optimizer as ``get_megatron_optimizer(config, ...)`` with
-    ``config.optimizer='muon'`` (a copy of ``config`` is made if it names another optimizer;
-    upstream instead mutated it to 'adam'). Unlike upstream, Muon and AdamW params share one
-    optimizer per dense/expert part, and fp16 is supported.
+    Every param here is a Muon param (upstream keeps AdamW in a separate optimizer). Upstream's
+    names map as: ``momentum_beta`` -> momentum, ``use_nesterov`` -> nesterov,
+    ``fp32_matmul_prec`` -> ns_precision ('highest'/'high' fp32, 'medium'/'low' bf16),
+    ``coefficient_type`` -> ns_coefficients, ``num_ns_steps`` -> ns_steps, ``scale_mode`` and
+    ``extra_scale_factor`` as is (matched_adamw_rms is None), ``use_decoupled_weight_decay=False``
+    -> L2 decay added to the gradient. ``split_qkv`` orthogonalizes params for which
+    ``is_qkv_fn(p)`` holds per ``qkv_split_shapes`` block.
+
+    Tensor parallelism (``muon_tp.py``): params carry Megatron's ``tensor_model_parallel`` and
+    ``partition_dim``; ``duplicated`` and ``distributed`` are exact over ``pg_collection.tp``
+    (``expt_tp`` for expert params), ``blockwise`` orthogonalizes each TP-local slice. Without a
+    ``pg_collection``, Megatron's ``parallel_state`` groups are used when initialized, else TP=1.
     """
-    if layer_wise_distributed_optimizer:
-        raise ValueError(
-            "get_megatron_muon_optimizer(layer_wise_distributed_optimizer=True) is not "
-            "supported: use the distributed optimizer integration (use_distributed_optimizer)"
-        )
-    from . import get_megatron_optimizer  # the package imports this module: import late
 
-    if config.optimizer != "muon":
-        config = dataclasses.replace(config, optimizer="muon")
-    return get_megatron_optimizer(
-        config,
-        model_chunks,
-        config_overrides=config_overrides,
-        use_gloo_process_groups=use_gloo_process_groups,
-        pg_collection=pg_collection,
-    )
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        momentum_beta: float = 0.95,
+        use_nesterov: bool = True,
+        weight_decay: float = 0.01,
+        use_decoupled_weight_decay: bool = True,
+        split_qkv: bool = False,
+        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
+        qkv_split_shapes: tuple[int, int, int] | None = None,
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        pg_collection: Optional[Any] = None,
+        mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
+    ) -> None:
+        if mode not in TP_MODES:
+            raise ValueError(f"mode must be one of {list(TP_MODES)}, got {mode!r}")
+        if num_ns_steps < 1:  # upstream's words for upstream's argument
+            raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
+        if split_qkv and (is_qkv_fn is None or qkv_split_shapes is None):
+            raise ValueError("split_qkv=True needs is_qkv_fn and qkv_split_shapes")
+        params = list(params)
+        groups = _tp_groups(pg_collection)
+        infos = _tp_infos(params, groups, qkv_split_shapes if split_qkv else None, is_qkv_fn)
+        self.pg_collection = pg_collection
+        self._tp_group_map = groups
+        self.mode = mode
+        self.split_qkv = split_qkv
+        self.is_qkv_fn = is_qkv_fn
+        self.qkv_split_shapes = qkv_split_shapes
+        super().__init__(
+            params,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum_beta,
+            nesterov=use_nesterov,
+            ns_steps=num_ns_steps,
+            ns_coefficients=coefficient_type,
+            ns_precision=fp32_matmul_prec,
+            matched_adamw_rms=None,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            decoupled_weight_decay=use_decoupled_weight_decay,
+            param_info=infos,
+            orthogonalizer=TPOrthogonalizer(mode, groups),
+        )
+
+    def _agree(self, local_ok: bool) -> bool:
+        """One all-reduce so that all TP peers raise or skip together: a rank that raised
+        alone would leave its peers waiting in the TP all-gather."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return agree_across(local_ok, self._tp_group_map, params[0].device if params else None)
+
+
+def _tp_groups(pg_collection: Optional[Any]) -> dict:
+    if pg_collection is None and not parallel_state.model_parallel_is_initialized():
+        return {False: None, True: None}
+    return tp_groups(pg_collection)
+
+
+def _tp_infos(params: list, groups: dict, qkv_split, is_qkv_fn) -> dict:
+    """TP-global info (shape, partition dim, QKV blocks) of every param."""
+    infos = {}
+    for p in _iter_params(params):
+        split = qkv_split if qkv_split is not None and is_qkv_fn(p) else None
+        infos[p] = param_info(p, get_pg_size(groups[is_expert_param(p)]), split)
+    return infos
+
+
+def _iter_params(params: list) -> Iterable[Tensor]:
+    for item in params:
+        yield from item["params"] if isinstance(item, dict) else [item]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .muon_config import TP_MODES
-from .muon_functional import MuonParamInfo, OrthoSpec, orthogonalize_matrices
+from .muon_functional import MuonParamInfo, OrthoSpec, orthogonalize, orthogonalize_matrices
 from .newton_schulz import coefficient_set, compute_dtype
 
 
@@ -101,28 +101,16 @@ def _spec_of(matrix_fn) -> OrthoSpec:
 
 
 def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor:
-    """``s * NS(U)`` of the own shard of U, the matrix built from the shards in ``group``."""
+    """``s * NS(U)`` of the own shard of U, the matrix built from the shards in ``group``.
+
+    The Q/K/V split and the scale are ``muon_functional.orthogonalize``'s; only the
+    Newton-Schulz of each (sharded) block runs here. A fused QKV weight is split by rows.
+    """
     dim = info.partition_dim
-    if info.qkv_split is None:
-        return _scaled(sharded_newton_schulz(u, dim, group, spec), info.shape, spec)
-    assert dim == 0, "a fused QKV weight is split by rows (query groups)"
-    split, cols = info.qkv_split, info.shape[1]
-    global_groups = info.shape[0] // sum(split)
-    per_group = u.view(-1, sum(split), cols)
-    out = torch.empty_like(per_group)
-    start = 0
-    for rows in split:  # Q, K, V: each block spans every rank's query groups
-        block = per_group[:, start : start + rows].reshape(-1, cols)
-        orth = sharded_newton_schulz(block, 0, group, spec)
-        out[:, start : start + rows] = _scaled(orth, (global_groups * rows, cols), spec).view(
-            -1, rows, cols
-        )
-        start += rows
-    return out.view(u.shape)
-
-
-def _scaled(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
-    return x.mul_(spec.scale(*shape))  # after the cast back, as muon_functional._scaled_ns
+    assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"
+    return orthogonalize(
+        u, info, spec, lambda blocks: [sharded_newton_schulz(b, dim, group, spec) for b in blocks]
+    )
 
 
 def sharded_newton_schulz(x: Tensor, dim: int, group, spec: OrthoSpec) -> Tensor:

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-Triple = tuple[float, float, float]
+from .muon_config import DEFAULT_COEFFICIENTS, DEFAULT_EPS, DEFAULT_PRECISION, DEFAULT_STEPS
 
-DEFAULT_STEPS = 5
-DEFAULT_EPS = 1e-7
+Triple = tuple[float, float, float]
 
 
 @dataclass(frozen=True)
@@ -140,13 +139,23 @@ def compute_dtype(precision: str) -> torch.dtype:
 def newton_schulz(
     x: Tensor,
     steps: int = DEFAULT_STEPS,
-    coefficients: str | CoefficientSet | Sequence[Triple] = "simple",
-    precision: str = "fp32",
+    coefficients: str | CoefficientSet | Sequence[Triple] = DEFAULT_COEFFICIENTS,
+    precision: str = DEFAULT_PRECISION,
     eps: float = DEFAULT_EPS,
 ) -> Tensor:
     """Orthogonalize ``x`` of shape (..., m, n); returns ``NS_k(x)`` in x's dtype (a new tensor).
 
     Batched inputs use one Frobenius norm per matrix. ``x`` is not modified.
+
+    Args:
+        x: the matrix, or a batch of matrices, to orthogonalize.
+        steps: iterations k >= 1.
+        coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
+        precision: a name in ``PRECISIONS``: the dtype of the matmuls.
+        eps: added to the Frobenius norm before dividing by it.
+
+    Returns:
+        ``NS_k(x)``, same shape and dtype as ``x``.
     """
     if x.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")

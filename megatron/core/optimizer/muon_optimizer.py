@@ -1,0 +1,368 @@
+"""``Muon``: a plain torch optimizer holding Muon and AdamW param groups.
+
+It knows nothing of Megatron, process groups or the DistributedOptimizer: sharded params are
+stepped through an ``Orthogonalizer`` handed in (``muon_tp.py``, ``muon_distopt.py``) and a
+``MuonParamInfo`` per param (``muon_megatron.py`` builds both). The math lives in
+``newton_schulz.py`` (pure Newton-Schulz) and ``muon_functional.py`` (the three stages of a
+step, AdamW); the defaults in ``muon_config.py``.
+"""
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Optional
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from . import muon_config as defaults
+from .muon_config import SCALE_MODES, resolve_scale
+from .muon_functional import (
+    LocalOrthogonalizer,
+    MuonParamInfo,
+    Orthogonalizer,
+    OrthoSpec,
+    adamw_,
+    muon_apply_,
+    muon_momentum_,
+    orthogonalize_matrices,
+)
+from .newton_schulz import Triple, coefficient_set, compute_dtype
+
+__all__ = ["Muon", "MuonParamInfo", "LocalOrthogonalizer", "Orthogonalizer"]
+
+MUON_STATE_KEYS = ("momentum_buffer",)
+ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+ADAMW_SCALAR_STATE_KEYS = ("step",)
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+class Muon(Optimizer):
+    r"""Muon for 2-D weights (``use_muon=True`` groups, the default) and AdamW for the rest.
+
+    Muon, per 2-D weight W (m x n) with gradient G, momentum buffer B (zero at start)::
+
+        B = mu B + G                                   (l2: G = G + wd W first)
+        U = G + mu B        if nesterov else   U = B
+        O = s * NS_k(U)                                (per Q/K/V block for a fused QKV weight)
+        W = W (1 - lr wd)                              (decoupled weight decay)
+        W = W - lr O
+
+    ``NS_k``: ``X = U / (||U||_F + eps)``, transposed if m > n, then k steps of
+    ``A = X X^T; X = a X + (b A + c A A) X`` (see ``newton_schulz.py``). Scale ``s``:
+    ``scale_mode`` {modes} times ``extra_scale_factor`` (default: ``{mode}`` x {factor}, as
+    upstream), or, with ``matched_adamw_rms=r`` (default {rms}: off), ``r * sqrt(max(m, n))``
+    (Moonlight's rule: the update RMS matches AdamW's, so AdamW's lr and wd carry over; the
+    same as ``('spectral', r)``). Defaults: ``muon_config.py``, shared with
+    ``OptimizerConfig``. ``m, n`` come from ``param_info``, not the tensor, so shards can be
+    stepped.
+
+    AdamW (``use_muon=False`` groups): ``torch.optim.AdamW``'s math (decoupled wd, bias
+    correction, per-param ``step``).
+
+    State, created lazily in ``exp_avg_dtype`` (default: the param's dtype): Muon params keep
+    ``{muon_keys}``; AdamW params ``{adamw_keys}`` plus a scalar ``step``. ``state_keys(p)``
+    declares them for checkpoint code.
+
+    Non-finite gradients (``on_nonfinite_grad``): ``'raise'`` (default) raises
+    ``FloatingPointError`` before anything is updated; ``'skip'`` skips the whole step (params
+    and state untouched, ``skipped_steps`` counts it), as Megatron's grad scaler does;
+    ``'ignore'`` does not check (the caller already did, e.g. the grad scaler's ``found_inf``).
+    ``Muon``'s check sees only this process's gradients: with sharded params use ``'ignore'``
+    behind a check that agrees across ranks (``TensorParallelMuon`` agrees over its TP groups).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        momentum: float = defaults.DEFAULT_MOMENTUM,
+        nesterov: bool = defaults.DEFAULT_NESTEROV,
+        ns_steps: int = defaults.DEFAULT_STEPS,
+        ns_coefficients: str | Sequence[Triple] = defaults.DEFAULT_COEFFICIENTS,
+        ns_precision: str = defaults.DEFAULT_PRECISION,
+        ns_eps: float = defaults.DEFAULT_EPS,
+        matched_adamw_rms: Optional[float] = defaults.DEFAULT_MATCHED_ADAMW_RMS,
+        scale_mode: str = defaults.DEFAULT_SCALE_MODE,
+        extra_scale_factor: float = defaults.DEFAULT_EXTRA_SCALE_FACTOR,
+        decoupled_weight_decay: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        *,
+        param_info: Optional[Mapping[Tensor, MuonParamInfo]] = None,
+        orthogonalizer: Optional[Orthogonalizer] = None,
+        exp_avg_dtype: Optional[torch.dtype] = None,
+        on_nonfinite_grad: Literal["raise", "skip", "ignore"] = "raise",
+    ) -> None:
+        if exp_avg_dtype is not None and not exp_avg_dtype.is_floating_point:
+            raise ValueError(f"exp_avg_dtype must be a floating dtype or None, got {exp_avg_dtype}")
+        if on_nonfinite_grad not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"on_nonfinite_grad must be one of {NONFINITE_POLICIES}, got {on_nonfinite_grad!r}"
+            )
+        self.exp_avg_dtype = exp_avg_dtype
+        self.on_nonfinite_grad = on_nonfinite_grad
+        self.orthogonalizer = orthogonalizer or LocalOrthogonalizer()
+        self.skipped_steps = 0
+        self._given_info = dict(param_info or {})
+        self.param_info: dict[Tensor, MuonParamInfo] = {}  # Muon params only
+        defaults = dict(
+            use_muon=True,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_precision=ns_precision,
+            ns_eps=ns_eps,
+            matched_adamw_rms=matched_adamw_rms,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            decoupled_weight_decay=decoupled_weight_decay,
+            betas=betas,
+            eps=eps,
+        )
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups and state
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (``use_muon`` picks the rule) after validating its settings."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+            if group["use_muon"]:
+                for p in group["params"]:
+                    self.param_info[p] = self._given_info.get(p) or MuonParamInfo.of(p)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def is_muon(self, param: Tensor) -> bool:
+        return param in self.param_info
+
+    def state_keys(self, param: Tensor) -> tuple[str, ...]:
+        """Names of the param-shaped state tensors (what a sharded checkpoint must carry)."""
+        return MUON_STATE_KEYS if self.is_muon(param) else ADAMW_STATE_KEYS
+
+    def scalar_state_keys(self, param: Tensor) -> tuple[str, ...]:
+        """Names of per-param scalar state (not sharded: one value per param)."""
+        return () if self.is_muon(param) else ADAMW_SCALAR_STATE_KEYS
+
+    def state_dtype(self, param: Tensor) -> torch.dtype:
+        return self.exp_avg_dtype or param.dtype
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        """Create the param's state if absent (lazy by default; checkpoint code may call it)."""
+        state = self.state[param]
+        if not state:
+            for key in self.state_keys(param):
+                state[key] = torch.zeros_like(param, dtype=self.state_dtype(param))
+            for key in self.scalar_state_keys(param):
+                # A CPU float32 scalar, like torch's AdamW: reading it never syncs a device.
+                state[key] = torch.zeros((), dtype=torch.float32)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load, then restore state dtypes and give each param its own tensors.
+
+        torch casts loaded state to the param's dtype (undoing ``exp_avg_dtype``) and may alias
+        the source's tensors, e.g. one ``step`` shared by all params.
+        """
+        super().load_state_dict(state_dict)
+        for param, state in self.state.items():
+            for key in self.state_keys(param):
+                if key in state:
+                    state[key] = state[key].to(dtype=self.state_dtype(param), copy=True)
+            for key in self.scalar_state_keys(param):
+                if key in state:
+                    state[key] = state[key].to(dtype=torch.float32, copy=True)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._grads_usable():
+            self.skipped_steps += 1
+            return loss
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params and not group["use_muon"]:
+                self._adamw_step(group, params)
+        self._muon_steps()
+        return loss
+
+    def ortho_specs(self) -> list[OrthoSpec]:
+        """The distinct Newton-Schulz/scale settings of the Muon groups, in group order."""
+        specs: list[OrthoSpec] = []
+        for group in self.param_groups:
+            if group["use_muon"] and _ortho_spec(group) not in specs:
+                specs.append(_ortho_spec(group))
+        return specs
+
+    def _muon_steps(self) -> None:
+        """Every Muon group, with one orthogonalizer call per distinct ``OrthoSpec``.
+
+        The call is made every step, also with no Muon grads on this rank: a distributed
+        orthogonalizer runs collectives that all ranks of its group must enter, and batching
+        all groups lets it exchange each bucket once.
+        """
+        batches: list[tuple[OrthoSpec, list]] = []
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            spec = _ortho_spec(group)
+            if not batches or batches[-1][0] != spec:
+                batches.append((spec, []))
+            batches[-1][1].append((group, params, self._muon_momentum(group, params)))
+        for spec, items in batches:
+            updates = [u for _, _, us in items for u in us]
+            infos = [self.param_info[p] for _, params, _ in items for p in params]
+            matrix_fn = functools.partial(orthogonalize_matrices, spec=spec)
+            orth = iter(self.orthogonalizer(updates, infos, matrix_fn))
+            for group, params, _ in items:
+                self._muon_apply(group, params, [next(orth) for _ in params])
+
+    def _muon_momentum(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
+        decoupled = group["decoupled_weight_decay"]
+        return muon_momentum_(
+            params,
+            [p.grad for p in params],
+            [self.init_state(p)["momentum_buffer"] for p in params],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            l2_weight_decay=0.0 if decoupled else group["weight_decay"],
+        )
+
+    def _muon_apply(self, group: dict[str, Any], params: list[Tensor], orth: list) -> None:
+        wd = group["weight_decay"] if group["decoupled_weight_decay"] else 0.0
+        muon_apply_(params, orth, lr=group["lr"], weight_decay=wd)
+
+    def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        states = [self.init_state(p) for p in params]
+        beta1, beta2 = group["betas"]
+        adamw_(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _grads_usable(self) -> bool:
+        """False when the step must be skipped; raises under 'raise'. One sync for all grads."""
+        if self.on_nonfinite_grad == "ignore":
+            return True
+        local_ok = self._local_grads_finite()
+        if self._agree(local_ok):
+            return True
+        if self.on_nonfinite_grad == "skip":
+            return False
+        where = self._first_nonfinite() if not local_ok else "a peer rank's shard"
+        raise FloatingPointError(
+            f"non-finite gradient in {where}; nothing "
+            "was updated. Use on_nonfinite_grad='skip' to skip such steps"
+        )
+
+    def _local_grads_finite(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
+
+    def _agree(self, local_ok: bool) -> bool:
+        """Whether every rank that shares this step's collectives has finite grads (here:
+        only this process; TensorParallelMuon asks its TP peers)."""
+        return local_ok
+
+    def _first_nonfinite(self) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and not p.grad.isfinite().all():
+                    return f"param group {gi}, param {pi} (shape {tuple(p.shape)})"
+        raise AssertionError("no non-finite gradient found")
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """ValueError naming the bad setting and what is allowed (NaN, inf, strings and None
+    included: a non-finite lr would silently train to NaN)."""
+    _finite(group, "lr", ">= 0", lambda v: v >= 0)
+    _finite(group, "weight_decay", ">= 0", lambda v: v >= 0)
+    if not group["use_muon"]:
+        betas = group["betas"]
+        _require(
+            isinstance(betas, (tuple, list)) and len(betas) == 2,
+            f"betas must be a pair of numbers in [0, 1), got {betas!r}",
+        )
+        for beta in betas:
+            _require(_is_real(beta) and 0 <= beta < 1, f"betas must be in [0, 1), got {betas}")
+        _finite(group, "eps", ">= 0", lambda v: v >= 0)
+        return
+    _finite(group, "momentum", "in [0, 1)", lambda v: 0 <= v < 1)
+    steps = group["ns_steps"]
+    _require(
+        isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
+        f"ns_steps must be an int >= 1, got {steps!r}",
+    )
+    _finite(group, "ns_eps", "> 0", lambda v: v > 0)
+    if group["matched_adamw_rms"] is not None:
+        _finite(group, "matched_adamw_rms", "> 0 (or None)", lambda v: v > 0)
+    _finite(group, "extra_scale_factor", "> 0", lambda v: v > 0)
+    coefficient_set(group["ns_coefficients"])
+    compute_dtype(group["ns_precision"])
+    resolve_scale(group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"])
+
+
+def _is_real(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        or (isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point())
+    )
+
+
+def _finite(group: dict[str, Any], key: str, allowed: str, ok: Callable[[float], bool]) -> None:
+    value = group[key]
+    _require(
+        _is_real(value) and math.isfinite(float(value)) and ok(float(value)),
+        f"{key} must be a finite number {allowed}, got {value!r}",
+    )
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:
+    mode, factor = resolve_scale(
+        group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"]
+    )
+    return OrthoSpec(
+        steps=group["ns_steps"],
+        coefficients=group["ns_coefficients"],
+        precision=group["ns_precision"],
+        eps=group["ns_eps"],
+        scale_mode=mode,
+        scale_factor=factor,
+    )
+
+
+Muon.__doc__ = Muon.__doc__.format(
+    rms=defaults.DEFAULT_MATCHED_ADAMW_RMS,
+    mode=defaults.DEFAULT_SCALE_MODE,
+    factor=defaults.DEFAULT_EXTRA_SCALE_FACTOR,
+    modes=list(SCALE_MODES),
+    muon_keys=MUON_STATE_KEYS,
+    adamw_keys=ADAMW_STATE_KEYS,
+)
