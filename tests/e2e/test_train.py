@@ -11,7 +11,12 @@ import sys
 
 import pytest
 
+from megatron.training.muon_recipe import SEED_RECIPE_FLAGS
+
 from .cli import ROOT, TINY, floats, losses, run
+
+# Muon with the seed's recipe: these runs check that the loss falls at TINY's lr
+MUON = "--optimizer muon " + " ".join(SEED_RECIPE_FLAGS)
 
 
 def _resume_from(save: str, iteration: int, into: str) -> str:
@@ -26,8 +31,8 @@ def _resume_from(save: str, iteration: int, into: str) -> str:
 
 LAYOUTS = [  # (name, ranks, flags, checkpoint format)
     ("adam-tp2", 2, "--optimizer adam --tensor-model-parallel-size 2", "torch_dist"),
-    ("muon-pp2", 2, "--optimizer muon --pipeline-model-parallel-size 2", "torch"),
-    ("muon-tp2", 2, "--optimizer muon --tensor-model-parallel-size 2", "torch_dist"),
+    ("muon-pp2", 2, MUON + " --pipeline-model-parallel-size 2", "torch"),
+    ("muon-tp2", 2, MUON + " --tensor-model-parallel-size 2", "torch_dist"),
 ]
 
 
@@ -55,7 +60,8 @@ def test_data_parallel_distributed_optimizer_resume(tmp_path, optimizer, fmt):
     losses. Upstream 0.16.1 fails every DistOpt resume on CPU (design.md section 6); the fork's
     declared-state checkpoint code (muon_checkpoint.py) covers Muon and torch's AdamW."""
     save = str(tmp_path / "save")
-    args = TINY + ["--optimizer", optimizer, "--use-distributed-optimizer", "--train-iters", 4]
+    chosen = MUON.split() if optimizer == "muon" else ["--optimizer", optimizer]
+    args = TINY + chosen + ["--use-distributed-optimizer", "--train-iters", 4]
     args += ["--ckpt-format", fmt]
     full = losses(run(args + ["--save", save, "--save-interval", 2], nproc=2))
     assert sorted(full) == [1, 2, 3, 4] and floats(full)[-1] < floats(full)[0]
@@ -72,7 +78,7 @@ MORE_LAYOUTS = {  # layouts beyond the save/resume matrix: they must train
 
 @pytest.mark.parametrize("flags", MORE_LAYOUTS.values(), ids=MORE_LAYOUTS)
 def test_muon_trains_interleaved_pipeline_and_expert_parallel(flags):
-    args = TINY + ["--optimizer", "muon", "--train-iters", 4] + flags.split()
+    args = TINY + MUON.split() + ["--train-iters", 4] + flags.split()
     table = losses(run(args, nproc=2))
     assert sorted(table) == [1, 2, 3, 4] and floats(table)[-1] < floats(table)[0]
 
@@ -116,8 +122,7 @@ def test_preprocess_train_eval_on_real_text(tmp_path):
         10,
         "--eval-iters",
         2,
-        "--optimizer",
-        "muon",
+        *MUON.split(),
         "--tensorboard-dir",
         str(tmp_path / "tb"),
     ]
