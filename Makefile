@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install fork demo test lint check-patches bench
+.PHONY: install fork demo test lint check-patches bench pr
 
 install:
 	@tools/bootstrap.sh
@@ -27,3 +27,6 @@ check-patches: install
 bench: install  # quick benchmarks, one table of ratios (< 5 min on 2 cores); see bench/README.md
 	@$(PY) -m pip install --quiet -r requirements/bench.txt
 	@$(PY) bench/run_all.py --quick
+
+pr: install  # our megatron.core changes as a git format-patch series for Megatron-LM (build/pr)
+	@$(PY) tools/make_pr.py $(PR_OUT)
