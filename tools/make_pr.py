@@ -68,6 +68,17 @@ SERIES = [
         ],
     ),
     (
+        "transformer: QK-clip (MuonClip) without Transformer Engine",
+        "Local attention records per-head max attention logits; clip_qk scales query/key rows\n"
+        "after the optimizer step, on model params, fp32 main params and DistOpt shards.",
+        [
+            OPT + "qk_clip.py",
+            "megatron/core/transformer/max_attention_logit.py",
+            "megatron/core/transformer/qk_clip_config.py",
+        ],
+        ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
+    ),
+    (
         "moe: router without Transformer Engine",
         "The MoE router's fused path is guarded so the local spec runs without TE.",
         [],

@@ -445,11 +445,15 @@ def validate_args(args) -> None:
 def _check_core_configs(args) -> None:
     """Build the core configs once now, so that their own checks fail before any process
     group exists (their messages name the config field)."""
+    from megatron.core.optimizer.muon_config import validate_muon_config
+
     from .core_configs import optimizer_config, transformer_config
 
     for build in (optimizer_config, transformer_config):
         try:
-            build(args)
+            config = build(args)
+            if build is optimizer_config:  # core checks Muon's fields only where Muon is built;
+                validate_muon_config(config)  # a bad --muon-* value is an error with any optimizer
         except (ValueError, AssertionError) as err:
             raise ArgumentsError(f"{build.__name__}: {err}") from None
 

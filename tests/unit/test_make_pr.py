@@ -60,3 +60,14 @@ def test_series_applies_to_the_pristine_tree_and_imports(tmp_path):
     path, *names = done.stdout.split()
     assert Path(path) == repo / "megatron/core/optimizer/muon.py"  # the applied tree, not ours
     assert names == ["TensorParallelMuon", "get_megatron_muon_optimizer", "blockwise"]
+
+
+def test_every_core_file_and_patch_is_in_the_series():
+    """A file added under megatron/core, or a patch, must be placed in a commit of the series."""
+    listed = subprocess.run(
+        ["git", "ls-files", "megatron/core", "patches"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    files = {rel for _, _, fs, _ in make_pr.SERIES for rel in fs}
+    patches = {f"patches/{name}" for *_, ps in make_pr.SERIES for name in ps}
+    missing = sorted(set(listed) - files - patches)
+    assert listed and not missing, f"add these to tools/make_pr.py SERIES: {missing}"
