@@ -356,7 +356,11 @@ def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
     if not args.no_load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if "_distrib_optim" in loaded and args.use_distributed_optimizer:
-            optimizer.load_parameter_state(loaded["_distrib_optim"])
+            # DP rank 0 reads the file inside upstream's call: say which file on failure
+            _read(
+                lambda: optimizer.load_parameter_state(loaded["_distrib_optim"]),
+                loaded["_distrib_optim"],
+            )
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if not args.no_load_rng:
         saved = loaded["rng_state"]
