@@ -78,8 +78,8 @@ class FailureBroadcast:
     error, ``stop()`` before a clean shutdown. Without a process group (or with one rank) it
     only prints."""
 
-    def __init__(self, prog: str, poll_s: float = 0.5, wait_s: float = 10.0):
-        self.prog, self.poll_s, self.wait_s = prog, poll_s, wait_s
+    def __init__(self, prog: str, poll_s: float | None = None, wait_s: float = 10.0):
+        self.prog, self._poll_s, self.wait_s = prog, poll_s, wait_s
         self.rank, self.world, self.store = 0, 1, None
         self._stop = threading.Event()
         self._failed = threading.Event()
@@ -94,6 +94,8 @@ class FailureBroadcast:
             self.rank = torch.distributed.get_rank()
             self.world = torch.distributed.get_world_size()
             self.store = _get_default_store()
+            # one store request per rank per poll: ~500 requests/s at most on the store's host
+            self.poll_s = self._poll_s or max(0.5, self.world / 500)
             self._thread = threading.Thread(target=self._watch, name="failure-watch", daemon=True)
             self._thread.start()
         return self
@@ -195,7 +197,9 @@ class FailureBroadcast:
                 continue
             # let the failed rank exit first: launchers name the first exit as the root cause
             self._stop.wait(1.0)
-            os._exit(1)
+            self.exit(1)
+
+    exit = staticmethod(os._exit)  # no cleanup: the main thread may be inside a collective
 
 
 def _print(line: str) -> None:
