@@ -365,8 +365,8 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
     ),
     ("typo", "cli", "--mock-data --hidden-sise 8", 2, "did you mean --hidden-size"),
     # -- command line: data
-    ("no_data", "cli", "", 2, "no data: give --data-path PREFIX [PREFIX ...] or --mock-data"),
-    ("mock_and_data", "cli", f"--mock-data {D}", 2, "--mock-data and --data-path are exclusive"),
+    ("no_data", "cli", "", 2, "no data: give --data-path PREFIX [PREFIX ...] (or --train-data"),
+    ("mock_and_data", "cli", f"--mock-data {D}", 2, "--mock-data and --data-path (or"),
     ("blend_odd", "cli", "--data-path 0.5 {tmp}/d 0.5", 1, "weights and prefixes must alternate"),
     ("blend_negative", "cli", "--data-path -1 {tmp}/d", 1, "every weight must be finite and > 0"),
     ("blend_nan", "cli", "--data-path nan {tmp}/d", 1, "every weight must be finite and > 0"),
