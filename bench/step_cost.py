@@ -155,7 +155,7 @@ def exchange_figures(built: dict) -> dict:
         "ns_flops_total": sum(m.cost for m in plan.matrices),
         "matrices": len(plan.matrices),
         "bytes_ours": ours.optimizer.orthogonalizer.bytes_moved,
-        "bytes_ours_planned": plan.bytes_per_step(4),
+        "bytes_ours_planned": plan.bytes_per_step(4, 4),
         "bytes_baseline": base.optimizer.orthogonalizer.bytes_moved,
         "muon_bytes": sum((m.end - m.start) * 4 for m in plan.matrices),
     }
@@ -170,7 +170,7 @@ def small_bucket_bytes(spec: TinyGPT) -> dict:
     base = GatherEverythingOrthogonalizer(distopt.muon_plan, None)
     return {
         "buckets": len(distopt.muon_plan.buckets),
-        "ours": distopt.muon_plan.bytes_per_step(4),
+        "ours": distopt.muon_plan.bytes_per_step(4, 4),
         "baseline": base.bytes_per_step(4),
     }
 

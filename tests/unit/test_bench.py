@@ -42,7 +42,7 @@ def _run(hook):
     plan, ortho = distopt.muon_plan, distopt.optimizer.orthogonalizer
     return final, {
         "bytes": ortho.bytes_moved,
-        "planned": plan.bytes_per_step(4),
+        "planned": plan.bytes_per_step(4, 4),
         "pads": [max(sum(ortho._sizes(b, r)) for r in range(2)) for b in plan.buckets]
         if hook
         else None,

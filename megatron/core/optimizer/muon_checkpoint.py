@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .muon_distopt import param_name
 from .optimizer import param_group_identifier_keys
 
 FORMAT = "declared-state-distopt/1"
@@ -107,7 +108,7 @@ def pieces(distopt) -> list[Piece]:
                     local, in_param = ranges["gbuf_local"], ranges["param"]
                     out.append(
                         Piece(
-                            distopt._param_name(param),
+                            param_name(distopt, param),
                             param,
                             shard,
                             (local.start, local.end),
@@ -150,7 +151,7 @@ def local_meta(distopt) -> dict[str, dict]:
 def all_names(distopt) -> dict[str, tuple]:
     """{name: shape} of every model param of this DistOpt instance (held here or not)."""
     return {
-        distopt._param_name(p): tuple(p.shape)
+        param_name(distopt, p): tuple(p.shape)
         for buffer in distopt.buffers
         for p in buffer.param_index_map
     }
@@ -274,7 +275,7 @@ def _gather(local: Tensor, group, everywhere: bool):
 
 def _cut(distopt, buffer, bucket, world: Tensor, key: str, meta: dict, out: dict) -> None:
     for param in bucket.params_list:
-        name = distopt._param_name(param)
+        name = param_name(distopt, param)
         if key in meta[name]["keys"]:
             start, end, _ = buffer.param_index_map[param]
             out[name][key] = world[start - bucket.offset : end - bucket.offset].clone()
@@ -330,7 +331,7 @@ def _scatter(distopt, buffer, bucket, state, key: str, group, device) -> Tensor:
     if group.rank() == 0:
         world = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32)
         for param in bucket.params_list:
-            tensors = state["params"][distopt._param_name(param)]
+            tensors = state["params"][param_name(distopt, param)]
             if key in tensors:
                 start, end, _ = buffer.param_index_map[param]
                 world[start - bucket.offset : end - bucket.offset] = tensors[key]

@@ -22,6 +22,7 @@ from .muon_checkpoint import (
     gather_state,
     group_identity,
     local_meta,
+    param_name,
     pieces,
     require_marker,
     scatter_state,
@@ -89,10 +90,10 @@ def _model_metadata(distopt, model_sharded_state_dict) -> dict:
         for param in buffer.param_index_map:
             if param not in by_tensor:
                 raise ValueError(
-                    f"model param {distopt._param_name(param)} is not in the model's sharded "
+                    f"model param {param_name(distopt, param)} is not in the model's sharded "
                     "state dict (build it with keep_vars=True, e.g. model.sharded_state_dict())"
                 )
-            out[distopt._param_name(param)] = by_tensor[param]
+            out[param_name(distopt, param)] = by_tensor[param]
     return out
 
 
