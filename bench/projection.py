@@ -1,30 +1,38 @@
 """PROJECTION (not a measurement): Muon's overhead per step under DistOpt at scale.
 
     .venv/bin/python bench/projection.py                 # markdown table, default assumptions
-    .venv/bin/python bench/projection.py --mfu 0.3 --exchange-bytes 2
+    .venv/bin/python bench/projection.py --mfu 0.3 --exchange-bytes 2 --tp-mode distributed
 
-Counted, like the optimizer counts them: the Muon matrices of Llama-style GPTs (per layer: fused
-QKV split per Q/K/V block, attention proj, SwiGLU fc1 [gate; up], fc2), Newton-Schulz FLOPs per
-matrix = steps * (4 s^2 l + 2 s^3), s = min(m, n), l = max(m, n) (per Q/K/V block), and owners
-from ``muon_distopt.assign_owners`` on ``muon_distopt.ns_cost`` (the same greedy and costs the
-optimizer uses), so the busiest rank's NS work is max(~total / dp, its largest matrices) as it
-would be.
+It models the schedule the optimizer executes, with the optimizer's own planning code:
 
-Per GPU and step, with M the Muon momentum bytes of one TP rank (Muon params / tp * itemsize):
-* model:    6 N tokens / (gpus * peak * mfu)
-* ours:     NS = busiest owner's FLOPs / (peak * mfu) (duplicated TP mode: the owner's TP ranks
-            each run the whole matrix); exchange = 2 all-to-alls, each moving per direction
-            max(own shard M / dp, owned matrices' bytes) -> 2 * that / link
-* baseline: NS = every matrix on every rank; exchange = all-gather of M: M (dp-1)/dp per
-            direction / link.
-Full-duplex links, no overlap of Muon with anything (an upper bound on the visible overhead),
-no latency terms, TP traffic (NVLink, duplicated mode's gather of owned matrices) left out.
+* layout: Megatron DDP's buffer for the first pipeline stage (``ddp_layout``): params in the
+  order DDP registers them (``named_parameters`` of a Llama-style GPTModel, local spec,
+  iterated in reverse), starts padded to 64 elements, buckets closed once they reach DDP's
+  ``bucket_size = max(40M, 1M * dp)`` (``--overlap-grad-reduce``; one bucket without it) and
+  padded to ``lcm(dp, 128)``; TP-local shapes (QKV, fc1 split by rows, proj, fc2 by columns);
+* the plan: ``muon_distopt.MuonExchangePlan`` on those buckets, costs from
+  ``muon_distopt.tp_ns_cost`` for the TP mode (owners, exchanges, pieces as on a real run; a test
+  ties this layout to a real DDP buffer and the plan to the optimizer's);
+* Newton-Schulz time = ``plan.critical_path_flops()`` (sum over sync points of the busiest
+  rank) / (peak * mfu); exchange time = per exchange and direction, the busiest rank's
+  max(sent, received) bytes / link (full duplex), forward in the NS dtype's width where narrower.
+
+Per GPU and step: model = 6 N tokens / (gpus * peak * mfu). Baseline (gather-everything): every
+rank orthogonalizes every matrix and all-gathers M (dp-1)/dp bytes. No overlap of Muon with
+anything (an upper bound on the visible overhead), no latency terms, TP traffic (NVLink) left out.
 """
 
 import argparse
+import math
 
-from megatron.core.optimizer.muon_distopt import assign_owners, ns_cost
-from megatron.core.optimizer.muon_functional import MuonParamInfo
+from megatron.core.optimizer.muon_distopt import (
+    BucketSlot,
+    MatrixSlot,
+    MuonExchangePlan,
+    ns_cost,
+    tp_ns_cost,
+)
+from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
 
 # name: (layers, hidden, ffn, heads, kv heads, vocab, tp); Llama 3.2 1B, Llama 3 8B / 70B shapes.
 MODELS = {
@@ -36,62 +44,120 @@ DPS = (8, 64, 256, 1024)
 NS_STEPS = 5
 
 
-def muon_matrices(layers, hidden, ffn, heads, kv, vocab, tp) -> list[MuonParamInfo]:
-    """The Muon matrices (global shapes, rows = outputs) of the whole model."""
+def model_params(layers, hidden, ffn, heads, kv, vocab, tp) -> list[tuple]:
+    """(name, TP-local shape, TP-global Muon info or None) in ``named_parameters`` order."""
     head_dim = hidden // heads
-    qkv = MuonParamInfo(
-        ((heads + 2 * kv) * head_dim, hidden), (heads // kv * head_dim, head_dim, head_dim)
-    )
-    layer = [
-        qkv,
-        MuonParamInfo((hidden, hidden)),
-        MuonParamInfo((2 * ffn, hidden)),
-        MuonParamInfo((hidden, ffn)),
-    ]
-    return layer * layers
+    qkv_rows = (heads + 2 * kv) * head_dim
+    qkv_split = (heads // kv * head_dim, head_dim, head_dim)
+
+    def muon(rows, cols, dim, split=None):
+        local = (rows // tp, cols) if dim == 0 else (rows, cols // tp)
+        return local, MegatronMuonParamInfo((rows, cols), split, partition_dim=dim)
+
+    out = [("embedding.word_embeddings.weight", (vocab // tp, hidden), None)]
+    for i in range(layers):
+        p = f"decoder.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (hidden,), None),
+            (p + "self_attention.linear_proj.weight", *muon(hidden, hidden, 1)),
+            (p + "self_attention.linear_qkv.weight", *muon(qkv_rows, hidden, 0, qkv_split)),
+            (p + "pre_mlp_layernorm.weight", (hidden,), None),
+            (p + "mlp.linear_fc1.weight", *muon(2 * ffn, hidden, 0)),
+            (p + "mlp.linear_fc2.weight", *muon(hidden, ffn, 1)),
+        ]
+    out += [("decoder.final_layernorm.weight", (hidden,), None)]
+    return out + [("output_layer.weight", (vocab // tp, hidden), None)]
 
 
-def total_params(layers, hidden, ffn, heads, kv, vocab, tp) -> int:
-    matrices = sum(
-        m.shape[0] * m.shape[1] for m in muon_matrices(layers, hidden, ffn, heads, kv, vocab, tp)
-    )
-    return matrices + 2 * vocab * hidden  # untied embedding and output layer (AdamW)
+def ddp_bucket_size(dp: int, overlap_grad_reduce: bool = True):
+    """DistributedDataParallel's rule (megatron-core 0.16.1) when ``bucket_size`` is not given."""
+    return max(40_000_000, 1_000_000 * dp) if overlap_grad_reduce else None
+
+
+def ddp_layout(numels: list[int], dp: int, bucket_size) -> list[tuple[int, int, dict]]:
+    """Buckets (start, end, {param index: (start, end)}) of DDP's buffer with DistOpt, as
+    ``_ParamAndGradBuffer`` builds it: params in reverse order, starts padded to 64 elements, a
+    bucket closed once it holds >= ``bucket_size`` elements, ends padded to lcm(dp, 128)."""
+    pad = math.lcm(dp, 128)
+    buckets, current, bucket_start, at = [], {}, 0, 0
+    for i in reversed(range(len(numels))):
+        start = -(-at // 64) * 64
+        current[i], at = (start, start + numels[i]), start + numels[i]
+        if bucket_size is not None and at - bucket_start >= bucket_size:
+            end = -(-at // pad) * pad
+            buckets.append((bucket_start, end, current))
+            current, bucket_start, at = {}, end, end
+    if current:
+        buckets.append((bucket_start, -(-at // pad) * pad, current))
+    return buckets
+
+
+def build_plan(params: list[tuple], dp: int, bucket_size, cost_of, window=None):
+    """The optimizer's plan (rank 0's view; figures cover every rank) for this layout."""
+    buckets, matrices = [], []
+    numels = [math.prod(shape) for _, shape, _ in params]
+    for start, end, members in ddp_layout(numels, dp, bucket_size):
+        slot = BucketSlot(group=None, shard_size=(end - start) // dp)
+        for i in sorted(members, key=lambda i: members[i][0]):
+            name, shape, info = params[i]
+            if info is None:
+                continue
+            lo, hi = members[i]
+            slot.matrices.append(len(matrices))
+            matrices.append(
+                MatrixSlot(name, len(buckets), lo - start, hi - start, shape, info, cost_of(info))
+            )
+        buckets.append(slot)
+    return MuonExchangePlan(buckets, matrices, 0, dp, window)
+
+
+def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: int, link: float):
+    """Per exchange and direction, the busiest rank's max(sent, received) over a duplex link."""
+    total = 0.0
+    for ex in plan.exchanges:
+        sent, received = plan.traffic(ex)
+        busiest = max(max(s, r) for s, r in zip(sent, received))
+        total += busiest * (forward_bytes + return_bytes) / link
+    return total
 
 
 def project(model: str, dp: int, a) -> dict:
     cfg = MODELS[model]
     tp = cfg[-1]
-    infos = muon_matrices(*cfg)
-    costs = [ns_cost(i, NS_STEPS) for i in infos]
-    nbytes = [i.shape[0] * i.shape[1] * a.exchange_bytes / tp for i in infos]
-    owners = assign_owners(costs, dp)  # as the optimizer does
-    flops, owned = [0.0] * dp, [0.0] * dp
-    for owner, c, b in zip(owners, costs, nbytes):
-        flops[owner] += c
-        owned[owner] += b
-    rate = a.peak_tflops * 1e12 * a.mfu
-    link = a.link_gbps / 8 * 1e9
-    shard = sum(nbytes) / dp
-    gpus = dp * tp
+    params = model_params(*cfg)
+    infos = [info for _, _, info in params if info is not None]
+    total = sum(math.prod(shape) * (tp if len(shape) == 2 else 1) for _, shape, _ in params)
+    rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
+    cost = lambda info: tp_ns_cost(info, NS_STEPS, a.tp_mode, tp)  # noqa: E731
+    size = ddp_bucket_size(dp, not a.one_bucket)
+    plan = build_plan(params, dp, size, cost)
+    per_bucket = build_plan(params, dp, size, cost, window=1)
+    forward = min(a.exchange_bytes, a.ns_bytes)
+    muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
     return {
         "model": model,
-        "params": total_params(*cfg),
+        "params": total,
         "tp": tp,
         "dp": dp,
-        "gpus": gpus,
-        "step": 6 * total_params(*cfg) * a.tokens / (gpus * rate),
-        "ns": max(flops) / rate,
-        "comm": 2 * max(shard, max(owned)) / link,
-        "base_ns": sum(costs) / rate,
-        "base_comm": sum(nbytes) * (dp - 1) / dp / link,
+        "gpus": dp * tp,
+        "buckets": len(plan.buckets),
+        "step": 6 * total * a.tokens / (dp * tp * rate),
+        "ns": plan.critical_path_flops() / rate,
+        "efficiency": plan.efficiency(),
+        "comm": exchange_seconds(plan, forward, a.exchange_bytes, link),
+        "per_bucket_ns": per_bucket.critical_path_flops() / rate,
+        "per_bucket_efficiency": per_bucket.efficiency(),
+        "base_ns": sum(ns_cost(i, NS_STEPS) for i in infos) / rate,
+        "base_comm": muon_bytes * (dp - 1) / dp / link,
     }
 
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| model | TP x DP (GPUs) | model step | ours: NS + exchange | ours overhead "
+        "| model | TP x DP (GPUs) | buckets | model step | ours: NS + exchange | efficiency "
+        "| ours overhead | bucket by bucket: NS (efficiency) "
         "| gather-everything: NS + all-gather | baseline overhead |\n"
-        "|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -99,7 +165,9 @@ def markdown(rows: list[dict]) -> str:
         base = r["base_ns"] + r["base_comm"]
         lines.append(
             f"| {r['model']} ({r['params'] / 1e9:.1f}B) | {r['tp']} x {r['dp']} ({r['gpus']}) "
-            f"| {_ms(r['step'])} | {_ms(r['ns'])} + {_ms(r['comm'])} | {ours / r['step']:.1%} "
+            f"| {r['buckets']} | {_ms(r['step'])} | {_ms(r['ns'])} + {_ms(r['comm'])} "
+            f"| {r['efficiency']:.2f} | {ours / r['step']:.1%} "
+            f"| {_ms(r['per_bucket_ns'])} ({r['per_bucket_efficiency']:.2f}) "
             f"| {_ms(r['base_ns'])} + {_ms(r['base_comm'])} | {base / r['step']:.1%} |"
         )
     return "\n".join(lines)
@@ -116,6 +184,11 @@ def parse_args(argv=None):
     parser.add_argument("--link-gbps", type=float, default=400.0, help="per GPU, per direction")
     parser.add_argument("--tokens", type=int, default=4 * 1024 * 1024, help="global batch")
     parser.add_argument("--exchange-bytes", type=int, default=4, help="4 fp32 (default), 2 bf16")
+    parser.add_argument("--ns-bytes", type=int, default=2, help="NS matmul dtype: 2 bf16 (default)")
+    parser.add_argument(
+        "--tp-mode", choices=["duplicated", "distributed", "blockwise"], default="duplicated"
+    )
+    parser.add_argument("--one-bucket", action="store_true", help="no --overlap-grad-reduce")
     parser.add_argument("--dps", type=int, nargs="+", default=list(DPS))
     return parser.parse_args(argv)
 
@@ -125,8 +198,9 @@ def main(argv=None) -> list[dict]:
     rows = [project(m, dp, a) for m in MODELS for dp in a.dps]
     print(
         f"PROJECTION: {a.peak_tflops:g} TFLOP/s x {a.mfu:g} achieved (model and NS), "
-        f"{a.link_gbps:g} Gb/s links, {a.tokens:,} tokens/step, exchange {a.exchange_bytes} B/elt, "
-        f"{NS_STEPS} NS steps, no overlap"
+        f"{a.link_gbps:g} Gb/s links, {a.tokens:,} tokens/step, exchange {a.exchange_bytes} B/elt "
+        f"(forward {min(a.exchange_bytes, a.ns_bytes)} B), {NS_STEPS} NS steps, TP mode "
+        f"{a.tp_mode}, {'one bucket' if a.one_bucket else 'DDP buckets (overlap)'}, no overlap"
     )
     print(markdown(rows))
     return rows

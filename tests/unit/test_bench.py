@@ -89,4 +89,57 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
     for dp in (8, 1024):
         r = projection.project("1B", dp, a)
         assert r["base_ns"] / dp <= r["ns"] <= r["base_ns"]
+        assert r["ns"] <= r["per_bucket_ns"] and 0 < r["efficiency"] <= 1
         assert r["ns"] + r["comm"] < r["base_ns"] + r["base_comm"]
+
+
+LAYOUT_BUCKET = 9000  # small DDP buckets: matrices straddle shards and buckets end padded
+
+
+def _real_layout():
+    """The real DDP buffer and DistOpt plan of the tiny GPT next to the projection's."""
+    from tiny_gpt import build_model, build_optimizer
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.muon_megatron import muon_param_infos
+
+    spec = TinyGPT(num_layers=3)
+    model = build_model(spec, distopt=True, bucket_size=LAYOUT_BUCKET, overlap_grad_reduce=True)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON)
+    (distopt,) = distopts(optimizer)
+    (buffer,) = model[0].buffers
+    infos = muon_param_infos(OptimizerConfig(**MUON), model)
+    named = list(model[0].module.named_parameters())
+    params = [(n, tuple(p.shape), infos.get(p)) for n, p in named]
+    real = {
+        "buckets": [tuple(b) for b in buffer.bucket_indices],
+        "index": [buffer.param_index_map[p][:2] for _, p in named],
+        "plan": _plan_figures(distopt.muon_plan),
+    }
+    return real, params
+
+
+def _plan_figures(plan):
+    return {
+        "matrices": [(m.bucket, m.start, m.end, m.cost, m.owner) for m in plan.matrices],
+        "pieces": [p.key + (p.lo, p.hi) for ex in plan.exchanges for p in ex.pieces],
+        "critical": plan.critical_path_flops(),
+    }
+
+
+def test_projection_layout_and_plan_are_the_real_ones():
+    """``projection.ddp_layout`` rebuilds DDP's real buffer (order, padding, bucket ends), and
+    the optimizer's planning code on it gives the plan the optimizer built: same matrices,
+    owners, pieces and critical path."""
+    import math
+
+    from megatron.core.optimizer.muon_distopt import ns_cost as cost
+
+    for real, params in run_distributed(_real_layout, 2):
+        numels = [math.prod(shape) for _, shape, _ in params]
+        layout = projection.ddp_layout(numels, 2, LAYOUT_BUCKET)
+        assert [(start, end) for start, end, _ in layout] == real["buckets"]
+        index = {i: r for _, _, members in layout for i, r in members.items()}
+        assert [index[i] for i in range(len(params))] == real["index"]
+        plan = projection.build_plan(params, 2, LAYOUT_BUCKET, lambda info: cost(info, 5))
+        assert len(real["buckets"]) > 2 and _plan_figures(plan) == real["plan"]

@@ -285,12 +285,21 @@ class MuonExchangePlan:
     def sync_points(self) -> int:
         return len(self.exchanges)
 
+    def traffic(self, ex: Exchange) -> tuple[list[int], list[int]]:
+        """Elements each rank sends and receives in the forward direction of ``ex`` (the return
+        direction swaps them), self-copies excluded."""
+        sent, received = [0] * self.world, [0] * self.world
+        for p in ex.pieces:
+            if p.holder != p.owner:
+                sent[p.holder] += p.size
+                received[p.owner] += p.size
+        return sent, received
+
     def moved(self, ex: Exchange, rank: Optional[int] = None) -> int:
-        """Elements ``rank`` sends plus receives in one direction of ``ex`` (the return
-        exchange swaps the split sizes), self-copies excluded."""
+        """Elements ``rank`` sends plus receives in one direction of ``ex``."""
         rank = self.rank if rank is None else rank
-        send, recv = ex.split_sizes(rank, self.world)
-        return sum(n for r, n in enumerate(send + recv) if r % self.world != rank)
+        sent, received = self.traffic(ex)
+        return sent[rank] + received[rank]
 
     def bytes_per_step(self, forward_itemsize: int, return_itemsize: int, rank=None) -> int:
         """Bytes ``rank`` sends plus receives per step, both directions, self-copies excluded."""
