@@ -7,11 +7,15 @@ A real Megatron GPTModel (tests/tiny_gpt.py: local spec, GQA, SwiGLU) in DDP, bu
 variant on every rank; the variants' steps interleave (A, B, C, A, B, C, ...) so that load from
 other processes hits all alike. Times: one training iteration (forward, backward, grad sync,
 optimizer step) and the optimizer step alone, each the max over ranks, median over repeats.
-DP=4 variants: AdamW+DistOpt, Muon+DistOpt (ours: one owner per matrix), and Muon+DistOpt with the
-gather-everything baseline (bench/gather_everything.py: every rank gathers every Muon bucket and
-orthogonalizes every matrix). Counted figures (exact, not timed): Newton-Schulz FLOPs per rank,
-bytes moved per step by the Muon exchange (sent + received per rank), optimizer state bytes per
-parameter (the inner optimizers' state tensors after a step).
+DP=4 variants: AdamW+DistOpt, Muon+DistOpt (ours: one owner per matrix) with DDP's default (one
+bucket here) and with small buckets (``--overlap-grad-reduce``, one or two matrices per bucket,
+as at scale), and Muon+DistOpt with the gather-everything baseline (bench/gather_everything.py:
+every rank gathers every Muon bucket and orthogonalizes every matrix). Counted figures (exact,
+not timed): the plan's parallel efficiency (ideal / critical path; tests tie it to the FLOPs a
+real step runs) for both bucket settings and, for comparison, the former bucket-by-bucket
+schedule; Newton-Schulz FLOPs per rank, bytes moved per step by the Muon exchange (sent +
+received per rank), optimizer state bytes per parameter (the inner optimizers' state tensors
+after a step).
 """
 
 import argparse
@@ -37,13 +41,17 @@ from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, trai
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
-SMALL_BUCKET = 40_000  # elements; DDP's default (one bucket here) is the timed layout
+# elements; with --overlap-grad-reduce DDP cuts the model into buckets of one or two matrices,
+# as its 40M-element buckets do on billion-parameter models. Both layouts are timed.
+SMALL_BUCKET = 40_000
 ADAM = dict(optimizer="adam")
-SINGLE = {"adamw": (ADAM, False), "muon": (MUON, False)}
+SINGLE = {"adamw": (ADAM, False, None), "muon": (MUON, False, None)}
 DP4 = {
-    "adamw+distopt": (ADAM, None),
-    "muon+distopt": (MUON, None),
-    "muon+gather-everything": (MUON, use_gather_everything),
+    "adamw+distopt": (ADAM, None, None),
+    "muon+distopt": (MUON, None, None),
+    "adamw+distopt small buckets": (ADAM, None, SMALL_BUCKET),
+    "muon+distopt small buckets": (MUON, None, SMALL_BUCKET),
+    "muon+gather-everything": (MUON, use_gather_everything, None),
 }
 
 
@@ -76,8 +84,9 @@ def _timed_optimizer(optimizer, times: list):
     return optimizer
 
 
-def _build(spec, overrides, distopt, hook):
-    model = build_model(spec, distopt=distopt)
+def _build(spec, overrides, distopt, hook, bucket):
+    overlap = bucket is not None
+    model = build_model(spec, distopt=distopt, bucket_size=bucket, overlap_grad_reduce=overlap)
     optimizer = build_optimizer(spec, model, use_distributed_optimizer=distopt, **overrides)
     if hook is not None:
         hook(optimizer)
@@ -96,9 +105,9 @@ STAT = {"median": statistics.median, "min": min}
 def time_variants(spec, variants: dict, distopt: bool, warmup: int, repeats: int, stat: str):
     """({variant: {"iter": s, "opt": s}}, {variant: (model, optimizer)}), interleaved steps."""
     built, opt_times, iter_times = {}, {}, {}
-    for name, (overrides, hook) in variants.items():
+    for name, (overrides, hook, bucket) in variants.items():
         opt_times[name], iter_times[name] = [], []
-        model, optimizer = _build(spec, overrides, distopt, hook or None)
+        model, optimizer = _build(spec, overrides, distopt, hook or None, bucket)
         built[name] = (model, _timed_optimizer(optimizer, opt_times[name]))
     batches = global_batches(spec, warmup + repeats)
     for batch in batches:
@@ -150,7 +159,14 @@ def exchange_figures(built: dict) -> dict:
     (ours,) = [d for d in distopts(built["muon+distopt"][1]) if hasattr(d, "muon_plan")]
     (base,) = [d for d in distopts(built["muon+gather-everything"][1]) if hasattr(d, "muon_plan")]
     plan = ours.muon_plan
+    (small,) = [d for d in distopts(built["muon+distopt small buckets"][1])]
     return {
+        "efficiency": {
+            "one bucket": plan.efficiency(),
+            "small buckets": small.muon_plan.efficiency(),
+            "small buckets, bucket by bucket": small.muon_plan.with_window(1).efficiency(),
+        },
+        "sync_points": small.muon_plan.sync_points(),
         "ns_flops_per_rank": plan.ns_flops_per_rank(),
         "ns_flops_total": sum(m.cost for m in plan.matrices),
         "matrices": len(plan.matrices),
@@ -204,6 +220,7 @@ def ratios(fig: dict) -> list[tuple]:
     """(label, value) rows of the one-table summary."""
     s, d = fig["single"]["times"], fig["dp4"][0]["times"]
     mu, ad, ge = d["muon+distopt"], d["adamw+distopt"], d["muon+gather-everything"]
+    sm, sa = d["muon+distopt small buckets"], d["adamw+distopt small buckets"]
     return [
         ("1 proc: Muon / AdamW, optimizer step time", s["muon"]["opt"] / s["adamw"]["opt"]),
         ("1 proc: Muon / AdamW, iteration time", s["muon"]["iter"] / s["adamw"]["iter"]),
@@ -211,6 +228,11 @@ def ratios(fig: dict) -> list[tuple]:
         ("DP=4: Muon+DistOpt / AdamW+DistOpt, iteration", mu["iter"] / ad["iter"]),
         ("DP=4: Muon+DistOpt / gather-everything, optimizer step", mu["opt"] / ge["opt"]),
         ("DP=4: Muon+DistOpt / gather-everything, iteration", mu["iter"] / ge["iter"]),
+        (
+            "DP=4, small buckets: Muon+DistOpt / AdamW+DistOpt, optimizer step",
+            sm["opt"] / sa["opt"],
+        ),
+        ("DP=4, small buckets: Muon+DistOpt / AdamW+DistOpt, iteration", sm["iter"] / sa["iter"]),
     ]
 
 
@@ -223,7 +245,11 @@ def counted(fig: dict) -> list[tuple]:
     single = fig["single"]
     per_param = {k: v / single["params"] for k, v in single["state"].items()}
     mb, mn, _, _ = single["split"]["muon"]
-    return [
+    efficiency = [
+        (f"DP=4: counted parallel efficiency (ideal / critical path), {k}", v)
+        for k, v in ranks[0]["efficiency"].items()
+    ]
+    return efficiency + [
         ("DP=4: NS FLOPs per rank max / mean (ours)", max(flops) / mean),
         ("DP=4: NS FLOPs per rank, ours max / baseline", max(flops) / ranks[0]["ns_flops_total"]),
         ("DP=4: exchange bytes/step/rank, ours max / baseline max", max(ours) / max(base)),
@@ -276,7 +302,8 @@ def details(fig: dict) -> str:
     small = [r["small"] for r in ranks]
     lines.append(
         f"with {small[0]['buckets']} buckets of {SMALL_BUCKET} elements (counted, not timed): "
-        f"ours {[b['ours'] for b in small]}, baseline {[b['baseline'] for b in small]}"
+        f"ours {[b['ours'] for b in small]}, baseline {[b['baseline'] for b in small]}; "
+        f"{ranks[0]['sync_points']} Muon sync point(s) per step"
     )
     for name, v in fig["single"]["state"].items():
         lines.append(f"optimizer state, {name} (1 proc): {v / fig['single']['params']:.2f} B/param")
