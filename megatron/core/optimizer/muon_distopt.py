@@ -35,10 +35,12 @@ the configured dtype (fp32: exact; bf16: rounds the update, as asked).
 
 Memory, per rank and exchange (``plan.transient_bytes``): with S its own Muon shard elements and O
 the elements of the matrices it owns, the exchange buffers hold at most ``S + O`` elements at a
-time (send + receive forward; the receive buffer is reused for the results when both directions
-use one dtype; receive + return at the end), plus the working set of ONE owned matrix while it
-is orthogonalized. Balanced owners make ``O ~ S ~ M/dp`` (M = Muon elements of the DP group), so
-the transient memory is ~``2 M/dp`` exchange elements + the largest owned matrix's working set.
+time (the send buffer, which the communication library may hold until its work is released, and
+the receive buffer, reused for the results when both directions use one dtype; the return
+receive buffer replaces the forward one), plus the working set of ONE owned matrix while it is
+orthogonalized (owners run their matrices one after the other). Balanced owners make ``O ~ S ~
+M/dp`` (M = Muon elements of the DP group): ~``2 M/dp`` exchange elements + the largest owned
+matrix's working set; a test measures the peak against this bound.
 
 Bytes. Only owners receive whole matrices: per step a rank moves (sends + receives, each
 direction) its own shard plus its owned matrices, ~``4 M/dp`` elements in all, against ``2 M``
@@ -319,8 +321,10 @@ class MuonExchangePlan:
             mine = [self.matrices[i] for i in ex.matrices if self.matrices[i].owner == rank]
             work = max((working_set(m) for m in mine), default=0)
             results = 0 if f == r else owned * r  # else written over the received pieces
-            phases = (held * f + owned * f, owned * f + results + work, owned * r + held * r)
-            worst = max(worst, *phases)
+            # The communication library may keep the forward send buffer until its work is
+            # released (gloo and NCCL hold the tensors of a collective), so it counts throughout.
+            buffers = held * f + owned * f + results
+            worst = max(worst, buffers + max(work, held * r))  # NS, or the return exchange
         return worst
 
 
