@@ -25,7 +25,7 @@ check-patches: install
 	@$(PY) tools/fork.py check
 
 bench: install  # quick benchmarks, one table of ratios (< 5 min on 2 cores); see bench/README.md
-	@$(PY) -m pip install --quiet -r requirements/bench.txt
+	@$(PY) -m pip install --quiet --no-deps -r requirements/bench.txt
 	@$(PY) bench/run_all.py --quick
 
 pr: install  # our megatron.core changes as a git format-patch series for Megatron-LM (build/pr)

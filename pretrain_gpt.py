@@ -112,16 +112,38 @@ def data_iterators(args, state, n_chunks, tokenizer):
         args.eval_interval,
         args.eval_iters,
         train_samples=args.train_samples,
+        full_validation=args.full_validation,
     )
     try:
         train_ds, valid_ds, _ = datasets.build_train_valid_test_datasets(config, samples)
     except ValueError as err:  # the data flags do not fit (empty split, missing prefix...)
         raise ArgumentsError(str(err)) from err
+    if args.full_validation:
+        valid_ds = _whole_validation_passes(args, valid_ds)
     train, valid = [], []
     for _ in range(n_chunks):
         train.append(_loader(args, train_ds, state.consumed_train_samples, cyclic=False))
         valid.append(_loader(args, valid_ds, state.consumed_valid_samples, cyclic=True))
     return _one_or_list(train), _one_or_list(valid), _any_rank(valid_ds is not None)
+
+
+def _whole_validation_passes(args, valid_ds):
+    """--full-validation: one epoch of the validation split cut to whole global batches, and
+    --eval-iters set to their count on every rank (readers tell the others), so that each
+    evaluation reads exactly this set, in the same order (the cyclic loader restarts at its end).
+    """
+    batches = len(valid_ds) // args.global_batch_size if valid_ds is not None else 0
+    value = torch.tensor([batches], device=cpu_mode.device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    args.eval_iters = int(value.item())
+    if args.eval_iters == 0 and args.eval_interval:
+        raise ArgumentsError(
+            f"--full-validation: the validation split holds fewer samples than one global batch "
+            f"(--global-batch-size {args.global_batch_size}): give it a larger --split share"
+        )
+    if valid_ds is None:
+        return None
+    return torch.utils.data.Subset(valid_ds, range(batches * args.global_batch_size))
 
 
 def _any_rank(flag: bool) -> bool:

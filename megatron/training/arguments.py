@@ -231,6 +231,7 @@ LOGGING = [
     F("--log-interval", LoggingArgs, "log_interval", type=int),
     F("--eval-interval", LoggingArgs, "eval_interval", type=int),
     F("--eval-iters", LoggingArgs, "eval_iters", type=int),
+    F("--full-validation", LoggingArgs, "full_validation", switch=True),
     F("--tensorboard-dir", LoggingArgs, "tensorboard_dir", type=str),
     F("--log-throughput", LoggingArgs, "log_throughput", switch=True),
     F("--log-num-zeros-in-grad", OC, "log_num_zeros_in_grad", switch=True),

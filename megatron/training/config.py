@@ -185,6 +185,9 @@ class LoggingArgs:
     """Steps between validation evaluations."""
     eval_iters: int = 100
     """Global batches per evaluation (0: no evaluation)."""
+    full_validation: bool = False
+    """Every evaluation reads the whole validation split, the same samples each time (one epoch,
+    cut to whole global batches); --eval-iters is then set from the split's size."""
     tensorboard_dir: Optional[str] = None
     """Write TensorBoard scalars here (needs the tensorboard package)."""
     log_throughput: bool = False

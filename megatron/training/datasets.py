@@ -78,12 +78,16 @@ def train_valid_test_num_samples(
     eval_interval: int,
     eval_iters: int,
     train_samples: int | None = None,
-) -> list[int]:
+    full_validation: bool = False,
+) -> list[int | None]:
     """Samples each split must provide, as Megatron-LM's training.py counts them: every
-    evaluation (one per eval_interval, plus the final one) reads eval_iters batches."""
+    evaluation (one per eval_interval, plus the final one) reads eval_iters batches. With
+    ``full_validation`` the validation split asks for None: megatron-core then builds exactly one
+    epoch of it."""
     train = train_samples if train_samples else train_iters * global_batch_size
     evaluations = train_iters // eval_interval + 1 if eval_interval else 1
-    return [train, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size]
+    valid = None if full_validation else evaluations * eval_iters * global_batch_size
+    return [train, valid, eval_iters * global_batch_size]
 
 
 def gpt_dataset_config(
@@ -195,14 +199,16 @@ def check_splits_have_documents(config: GPTDatasetConfig, num_samples) -> None:
     for split in Split:
         blend = config.blend if config.blend else config.blend_per_split[split.value]
         bounds = config.split_matrix[split.value] if config.blend else (0.0, 1.0)
-        if not num_samples[split.value] or blend is None or bounds is None:
+        needed = num_samples[split.value]  # None: one epoch (--full-validation)
+        if needed == 0 or blend is None or bounds is None:
             continue  # megatron-core builds no dataset for this split
         for prefix in blend[0]:
             docs = IndexedDataset(prefix).sequence_lengths.shape[0]
             if int(round(bounds[0] * docs)) == int(round(bounds[1] * docs)):
                 raise ValueError(
                     f"--split {config.split!r} leaves the {split.name} split of {prefix!r} "
-                    f"({docs} documents) empty, but {num_samples[split.value]} {split.name} "
+                    f"({docs} documents) empty, but "
+                    f"{'one epoch of' if needed is None else needed} {split.name} "
                     "samples are needed: give that split a larger share (e.g. '98,1,1'), "
                     "more data, or no samples (--eval-iters 0)"
                 )
