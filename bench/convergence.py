@@ -110,19 +110,46 @@ def run_one(size, run, data, log_dir) -> dict:
     env.pop("RANK", None)
     cmd = [sys.executable, "pretrain_gpt.py", *train_args(size, run, data)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if log_dir:
-        name = "_".join(map(str, run)) + ".log"
-        with open(os.path.join(log_dir, name), "w") as f:
-            f.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    valid = [(int(i), float(v)) for i, v in VALID.findall(proc.stdout)]
-    params = PARAMS.search(proc.stdout)
-    if proc.returncode != 0 or not valid or params is None:
+    result = parse_log(proc.stdout, run) if proc.returncode == 0 else None
+    if log_dir and result:  # only finished runs: --reuse takes them as done
+        with open(os.path.join(log_dir, log_name(run)), "w") as f:
+            f.write(" ".join(cmd[1:]) + "\n" + proc.stdout + proc.stderr)
+    if result is None:
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"{run} failed (exit {proc.returncode}):\n{tail}")
-    return {"valid": valid, "seconds": seconds(proc.stdout, size), "params": int(params[1])}
+    return result
 
 
-def seconds(log: str, size: dict) -> list[tuple]:
+def log_name(run) -> str:
+    return "_".join(map(str, run)) + ".log"
+
+
+def parse_log(text: str, run) -> dict | None:
+    """The result of a run from its console output; None unless it evaluated at its last step."""
+    valid = [(int(i), float(v)) for i, v in VALID.findall(text)]
+    params = PARAMS.search(text)
+    if not valid or params is None or valid[-1][0] != run[4]:
+        return None
+    return {"valid": valid, "seconds": seconds(text), "params": int(params[1])}
+
+
+def from_logs(log_dir: str, size: dict, datas: dict, runs) -> dict:
+    """Finished runs among ``runs`` whose kept log was launched with exactly today's flags."""
+    found = {}
+    for run in runs:
+        path = os.path.join(log_dir, log_name(run))
+        if run[0] not in datas or not os.path.exists(path):
+            continue
+        with open(path) as f:
+            first, text = f.readline().strip(), f.read()
+        if first.endswith(" ".join(["pretrain_gpt.py", *train_args(size, run, datas[run[0]])])):
+            result = parse_log(text, run)
+            if result:
+                found[run] = result
+    return found
+
+
+def seconds(log: str) -> list[tuple]:
     """Cumulative training seconds at each logged iteration (Megatron's per-interval average
     times the interval; evaluation time is not in it)."""
     total, out, last = 0.0, [(0, 0.0)], 0
@@ -133,9 +160,13 @@ def seconds(log: str, size: dict) -> list[tuple]:
     return out
 
 
-def run_all(size, runs, datas, jobs, done, log_dir) -> dict:
-    """{run: result} for ``runs``, reusing ``done``; ``jobs`` at a time."""
+def run_all(size, runs, datas, jobs, done, log_dir, reuse=False) -> dict:
+    """{run: result} for ``runs``, reusing ``done`` (and with ``reuse`` the finished runs logged
+    under ``log_dir`` with the same flags); ``jobs`` at a time."""
     todo = [r for r in runs if r not in done]
+    if reuse:
+        done.update(from_logs(log_dir, size, datas, todo))
+        todo = [r for r in runs if r not in done]
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         futures = {r: pool.submit(run_one, size, r, datas[r[0]], log_dir) for r in todo}
         for r, future in futures.items():
@@ -164,13 +195,13 @@ def best_lr(results: dict, corpus: str, opt: str, seed: int, iters: int) -> floa
     return min(mine, key=mine.get)
 
 
-def study_corpus(size, corpus, lrs, seeds, datas, jobs, done, log_dir, save) -> dict:
+def study_corpus(size, corpus, lrs, seeds, datas, jobs, done, log_dir, save, reuse) -> dict:
     """Runs all three phases for one corpus; returns {opt: best lr}."""
     n, s0 = size["iters"], seeds[0]
     grids = {opt: list(v) for opt, v in lrs.items()}
     for _ in range(MAX_EXTEND + 1):
         runs = [(corpus, o, lr, s0, n) for o in grids for lr in grids[o]]
-        run_all(size, runs, datas, jobs, done, log_dir)
+        run_all(size, runs, datas, jobs, done, log_dir, reuse)
         save()
         grew = False
         for opt in grids:
@@ -183,7 +214,7 @@ def study_corpus(size, corpus, lrs, seeds, datas, jobs, done, log_dir, save) -> 
     best = {opt: best_lr(done, corpus, opt, s0, n) for opt in grids}
     runs = [(corpus, o, best[o], s, n) for s in seeds[1:] for o in best]
     runs += [(corpus, "muon", best["muon"], s, round(f * n)) for s in seeds for f in matched(size)]
-    run_all(size, runs, datas, jobs, done, log_dir)
+    run_all(size, runs, datas, jobs, done, log_dir, reuse)
     save()
     return best
 
@@ -421,13 +452,16 @@ def write_csv(path, results, header) -> None:
                 w.writerow([*run, it, f"{loss:.6f}", f"{secs:.2f}", res["params"]])
 
 
-def read_csv(path) -> dict:
-    """Runs of an earlier study (``--reuse``); their seconds are kept at evaluation points."""
+def read_csv(path) -> tuple[dict, list[str]]:
+    """Runs of an earlier study (``--reuse``; their seconds are kept at evaluation points) and
+    its header lines."""
     out: dict = {}
     if not os.path.exists(path):
-        return out
+        return out, []
     with open(path) as f:
-        lines = [line for line in f.read().splitlines() if not line.startswith("#")]
+        text = f.read().splitlines()
+    header = [line[2:] for line in text if line.startswith("# ")]
+    lines = [line for line in text if not line.startswith("#")]
     for row in csv.DictReader(lines):
         run = (
             row["corpus"],
@@ -440,7 +474,7 @@ def read_csv(path) -> dict:
         res["valid"].append((int(row["iteration"]), float(row["val_loss"])))
         res["seconds"].append((int(row["iteration"]), float(row["train_seconds"])))
         res["params"] = int(row["params"])
-    return out
+    return out, header
 
 
 def report(size, summ) -> str:
@@ -519,7 +553,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--corpora", default=None, help="default stdlib,shakespeare (quick: stdlib)"
     )
-    parser.add_argument("--reuse", action="store_true", help="keep the runs in <out>/*.csv")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep finished runs (<out>/convergence.csv, logs)"
+    )
     return parser.parse_args(argv)
 
 
@@ -538,7 +574,7 @@ def main(argv=None) -> dict:
     os.makedirs(logs, exist_ok=True)
     start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
     csv_path = os.path.join(out, "convergence.csv")
-    results = read_csv(csv_path) if args.reuse else {}
+    results, before = read_csv(csv_path) if args.reuse else ({}, [])
     cmd = "python bench/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     header = [
         f"command: {cmd.strip()}",
@@ -547,6 +583,7 @@ def main(argv=None) -> dict:
         f"muon recipe: {MUON_RECIPE}; both: --adam-beta2 0.95 --full-validation",
         f"date: {time.strftime('%Y-%m-%d %H:%M')} UTC start",
     ]
+    header += [f"reused runs from: {line}" for line in before if not line.startswith("reused")]
 
     def save():
         write_csv(csv_path, results, header)
@@ -554,7 +591,9 @@ def main(argv=None) -> dict:
     datas = corpora(size, names)
     for name in names:
         datas_for = {name: datas[name]}
-        best = study_corpus(size, name, lrs, seeds, datas_for, args.jobs, results, logs, save)
+        best = study_corpus(
+            size, name, lrs, seeds, datas_for, args.jobs, results, logs, save, args.reuse
+        )
         datas[name + "/best"] = best
     summaries = []
     for name in names:

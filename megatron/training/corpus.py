@@ -109,8 +109,8 @@ def heldout_documents(
     heldout_bytes: int, max_bytes: int = DEFAULT_MAX_BYTES, seed: int = DEFAULT_SEED
 ) -> list[dict]:
     """Kept stdlib files that the capped corpus leaves out (the ones after the cap, in the same
-    seeded order) up to ``heldout_bytes``: code from the corpus's distribution that no split of it
-    contains (bench/convergence.py validates on these)."""
+    seeded order), up to the first that would pass ``heldout_bytes``: code from the corpus's
+    distribution that no split of it contains (bench/convergence.py validates on these)."""
     docs = list(_stdlib_texts())
     random.Random(seed).shuffle(docs)
     total = kept = 0
@@ -189,6 +189,12 @@ def build_corpus(
     """Build (once) the byte-level indexed dataset of the stdlib corpus and return its prefix,
     the same files ``preprocess_data.py --tokenizer-type ByteLevelTokenizer --append-eod`` writes
     from ``write_corpus_jsonl``'s output."""
+    if next(stdlib_documents(max_bytes, seed), None) is None:
+        first = next(stdlib_documents(10**15, seed))
+        raise ValueError(
+            f"--max-bytes {max_bytes} is smaller than the first document in seed {seed}'s order "
+            f"({first['path']}, {len(first['text'].encode('utf-8'))} bytes): nothing to build"
+        )
     folder = corpus_dir(cache_dir, max_bytes, seed)
     prefix = os.path.join(folder, "stdlib_text_document")
     return build_indexed_once(
@@ -253,9 +259,12 @@ def main(argv=None) -> int:
         split_ranges(args.split, 1)
     except ValueError as err:
         parser.error(f"--split: {err}")
+    try:
+        prefix = build_corpus(args.cache_dir, args.max_bytes, args.seed)
+    except ValueError as err:
+        parser.error(str(err))
     if args.jsonl:
         write_corpus_jsonl(args.jsonl, args.max_bytes, args.seed)
-    prefix = build_corpus(args.cache_dir, args.max_bytes, args.seed)
     texts = [d["text"] for d in stdlib_documents(args.max_bytes, args.seed)]
     print(format_report(near_copy_report(texts, args.split)), file=sys.stderr)
     print(prefix)
