@@ -167,6 +167,8 @@ def run_all(size, runs, datas, jobs, done, log_dir, reuse=False) -> dict:
     if reuse:
         done.update(from_logs(log_dir, size, datas, todo))
         todo = [r for r in runs if r not in done]
+    if jobs == 0:  # --jobs 0: report on the finished runs only
+        return done
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         futures = {r: pool.submit(run_one, size, r, datas[r[0]], log_dir) for r in todo}
         for r, future in futures.items():
@@ -190,9 +192,13 @@ def final(result: dict) -> float:
 
 
 def best_lr(results: dict, corpus: str, opt: str, seed: int, iters: int) -> float:
-    mine = {r[2]: final(v) for r, v in results.items() if r[:2] == (corpus, opt)}
-    mine = {lr: f for lr, f in mine.items() if (corpus, opt, lr, seed, iters) in results}
-    return min(mine, key=mine.get)
+    """The lr whose run at ``seed`` over the full ``iters`` ended lowest (None: no such run)."""
+    mine = {
+        r[2]: final(v)
+        for r, v in results.items()
+        if r[:2] == (corpus, opt) and r[3:] == (seed, iters)
+    }
+    return min(mine, key=mine.get) if mine else None
 
 
 def study_corpus(size, corpus, lrs, seeds, datas, jobs, done, log_dir, save, reuse) -> dict:
@@ -212,6 +218,8 @@ def study_corpus(size, corpus, lrs, seeds, datas, jobs, done, log_dir, save, reu
         if not grew:
             break
     best = {opt: best_lr(done, corpus, opt, s0, n) for opt in grids}
+    if None in best.values():  # --jobs 0 before the sweep finished
+        return best
     runs = [(corpus, o, best[o], s, n) for s in seeds[1:] for o in best]
     runs += [(corpus, "muon", best["muon"], s, round(f * n)) for s in seeds for f in matched(size)]
     run_all(size, runs, datas, jobs, done, log_dir, reuse)
@@ -291,6 +299,8 @@ def summarize(size, results, corpus, best, seeds) -> dict:
     adam_f, muon_f = (flops_per_step(size, o) for o in ("adam", "muon"))
     flops = {o: sum(f.values()) for o, f in (("adam", adam_f), ("muon", muon_f))}
     rows = []
+    full = [(corpus, o, best[o], s, n) for s in seeds for o in ("adam", "muon")]
+    seeds = [s for s in seeds if all(r in results for r in full if r[3] == s)]  # --jobs 0
     for s in seeds:
         adam = results[(corpus, "adam", best["adam"], s, n)]
         muon = results[(corpus, "muon", best["muon"], s, n)]
@@ -312,6 +322,8 @@ def summarize(size, results, corpus, best, seeds) -> dict:
             None if sched is None else sched * flops["muon"] / (n * flops["adam"])
         )
         rows.append(row)
+    if not rows:
+        return None
     fr = [r["sched_steps"] / n for r in rows if r["sched_steps"] is not None]
     mid = [r["mid_steps"] / n for r in rows if r["mid_steps"] is not None]
     return {
@@ -549,7 +561,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one lr, one seed")
     parser.add_argument("--out", default=None, help="default bench/results (quick: a temp dir)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="runs at a time (0: report on finished runs only)"
+    )
     parser.add_argument(
         "--corpora", default=None, help="default stdlib,shakespeare (quick: stdlib)"
     )
@@ -597,7 +611,11 @@ def main(argv=None) -> dict:
         datas[name + "/best"] = best
     summaries = []
     for name in names:
-        summ = summarize(size, results, name, datas[name + "/best"], seeds)
+        best = datas[name + "/best"]
+        summ = None if None in best.values() else summarize(size, results, name, best, seeds)
+        if summ is None:
+            print(f"== {name}: no seed has both full runs yet")
+            continue
         summaries.append(summ)
         expected = model_params(size)["total"]
         got = {r["params"] for k, r in results.items() if k[0] == name}
