@@ -38,6 +38,7 @@ import argparse
 import csv
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -378,7 +379,9 @@ def plot(path, size, results, summaries) -> None:
             ylabel="final val loss (nats/byte)",
             title=f"{corpus}: lr sweep (seed {seeds[0]})",
         )
-        for ax, label in zip(row[1:], ("iteration", "training seconds (CPU)", "TFLOPs (counted)")):
+        for ax, label in zip(
+            row[1:], ("iteration", "training seconds (shared CPU: noisy)", "TFLOPs (counted)")
+        ):
             ax.axhline(summ["target"], color="gray", ls=":", lw=1, label="AdamW final (mean)")
             ax.set(xlabel=label, ylabel="val loss", title=f"{corpus}: full schedule")
             ax.set_ylim(summ["muon_final"] - 0.05, summ["target"] + 0.6)
@@ -425,12 +428,17 @@ def plot_matched(path, size, summaries) -> None:
             if r["sched_steps"] is not None:
                 ax.axvline(r["sched_steps"] / n, color=(shade, 0.1, 0.1), ls=":", lw=1)
         ax.axvline(0.65, color="gray", lw=1, label="goal 0.65")
-        fr = summ["fractions"]
-        spread = f"{min(fr):.2f}-{max(fr):.2f}" if fr else "not reached"
+        parts = [
+            "not reached"
+            if r["sched_steps"] is None
+            else ("" if r["sched_exact"] else "<=") + f"{r['sched_steps'] / n:.2f}"
+            for r in summ["seeds"]
+        ]
+        spread = ", ".join(parts)
         ax.set(
             xlabel="Muon's schedule length / AdamW's steps (cosine to its own end)",
             ylabel="final val loss (nats/byte)",
-            title=f"{summ['corpus']}: schedule-matched, Muon reaches AdamW at {spread}",
+            title=f"{summ['corpus']}: schedule-matched, Muon reaches AdamW at {spread} x",
         )
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -515,9 +523,14 @@ def report(size, summ) -> str:
         )
     fr = summ["fractions"]
     if fr:
+        marks = [
+            ("" if r["sched_exact"] else "<=") + f"{r['sched_steps'] / n:.3f}"
+            for r in summ["seeds"]
+            if r["sched_steps"] is not None
+        ]
         lines.append(
-            f"schedule-matched fraction of AdamW's steps: mean {sum(fr) / len(fr):.3f}, "
-            f"min {min(fr):.3f}, max {max(fr):.3f} over {len(fr)} seeds"
+            f"schedule-matched fraction of AdamW's steps per seed: {', '.join(marks)} "
+            f"(<=: the shortest schedule run already got there); worst {max(fr):.3f}"
         )
     return "\n".join(lines)
 
@@ -570,6 +583,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--reuse", action="store_true", help="keep finished runs (<out>/convergence.csv, logs)"
     )
+    parser.add_argument("--note", action="append", default=[], help="a header line for the CSV")
     return parser.parse_args(argv)
 
 
@@ -585,11 +599,12 @@ def main(argv=None) -> dict:
         os.path.join("/tmp", "bench-quick") if args.quick else os.path.join(ROOT, "bench/results")
     )
     logs = os.path.join(out if args.quick else os.path.join(ROOT, "bench/out"), "convergence_logs")
+    os.makedirs(out, exist_ok=True)
     os.makedirs(logs, exist_ok=True)
     start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
     csv_path = os.path.join(out, "convergence.csv")
     results, before = read_csv(csv_path) if args.reuse else ({}, [])
-    cmd = "python bench/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python bench/convergence.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     header = [
         f"command: {cmd.strip()}",
         f"versions: {made_by}",
@@ -598,6 +613,7 @@ def main(argv=None) -> dict:
         f"date: {time.strftime('%Y-%m-%d %H:%M')} UTC start",
     ]
     header += [f"reused runs from: {line}" for line in before if not line.startswith("reused")]
+    header += [f"note: {line}" for line in args.note]
 
     def save():
         write_csv(csv_path, results, header)

@@ -4,9 +4,9 @@
     .venv/bin/python bench/run_all.py           # full step cost + full convergence study (long)
 
 ``--quick`` (under 5 minutes on 2 cores): step cost with a 2-layer hidden-256 GPT, the
-convergence study on a tiny GPT for 60 steps at one lr per optimizer (written to a temp folder,
-not to bench/results), the projection table. Without ``--quick`` the convergence study rewrites
-bench/results/ (about 15-25 minutes on 2 busy cores).
+convergence study on a tiny GPT for 40 steps at one lr per optimizer and one seed, stdlib corpus
+only (written to a temp folder, not to bench/results), the projection table. Without
+``--quick`` the convergence study rewrites bench/results/ (32 runs, about 1 h on 2 quiet cores).
 """
 
 import argparse
@@ -36,7 +36,11 @@ def projection_rows() -> list[tuple]:
 def convergence_rows(summary: dict) -> list[tuple]:
     frac = summary["fraction"]
     return [
-        ("convergence: Muon steps to AdamW's final val loss / AdamW steps", frac or float("nan")),
+        (
+            "convergence: Muon's schedule (cosine to its end) reaching AdamW's final val loss / "
+            "AdamW steps, worst seed (an upper bound when the shortest schedule run gets there)",
+            frac or float("nan"),
+        ),
         (
             "convergence: final val loss, Muon / AdamW (best lr each)",
             summary["muon_final"] / summary["target"],

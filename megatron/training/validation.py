@@ -236,6 +236,11 @@ RULES = (
         lambda a: "--tokenizer-type NullTokenizer needs --vocab-size",
     ),
     (lambda a: a.eval_iters < 0, lambda a: f"--eval-iters must be >= 0, got {a.eval_iters}"),
+    (
+        lambda a: a.full_validation and a.rampup_batch_size is not None,
+        lambda a: "--full-validation cuts the validation split into whole global batches of the "
+        "final size: not with --rampup-batch-size",
+    ),
     (lambda a: a.num_workers < 0, lambda a: f"--num-workers must be >= 0, got {a.num_workers}"),
 )
 

@@ -183,6 +183,10 @@ SAMPLE_ERRORS = [  # sample-based training: exclusive with the iteration forms, 
     ("--rampup-batch-size 3 2 40 --global-batch-size 8", ["multiples"]),
     ("--global-batch-size 128 --micro-batch-size 2", ["--train-samples (100)", "one global"]),
     ("--decoupled-min-lr 1e-4", ["--decoupled-min-lr needs --decoupled-lr"]),
+    (
+        "--global-batch-size 8 --rampup-batch-size 2 2 40 --full-validation",
+        ["--full-validation", "--rampup-batch-size"],
+    ),
     ("--decoupled-lr 1e-4 --decoupled-min-lr 1e-3", ["--decoupled-min-lr (0.001)"]),
 ]
 
