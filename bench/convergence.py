@@ -584,6 +584,15 @@ def parse_args(argv=None):
         "--reuse", action="store_true", help="keep finished runs (<out>/convergence.csv, logs)"
     )
     parser.add_argument("--note", action="append", default=[], help="a header line for the CSV")
+    parser.add_argument(
+        "--qk-clip",
+        type=float,
+        default=None,
+        metavar="TAU",
+        help="instead: Muon with and "
+        "without QK-clip at threshold TAU, max attention logits (bench/qk_clip_study.py)",
+    )
+    parser.add_argument("--qk-clip-lr", type=float, default=1e-2, help="Muon lr of --qk-clip")
     return parser.parse_args(argv)
 
 
@@ -601,6 +610,13 @@ def main(argv=None) -> dict:
     logs = os.path.join(out if args.quick else os.path.join(ROOT, "bench/out"), "convergence_logs")
     os.makedirs(out, exist_ok=True)
     os.makedirs(logs, exist_ok=True)
+    if args.qk_clip is not None:  # on the stdlib corpus (held-out validation), first seed
+        import qk_clip_study
+
+        run = ("stdlib", "muon", args.qk_clip_lr, SEEDS[0], size["iters"])
+        base = train_args(size, run, corpora(size, ["stdlib"])["stdlib"])
+        print(qk_clip_study.study(ROOT, base, args.qk_clip, out))
+        return {}
     start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
     csv_path = os.path.join(out, "convergence.csv")
     results, before = read_csv(csv_path) if args.reuse else ({}, [])
