@@ -438,7 +438,8 @@ def plot_matched(path, size, summaries) -> None:
         ax.set(
             xlabel="Muon's schedule length / AdamW's steps (cosine to its own end)",
             ylabel="final val loss (nats/byte)",
-            title=f"{summ['corpus']}: schedule-matched, Muon reaches AdamW at {spread} x",
+            title=f"{summ['corpus']}: schedule-matched Muon reaches AdamW's final\n"
+            f"loss at {spread} x AdamW's steps (per seed)",
         )
         ax.legend(fontsize=7)
     fig.tight_layout()
