@@ -611,12 +611,15 @@ def main(argv=None) -> dict:
     logs = os.path.join(out if args.quick else os.path.join(ROOT, "bench/out"), "convergence_logs")
     os.makedirs(out, exist_ok=True)
     os.makedirs(logs, exist_ok=True)
-    if args.qk_clip is not None:  # on the stdlib corpus (held-out validation), first seed
+    if args.qk_clip is not None:  # its own setup (bench/qk_clip_study.py), the built-in corpus
         import qk_clip_study
 
-        run = ("stdlib", "muon", args.qk_clip_lr, SEEDS[0], size["iters"])
-        base = train_args(size, run, corpora(size, ["stdlib"])["stdlib"])
-        print(qk_clip_study.study(ROOT, base, args.qk_clip, out))
+        from megatron.training.corpus import build_corpus
+
+        base = qk_clip_study.base_args(args.quick, args.qk_clip_lr, build_corpus())
+        cmd = "python bench/convergence.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+        header = [f"command: {cmd.strip()}", f"versions: {versions()}"]
+        print(qk_clip_study.study(ROOT, base, args.qk_clip, out, header))
         return {}
     start, made_by = time.perf_counter(), versions()  # the code the runs use, not HEAD at the end
     csv_path = os.path.join(out, "convergence.csv")

@@ -17,6 +17,34 @@ from concurrent.futures import ThreadPoolExecutor
 MAX_LOGIT = re.compile(r"iteration\s+(\d+)/.*? max attention logit: (\S+) \|")
 
 
+# The setup its recorded results (bench/results/qk_clip.csv) were made with: the model and flags
+# of the convergence study before that study moved to 3 seeds, 2 corpora and full validation.
+SIZE = dict(layers=4, hidden=128, heads=4, seq=128, gbs=16, iters=400, eval_interval=10)
+QUICK = dict(layers=2, hidden=64, heads=4, seq=64, gbs=8, iters=60, eval_interval=10)
+
+
+def base_args(quick: bool, lr: float, data: str) -> list[str]:
+    """pretrain_gpt.py flags of the Muon run (``run`` adds the logging and clip flags)."""
+    from megatron.training.muon_recipe import SEED_RECIPE_FLAGS
+
+    size = QUICK if quick else SIZE
+    warmup = max(1, size["iters"] // 20)
+    flags = f"""
+        --optimizer muon --lr {lr} --min-lr {lr / 10} --lr-decay-style cosine
+        --lr-warmup-iters {warmup} --weight-decay 0.1 --clip-grad 1.0 --seed 1234
+        --num-layers {size["layers"]} --hidden-size {size["hidden"]}
+        --num-attention-heads {size["heads"]} --num-query-groups 2 --group-query-attention
+        --seq-length {size["seq"]} --max-position-embeddings {size["seq"]}
+        --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+        --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0
+        --micro-batch-size {size["gbs"]} --global-batch-size {size["gbs"]}
+        --train-iters {size["iters"]} --eval-interval {size["eval_interval"]} --eval-iters 8
+        --log-interval {size["iters"]} --data-path {data} --split 98,2,0
+        --tokenizer-type ByteLevelTokenizer --num-workers 0
+    """
+    return flags.split() + SEED_RECIPE_FLAGS
+
+
 def run(root, base_args: list, tau) -> dict:
     """{'max_logit': [(step, value)], 'val': [(step, loss)]} of one run; ``tau`` None: no clip."""
     from convergence import VALID, free_port
