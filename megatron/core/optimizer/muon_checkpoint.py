@@ -47,9 +47,11 @@ class TorchAdamState:
         self.optimizer = optimizer
 
     def state_keys(self, param: Tensor) -> tuple[str, ...]:
+        """Param-shaped state of torch's Adam/AdamW: the two moments."""
         return ("exp_avg", "exp_avg_sq")
 
     def scalar_state_keys(self, param: Tensor) -> tuple[str, ...]:
+        """Per-param scalar state of torch's Adam/AdamW: its own ``step`` per param."""
         return ("step",)
 
     def init_state(self, param: Tensor) -> dict:
@@ -79,6 +81,7 @@ def handles(distopt) -> bool:
 
 
 def is_ours(state_dict) -> bool:
+    """Whether ``state_dict`` was written by this module (it carries our marker)."""
     return isinstance(state_dict, dict) and MARK in state_dict
 
 
@@ -98,6 +101,7 @@ class Piece:
 
 
 def pieces(distopt) -> list[Piece]:
+    """This rank's shard pieces, one per (model param, shard main param), in bucket order."""
     out = []
     for gi, per_dtype in enumerate(distopt.gbuf_ranges):
         for per_bucket in per_dtype.values():
@@ -125,6 +129,7 @@ def keys_of(distopt, shard: Tensor) -> tuple[str, ...]:
 
 
 def tensors_of(distopt, piece: Piece) -> dict[str, Tensor]:
+    """The declared param-shaped state tensors of ``piece``'s shard (created if absent)."""
     state = declared(distopt).init_state(piece.shard)
     return {
         "param": piece.shard,
@@ -133,11 +138,13 @@ def tensors_of(distopt, piece: Piece) -> dict[str, Tensor]:
 
 
 def scalars_of(distopt, piece: Piece) -> dict[str, float]:
+    """The declared per-param scalar state of ``piece``'s shard, as floats."""
     state = declared(distopt).init_state(piece.shard)
     return {k: float(state[k]) for k in declared(distopt).scalar_state_keys(piece.shard)}
 
 
 def local_meta(distopt) -> dict[str, dict]:
+    """Per model param: shape, declared keys and scalars, as this rank sees them."""
     return {
         p.name: {
             "keys": keys_of(distopt, p.shard),
@@ -168,6 +175,7 @@ def _comm(distopt):
 
 
 def all_gather_object(distopt, obj) -> list:
+    """``obj`` from every rank of the DP group (gloo group where the DistOpt has one)."""
     group, _ = _comm(distopt)
     out = [None] * group.size()
     torch.distributed.all_gather_object(out, obj, group=group)
@@ -175,6 +183,7 @@ def all_gather_object(distopt, obj) -> list:
 
 
 def broadcast_object(distopt, obj):
+    """``obj`` of DP rank 0, on every rank of the DP group."""
     group, _ = _comm(distopt)
     box = [obj]
     src = torch.distributed.get_process_group_ranks(group)[0]
@@ -343,10 +352,12 @@ def _scatter(distopt, buffer, bucket, state, key: str, group, device) -> Tensor:
 
 @torch.no_grad()
 def set_piece_key(distopt, piece: Piece, key: str, value: Tensor) -> None:
+    """Copy ``value`` into state ``key`` of ``piece``'s shard."""
     tensors_of(distopt, piece)[key].copy_(value)
 
 
 def set_scalars(distopt, piece: Piece, scalars: dict) -> None:
+    """Restore the declared scalar state of ``piece``'s shard (each param its own tensor)."""
     state = distopt.optimizer.state[piece.shard]
     for key in declared(distopt).scalar_state_keys(piece.shard):
         # one tensor per param: torch-style optimizers increment ``step`` in place
@@ -399,6 +410,7 @@ def group_identity(group: dict) -> tuple:
 
 
 def require_marker(distopt, state: dict) -> None:
+    """ValueError unless ``state`` was saved by an optimizer of this one's kind."""
     mark = state.get(MARK)
     ours = type(distopt.optimizer).__name__ if handles(distopt) else None
     if mark is None or mark.get("format") != FORMAT or ours is None or mark["optimizer"] != ours:
@@ -411,6 +423,7 @@ def require_marker(distopt, state: dict) -> None:
 
 
 def unsupported_format(distopt, name: str):
+    """NotImplementedError naming the format and the ones that are supported."""
     raise NotImplementedError(
         f"DistributedOptimizer {name} is not implemented for {type(distopt.optimizer).__name__}; "
         "use sharding_type 'fully_reshardable' or 'dp_reshardable', or the torch format"

@@ -135,6 +135,7 @@ def sharded_fully_reshardable(distopt, model_sharded_state_dict, is_loading: boo
 
 
 def load_fully_reshardable(distopt, param_state) -> None:
+    """Load a ``fully_reshardable`` param state into this rank's shards."""
     meta = _load_meta(distopt, param_state)
     for p in pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():
@@ -175,6 +176,7 @@ def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, 
 
 
 def load_dp_reshardable(distopt, param_state) -> None:
+    """Load a ``dp_reshardable`` param state into this rank's shards."""
     meta = _load_meta(distopt, param_state)
     for p in pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():

@@ -53,7 +53,7 @@ def is_muon_param(param: Tensor) -> bool:
 
 
 def is_expert_param(param: Tensor) -> bool:
-    # Megatron marks expert-parallel params with allreduce=False (DDP, _get_param_groups)
+    """Expert-parallel params: Megatron marks them ``allreduce=False`` (DDP, param groups)."""
     return not getattr(param, "allreduce", True)
 
 

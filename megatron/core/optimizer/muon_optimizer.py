@@ -142,6 +142,7 @@ class Muon(Optimizer):
             raise
 
     def is_muon(self, param: Tensor) -> bool:
+        """Whether ``param`` is stepped by Muon (else by AdamW)."""
         return param in self.param_info
 
     def state_keys(self, param: Tensor) -> tuple[str, ...]:
@@ -153,6 +154,7 @@ class Muon(Optimizer):
         return () if self.is_muon(param) else ADAMW_SCALAR_STATE_KEYS
 
     def state_dtype(self, param: Tensor) -> torch.dtype:
+        """The dtype ``param``'s state is kept in: ``exp_avg_dtype``, else the param's."""
         return self.exp_avg_dtype or param.dtype
 
     def init_state(self, param: Tensor) -> dict[str, Tensor]:
@@ -184,6 +186,14 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One step of every group: AdamW groups, then Muon groups (see the class docstring).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
