@@ -230,3 +230,8 @@ def test_flags_not_run_yet_are_refused_with_the_reason(extra, why):
     with pytest.raises(ArgumentsError, match="not supported") as err:
         parse(extra)
     assert why in str(err.value) and extra.split()[0] in str(err.value)
+
+
+def test_nan_check_is_on_by_default_as_megatron_lm():
+    assert parse().check_for_nan_in_loss_and_grad is True
+    assert parse("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad is False
