@@ -45,13 +45,16 @@ def layer_spec(args, config):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=args.num_experts, qk_layernorm=config.qk_layernorm
-        )
-    return get_gpt_layer_local_spec(
+        return get_gpt_layer_with_transformer_engine_spec(**_spec_options(args))
+    return get_gpt_layer_local_spec(**_spec_options(args), normalization=config.normalization)
+
+
+def _spec_options(args) -> dict:
+    return dict(
         num_experts=args.num_experts,
-        normalization=config.normalization,
-        qk_layernorm=config.qk_layernorm,
+        qk_layernorm=args.qk_layernorm,
+        multi_latent_attention=args.multi_latent_attention,
+        qk_l2_norm=args.qk_l2_norm,
     )
 
 
@@ -67,6 +70,9 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
 
@@ -184,6 +190,7 @@ def main(argv=None) -> int:
     except ArgumentsError as err:
         _print_error(f"pretrain_gpt.py: error: {err}")
         return 2
+    _print_notices(args)
     exit_conditions = ExitConditions(args, start_time)  # catches a signal sent during start-up
     try:
         data_check.check_data(args)  # before any process group or model exists
@@ -247,6 +254,15 @@ def _where() -> str:
     return (
         f"pretrain_gpt.py: rank {os.environ.get('RANK', '0')}" if ranks > 1 else "pretrain_gpt.py"
     )
+
+
+def _print_notices(args) -> None:
+    """Once, at start-up: derived-value notices and the accepted flags that have no effect."""
+    for notice in args.notices:
+        _print_error(f"pretrain_gpt.py: note: {notice}")
+    if args.no_effect:
+        names = " ".join(args.no_effect)
+        _print_error(f"pretrain_gpt.py: accepted, no effect in this stack: {names}")
 
 
 def _print_error(message: str) -> None:

@@ -36,7 +36,10 @@ setup(
     python_requires=">=3.10",
     package_dir={"": TREE},
     packages=find_namespace_packages(TREE, include=["megatron.core*", "megatron.training*"]),
-    package_data={"megatron.core": ["requirements.txt", "README.md"]},
+    package_data={
+        "megatron.core": ["requirements.txt", "README.md"],
+        "megatron.training": ["flags.tsv"],
+    },
     install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2", "psutil"],
     ext_modules=[
         Extension(

@@ -45,7 +45,7 @@ MODEL_SHAPE = (
     ("swiglu", "--swiglu"),
     ("qk_layernorm", "--qk-layernorm"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("disable_bias_linear", "--disable-bias-linear"),
+    ("add_bias_linear", "--disable-bias-linear"),
     ("num_experts", "--num-experts"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),

@@ -1,58 +1,61 @@
-"""megatron-core config objects from parsed args: each flag homed in a core dataclass fills its
-field (the table in arguments.py), plus the few translations Megatron-LM's flags need."""
+"""megatron-core config objects from parsed args: every flag whose state in flags.tsv is a core
+dataclass field fills that field; the few translations Megatron-LM's flags need are below."""
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from megatron.core.optimizer import OptimizerConfig
 from megatron.training import cpu_mode
 
-from .arguments import FLAGS, home_field
+from .arguments import FLAGS
 
 
-def _homed(args, cls) -> dict:
-    """{field: value} of every flag whose home is ``cls`` (aliases collapse to one field)."""
-    return {
-        f.field: getattr(args, f.attr) for f in FLAGS if f.home is cls and home_field(f) is not None
-    }
+def _homed(args, *classes) -> dict:
+    """{field: value} of every flag mapped onto one of ``classes`` (aliases collapse)."""
+    return {f.field: getattr(args, f.dest) for f in FLAGS if f.home in classes}
 
 
 def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def activation(args):
+    """Megatron-LM's activation flags: --swiglu, --squared-relu, --openai-gelu, --quick-geglu."""
+    if args.swiglu:
+        return dict(gated_linear_unit=True, activation_func=F.silu)
+    if args.quick_geglu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return dict(gated_linear_unit=True, activation_func=quick_gelu)
+    if args.squared_relu:
+        return dict(activation_func=squared_relu)
+    if args.openai_gelu:
+        return dict(activation_func=lambda x: F.gelu(x, approximate="tanh"))
+    return dict(activation_func=F.gelu)
+
+
 def transformer_config(args) -> TransformerConfig:
-    kw = _homed(args, TransformerConfig)
+    mla = args.multi_latent_attention
+    kw = _homed(args, TransformerConfig, *([MLATransformerConfig] if mla else []))
     dtype = params_dtype(args)
     kw.update(
-        gated_linear_unit=args.swiglu,
-        activation_func=activation_func(args),
-        add_bias_linear=not args.disable_bias_linear,
+        activation(args),
+        num_query_groups=args.num_query_groups,
         params_dtype=dtype,
         pipeline_dtype=dtype,  # bf16/fp16 under PP sends activations in that dtype
-        bf16=args.bf16,
-        fp16=args.fp16,
         # Drawing full weights on the CPU and slicing keeps TP runs equal to TP=1 ones there.
-        use_cpu_initialization=cpu_mode.is_enabled(),
+        use_cpu_initialization=cpu_mode.is_enabled() or bool(args.use_cpu_initialization),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
     )
-    return TransformerConfig(**kw)
-
-
-def activation_func(args):
-    """Megatron-LM's choice: SiLU gated by --swiglu, squared ReLU, else GeLU."""
-    if args.swiglu:
-        return F.silu
-    if args.squared_relu:
-        from megatron.core.activations import squared_relu
-
-        return squared_relu
-    return F.gelu
+    return (MLATransformerConfig if mla else TransformerConfig)(**kw)
 
 
 def virtual_pipeline_size(args):
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        return args.num_virtual_stages_per_pipeline_rank
     if args.num_layers_per_virtual_pipeline_stage is None:
         return None
     per_stage = args.num_layers // args.pipeline_model_parallel_size
@@ -62,8 +65,6 @@ def virtual_pipeline_size(args):
 def optimizer_config(args) -> OptimizerConfig:
     kw = _homed(args, OptimizerConfig)
     kw.update(params_dtype=params_dtype(args))
-    if kw.get("min_lr") is None:
-        kw["min_lr"] = 0.0  # Megatron-LM's --min-lr default
     return OptimizerConfig(**kw)
 
 

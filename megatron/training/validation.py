@@ -8,6 +8,8 @@ feature this stack does not run: using one is an error naming it, never a silent
 import importlib.util
 import math
 
+import torch
+
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
 REQUIRED = (
@@ -56,7 +58,34 @@ UNSUPPORTED = (
         "--sequence-parallel is not supported with --transformer-impl local (its torch LayerNorm "
         "is not sequence-parallel aware); use transformer_engine or drop the flag",
     ),
-    (lambda a: a.fp8_format is not None, "--fp8-format: FP8 training is not supported here"),
+    (
+        lambda a: a.multi_latent_attention and a.transformer_impl == "local",
+        "--multi-latent-attention needs --transformer-impl transformer_engine (megatron-core "
+        "0.16.1's local attention cannot take MLA's head dimensions)",
+    ),
+    (
+        lambda a: a.recompute_granularity is not None and not torch.cuda.is_available(),
+        "--recompute-granularity needs CUDA here (megatron-core 0.16.1's recomputed attention "
+        "builds its causal mask on the GPU)",
+    ),
+    (
+        lambda a: a.context_parallel_size > 1,
+        "--context-parallel-size > 1: context parallelism needs Transformer Engine attention",
+    ),
+    (
+        lambda a: a.moe_token_dispatcher_type == "flex",
+        "--moe-token-dispatcher-type flex needs DeepEP/HybridEP (CUDA); use alltoall or allgather",
+    ),
+    (
+        lambda a: a.muon_scalar_optimizer != "adam",
+        "--muon-scalar-optimizer: only adam here (the non-matrix params use AdamW inside the Muon "
+        "optimizer)",
+    ),
+    (
+        lambda a: a.position_embedding_type in ("mrope", "relative"),
+        "--position-embedding-type mrope/relative: multimodal RoPE and T5's relative positions "
+        "are not built here; use learned_absolute, rope or none",
+    ),
     (
         lambda a: a.transformer_impl == "local" and a.attention_backend in ("flash", "fused"),
         "--attention-backend {flash,fused} needs --transformer-impl transformer_engine; "
@@ -165,11 +194,6 @@ RULES = (
         and a.seq_length > a.max_position_embeddings,
         lambda a: f"--seq-length ({a.seq_length}) must be <= --max-position-embeddings "
         f"({a.max_position_embeddings}) with learned_absolute positions",
-    ),
-    (
-        lambda a: "num_query_groups" in a.given and not a.group_query_attention,
-        lambda a: "--num-query-groups needs --group-query-attention (it is ignored without it in "
-        "Megatron-LM; here it is an error rather than silently ignored)",
     ),
     (
         lambda a: a.overlap_param_gather and not a.use_distributed_optimizer,
@@ -344,10 +368,12 @@ def _check_finite(args) -> None:
 
 def _check_table(args) -> None:
     for flag in FLAGS:
+        if flag.dest not in args.given or flag.choices:  # argparse checked upstream's choices
+            continue
         allowed = allowed_values(flag)
         value = getattr(args, flag.attr, None)
         value = getattr(value, "name", value)  # enums (attention_backend) by name
-        if allowed and flag.attr in args.given and value is not None and value not in allowed:
+        if allowed and value is not None and value not in allowed:
             raise ArgumentsError(
                 f"{flag.names[0]} {value!r} is not allowed; choose from {list(allowed)}"
             )
@@ -373,10 +399,7 @@ def _derive(args) -> None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if not args.group_query_attention:
-        args.num_query_groups = args.num_attention_heads
-    elif args.num_query_groups is None:
-        args.num_query_groups = 1  # Megatron-LM's default
+    _derive_query_groups(args)
     if isinstance(args.attention_backend, str):
         from megatron.core.transformer.enums import AttnBackend
 
@@ -389,8 +412,10 @@ def _derive(args) -> None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
     if args.mock_data and args.vocab_size is None:
         args.vocab_size = 256  # a small mock vocabulary; Megatron-LM needs one given
-    if args.bf16:
-        args.grad_reduce_in_fp32 = True  # as Megatron-LM: bf16 grads reduced in fp32
+    if args.bf16 and not args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True  # as Megatron-LM: bf16 grads reduced in fp32
+    if args.rope_type is None:
+        args.rope_type = "yarn" if args.multi_latent_attention else "rope"
     if args.finetune:
         args.no_load_optim = args.no_load_rng = True
     _derive_exit_signal(args)
@@ -418,7 +443,8 @@ def _derive_exit_signal(args) -> None:
 def _check_optimizer_specific(args) -> None:
     """Muon's flags with another optimizer, and DistOpt-only flags without DistOpt, would be
     silently ignored: refused instead (drop them, or pick the optimizer they configure)."""
-    muon = sorted(f.names[0] for f in FLAGS if f.attr in args.given and f.field.startswith("muon_"))
+    first = {f.dest: f.names[0] for f in reversed(FLAGS)}  # one name per setting
+    muon = sorted(first[d] for d in args.given if d.startswith("muon_"))
     if muon and args.optimizer != "muon":
         raise ArgumentsError(
             f"{', '.join(muon)} configure Muon, but --optimizer is {args.optimizer!r}: "
@@ -431,7 +457,41 @@ def _check_optimizer_specific(args) -> None:
         )
 
 
+def _derive_query_groups(args) -> None:
+    """Megatron-LM uses --num-query-groups only with --group-query-attention; without it, every
+    head has its own key/value (a given --num-query-groups is ignored, and said so)."""
+    if args.group_query_attention:
+        return
+    if "num_query_groups" in args.given and args.num_query_groups != args.num_attention_heads:
+        args.notices.append(
+            f"--num-query-groups {args.num_query_groups} is ignored without "
+            "--group-query-attention (as in Megatron-LM)"
+        )
+    args.num_query_groups = args.num_attention_heads
+
+
+def _derive_optimizer(args) -> None:
+    if args.optimizer == "dist_muon":  # core_v0.16.1's spelling, deprecated on upstream main
+        args.notices.append(
+            "optimizer='dist_muon' is deprecated. "
+            "Use --optimizer muon --use-distributed-optimizer instead."
+        )
+        args.optimizer = "muon"
+        args.use_distributed_optimizer = True
+
+
+def _deliberate_defaults(args) -> None:
+    """Where our defaults differ from Megatron-LM's (DIFFERENCES in arguments.py)."""
+    if "transformer_impl" not in args.given and not _has_te():
+        args.transformer_impl = "local"  # upstream's transformer_engine could only fail here
+    if args.eval_interval is None:
+        args.eval_interval = 1000
+
+
 def validate_args(args) -> None:
+    args.notices = []  # what main prints once at start-up
+    _deliberate_defaults(args)
+    _derive_optimizer(args)
     _check_required(args)
     _check_finite(args)
     _check_optimizer_specific(args)

@@ -1,73 +1,224 @@
-"""The command line: Megatron-LM names and defaults (read from the config dataclasses), aliases,
-unknown and unsupported flags, and cross-flag validation, as tables."""
+"""The command line: the table of Megatron-LM's flags (each in exactly one state, upstream's
+dest/type/default/choices), aliases, refusals, and cross-flag validation, as tables."""
 
-import dataclasses
+import hashlib
+import re
+from pathlib import Path
 
 import pytest
-from megatron.core.transformer import TransformerConfig
+import torch
 
 from megatron.core.optimizer import OptimizerConfig
-from megatron.training.arguments import FLAGS, ArgumentsError, default_of, home_field, parse_args
+from megatron.training import arguments
+from megatron.training.arguments import (
+    FLAGS,
+    ArgumentsError,
+    build_parser,
+    default_of,
+    parse_args,
+)
 
 BASE = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
     "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data"
 ).split()
+# sha256 of flags_core_v0.16.1.tsv (line ends normalized), read off Megatron-LM's parser.
+UPSTREAM_SHA256 = "61168724a357b10efa48dd74ee096144c9634cd84879ada4b29e225cde4db813"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(extra="", world_size=1):
     return parse_args(BASE + extra.split(), world_size=world_size)
 
 
-def test_every_flag_has_a_home_field_and_unique_names():
+def test_upstream_columns_are_upstreams_table_verbatim():
+    lines = arguments.TABLE.read_text().splitlines()
+    rows = [line.split("\t") for line in lines]
+    upstream = ["\t".join(r[:8]) for r in rows if r[8] in ("source", "core_v0.16.1")]
+    assert len(upstream) == 652  # header + 651 argparse actions
+    digest = hashlib.sha256(("\n".join(upstream) + "\n").encode()).hexdigest()
+    assert digest == UPSTREAM_SHA256
+
+
+def _code() -> str:
+    files = [ROOT / "pretrain_gpt.py", *sorted((ROOT / "megatron" / "training").glob("*.py"))]
+    return "\n".join(f.read_text() for f in files)
+
+
+def test_each_flag_is_in_exactly_one_state():
+    code = _code()
+    kinds = {}
+    for flag in FLAGS:
+        kinds[flag.kind] = kinds.get(flag.kind, 0) + 1
+        if flag.kind == "core":  # the field exists (load_table fails loudly otherwise)
+            assert flag.field in {f.name for f in arguments.dataclasses.fields(flag.home)}
+        elif flag.kind == "args":  # our code reads it
+            assert re.search(rf"\ba(rgs)?\.{flag.dest}\b", code), flag.names[0]
+        else:
+            assert flag.note, flag.names[0]
+    assert sum(kinds.values()) == len(FLAGS) and set(kinds) == set(arguments.STATES)
+
+
+def test_a_misspelt_field_fails_loudly(tmp_path):
+    table = arguments.TABLE.read_text().replace(
+        "TransformerConfig.hidden_dropout", "TransformerConfig.hiden_dropout"
+    )
+    (tmp_path / "flags.tsv").write_text(table)
+    with pytest.raises(RuntimeError, match="--hidden-dropout maps to TransformerConfig.hiden"):
+        arguments.load_table(tmp_path / "flags.tsv")
+
+
+def test_names_are_unique():
     names = [name for flag in FLAGS for name in flag.names]
     assert len(names) == len(set(names))
+
+
+def _actions() -> dict:
+    return {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
+
+
+def test_parser_has_upstreams_types_choices_and_nargs():
+    actions = _actions()
     for flag in FLAGS:
-        assert home_field(flag) is not None, f"{flag.names[0]} -> {flag.home.__name__}.{flag.field}"
+        if arguments._overrides(flag):
+            continue  # a deliberate difference (DIFFERENCES)
+        action = actions[flag.names[0]]
+        if flag.action in ("StoreTrue", "StoreFalse"):
+            assert action.const is (flag.action == "StoreTrue") and action.nargs == 0
+            assert set(action.option_strings) == set(flag.names)
+        elif flag.action == "Store":
+            assert action.type is arguments.TYPES[flag.type] or flag.type == "enum_type_handler"
+            upstream = [arguments._enum_name(c) for c in flag.choices.split("|")]
+            assert list(action.choices or [])[: len(upstream)] == (
+                [type(c)(u) for c, u in zip(action.choices, upstream)] if flag.choices else []
+            )
+            assert str(action.nargs or "") == flag.nargs
 
 
-@pytest.mark.parametrize(
-    "attr, home, field",
-    [
-        ("init_method_std", TransformerConfig, "init_method_std"),
-        ("hidden_dropout", TransformerConfig, "hidden_dropout"),
-        ("normalization", TransformerConfig, "normalization"),
-        ("weight_decay", OptimizerConfig, "weight_decay"),
-        ("clip_grad", OptimizerConfig, "clip_grad"),
-        ("adam_beta2", OptimizerConfig, "adam_beta2"),
-        ("muon_momentum", OptimizerConfig, "muon_momentum"),
-        ("muon_num_ns_steps", OptimizerConfig, "muon_num_ns_steps"),
-        ("muon_use_nesterov", OptimizerConfig, "muon_use_nesterov"),
-        ("muon_matched_adamw_rms", OptimizerConfig, "muon_matched_adamw_rms"),
-        ("muon_tp_mode", OptimizerConfig, "muon_tp_mode"),
-    ],
-)
-def test_defaults_come_from_the_config_dataclasses(attr, home, field):
-    (expected,) = [f.default for f in dataclasses.fields(home) if f.name == field]
-    assert getattr(parse(), attr) == expected
+def test_defaults_are_upstreams_cli_defaults():
+    args = parse()
+    for flag in FLAGS:
+        if flag.names[0] in arguments.DIFFERENCES:
+            continue  # checked below
+        if flag.kind in ("core", "args") and flag.dest not in DERIVED | args.given:
+            assert _same(getattr(args, flag.dest), default_of(flag)), flag.names[0]
 
 
-MEGATRON_DEFAULTS = [  # Megatron-LM's own defaults for flags homed in our dataclasses
-    ("seed", 1234),
-    ("lr_decay_style", "linear"),
-    ("lr_warmup_iters", 0),
-    ("log_interval", 100),
-    ("eval_interval", 1000),
-    ("eval_iters", 100),
-    ("ckpt_format", "torch_dist"),
-    ("position_embedding_type", "learned_absolute"),
-    ("make_vocab_size_divisible_by", 128),
-    ("optimizer", "adam"),
-    ("tensor_model_parallel_size", 1),
-    ("global_batch_size", 2),
-    ("max_position_embeddings", 32),
-    ("lr_decay_iters", 10),
+# Dests whose value validation derives from others, as Megatron-LM's validate_args does.
+DERIVED = {
+    "num_query_groups",
+    "global_batch_size",
+    "max_position_embeddings",
+    "lr_decay_iters",
+    "attention_backend",
+    "accumulate_allreduce_grads_in_fp32",
+    "rope_type",
+    "vocab_size",
+    "split",
+}
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, int) and a == b)
+
+
+def test_deliberate_differences_are_documented():
+    args = parse()
+    assert (args.transformer_impl, args.eval_interval, args.tokenizer_type) == (
+        "local",
+        1000,
+        "NullTokenizer",
+    )
+    help_text = _help_text()
+    for name in arguments.DIFFERENCES:
+        entry = help_text.split(f"\n  {name}", 1)[1].split("\n  --", 1)[0]
+        assert "differs from Megatron-LM" in " ".join(entry.split())
+
+
+MUON_CLI_DEFAULTS = [  # flags_core_v0.16.1.tsv, then main_muon_flags.tsv for main-only flags
+    ("muon_momentum", 0.9),
+    ("muon_tp_mode", "blockwise"),
+    ("muon_use_nesterov", False),
+    ("muon_split_qkv", True),
+    ("muon_scale_mode", "spectral"),
+    ("muon_fp32_matmul_prec", "medium"),
+    ("muon_num_ns_steps", 5),
+    ("muon_extra_scale_factor", 1.0),
+    ("muon_coefficient_type", "quintic"),
+    ("muon_scalar_optimizer", "adam"),
+    ("muon_use_syrk", False),
+    ("muon_matched_adamw_rms", None),  # ours: off
+    ("muon_distopt_exchange_dtype", "fp32"),  # ours: off (the exchange in the main dtype)
 ]
 
 
-@pytest.mark.parametrize("attr, value", MEGATRON_DEFAULTS)
-def test_megatron_lm_defaults(attr, value):
+@pytest.mark.parametrize("attr, value", MUON_CLI_DEFAULTS)
+def test_muon_cli_defaults_are_megatron_lms(attr, value):
     assert getattr(parse(), attr) == value
+
+
+def test_every_refused_flag_exits_with_its_reason():
+    for flag in FLAGS:
+        if flag.kind != "refused":
+            continue
+        with pytest.raises(ArgumentsError) as err:
+            parse(f"{flag.names[0]} {_a_value(flag)}".strip())
+        assert str(err.value) == f"{flag.names[0]} is not supported here: {flag.note}"
+
+
+def _a_value(flag) -> str:
+    if flag.action != "Store":
+        return ""
+    if flag.choices:
+        return arguments._enum_name(flag.choices.split("|")[0])
+    return {"int": "1", "float": "1.0", "moe_freq_type": "1", "tuple_type": "1,2"}.get(
+        flag.type, "1"
+    )
+
+
+def test_no_effect_flags_are_accepted_and_listed():
+    names = [f.names[0] for f in FLAGS if f.kind == "noeffect" and f.action != "Store"]
+    args = parse(" ".join(names))
+    assert args.no_effect == sorted(names)
+    value_flags = [f for f in FLAGS if f.kind == "noeffect" and f.action == "Store"]
+    for flag in value_flags:
+        assert parse(f"{flag.names[0]} {_a_value(flag)}").no_effect == [flag.names[0]]
+
+
+def test_dist_muon_is_muon_with_the_distributed_optimizer():
+    args = parse("--optimizer dist_muon")
+    assert (args.optimizer, args.use_distributed_optimizer) == ("muon", True)
+    assert "Use --optimizer muon --use-distributed-optimizer instead" in args.notices[0]
+
+
+def test_num_query_groups_without_gqa_is_ignored_as_in_megatron_lm():
+    args = parse("--num-query-groups 2")
+    assert (
+        args.num_query_groups == 4
+        and "ignored without --group-query-attention" in (args.notices[0])
+    )
+    assert parse("--group-query-attention --num-query-groups 2").num_query_groups == 2
+    assert parse("--group-query-attention").num_query_groups == 1  # Megatron-LM's default
+
+
+def test_core_fields_reach_the_configs():
+    from megatron.training.core_configs import ddp_config, optimizer_config, transformer_config
+
+    args = parse(
+        "--norm-epsilon 1e-6 --qk-layernorm --disable-bias-linear --num-experts 4 "
+        "--moe-router-topk 3 --accumulate-allreduce-grads-in-fp32 --ddp-bucket-size 1000 "
+        "--optimizer muon --muon-momentum 0.5 --decoupled-lr 1e-4"
+    )
+    tc, oc, ddp = transformer_config(args), optimizer_config(args), ddp_config(args)
+    assert (tc.layernorm_epsilon, tc.qk_layernorm) == (1e-6, True)
+    assert (tc.add_bias_linear, tc.num_moe_experts, tc.moe_router_topk) == (False, 4, 3)
+    assert (oc.muon_momentum, oc.decoupled_lr) == (0.5, 1e-4)
+    assert (ddp.grad_reduce_in_fp32, ddp.bucket_size) == (True, 1000)
+    assert isinstance(oc, OptimizerConfig)
+
+
+def _help_text() -> str:
+    return build_parser().format_help()
 
 
 ALIASES = [
@@ -79,6 +230,9 @@ ALIASES = [
     ("--muon-no-split-qkv", "muon_split_qkv", False),
     ("--muon-coefficient-set quintic", "muon_coefficient_type", "quintic"),
     ("--muon-exchange-dtype bf16", "muon_distopt_exchange_dtype", "bf16"),
+    ("--muon-nesterov", "muon_use_nesterov", True),
+    ("--muon-nesterov --muon-use-nesterov", "muon_use_nesterov", True),
+    ("--muon-coefficient-type simple", "muon_coefficient_type", "simple"),
     ("--muon-matched-adamw-rms none", "muon_matched_adamw_rms", None),
     ("--muon-scale-mode unit_rms_norm", "muon_matched_adamw_rms", None),  # upstream's rule
     ("--num-experts 4", "num_experts", 4),
@@ -106,7 +260,6 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--optimizer muon --muon-tp-mode sideways", 1, ["--muon-tp-mode", "duplicated"]),
     ("--transformer-impl transformer_engine", 1, ["--transformer-impl transformer_engine"]),
     ("--sequence-parallel", 1, ["--sequence-parallel"]),
-    ("--fp8-format hybrid", 1, ["--fp8-format"]),
     ("--attention-backend flash", 1, ["--attention-backend"]),
     ("--bf16 --fp16", 1, ["--bf16 and --fp16"]),
     ("--global-batch-size 6", 2, ["--global-batch-size (6)", "--micro-batch-size (2)"]),
@@ -115,7 +268,14 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--pipeline-model-parallel-size 3", 3, ["--num-layers (4)"]),
     ("--min-lr 1", 1, ["--min-lr"]),
     ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, ["exclusive"]),
-    ("--num-query-groups 2", 1, ["--group-query-attention"]),
+    ("--fp8-format hybrid", 1, ["--fp8-format is not supported here", "--bf16"]),
+    ("--optimizer muon --muon-scalar-optimizer lion", 1, ["--muon-scalar-optimizer", "adam"]),
+    ("--muon-use-syrk", 1, ["--muon-use-syrk", "SYRK"]),
+    ("--context-parallel-size 2", 1, ["--context-parallel-size", "Transformer Engine"]),
+    ("--multi-latent-attention", 1, ["--multi-latent-attention", "transformer_engine"]),
+    ("--apply-layernorm-1p", 1, ["--apply-layernorm-1p", "zero-centered"]),
+    ("--moe-token-dispatcher-type flex --num-experts 2", 1, ["flex", "alltoall"]),
+    ("--optimizer muon --muon-coefficient-type cubic", 1, ["--muon-coefficient-type", "quintic"]),
     ("--overlap-param-gather", 1, ["--use-distributed-optimizer"]),
     ("--save-interval 5", 1, ["--save"]),
     ("--finetune", 1, ["--load"]),
@@ -131,6 +291,10 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--optimizer muon --muon-momentum 1.5", 1, ["muon_momentum"]),
     ("--micro-batch-size -1", 1, ["--micro-batch-size must be >= 1"]),
 ]
+
+
+if not torch.cuda.is_available():  # on GPUs recomputation runs
+    ERRORS.append(("--recompute-granularity full", 1, ["--recompute-granularity", "CUDA"]))
 
 
 @pytest.mark.parametrize("extra, world_size, words", ERRORS)
@@ -160,7 +324,8 @@ def test_derived_values():
     args = parse("--tensor-model-parallel-size 2 --micro-batch-size 4", world_size=8)
     assert (args.data_parallel_size, args.global_batch_size) == (4, 16)
     args = parse("--group-query-attention --bf16")
-    assert args.num_query_groups == 1 and args.grad_reduce_in_fp32
+    assert args.num_query_groups == 1 and args.accumulate_allreduce_grads_in_fp32
+    assert not parse("--bf16 --grad-reduce-in-bf16").accumulate_allreduce_grads_in_fp32
     args = parse("--load /x --finetune")
     assert args.no_load_optim and args.no_load_rng
 
@@ -169,8 +334,8 @@ def test_help_shows_homes_and_defaults(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = capsys.readouterr().out
-    assert "OptimizerConfig.muon_momentum, default: 0.95" in text
-    assert default_of(FLAGS[0]) == 0  # TransformerConfig.num_layers: required, checked above
+    assert "[OptimizerConfig.muon_momentum; default: 0.9" in text
+    assert "--use-mcore-models" in text and "NOEFFECT" in text and "REFUSED" in text
 
 
 SAMPLES = [a for a in BASE if a not in ("--train-iters", "10")] + ["--train-samples", "100"]

@@ -1,0 +1,79 @@
+"""Megatron-LM-shaped launch commands run unchanged through our pretrain_gpt.py with Muon.
+
+Each command is written in the shape of Megatron-LM's GPT/MoE launch scripts and functional-test
+recipes (the flags they pass, grouped as they group them), with sizes and paths shrunk,
+Transformer Engine switched to the local layers, fp8 to bf16, and ``--optimizer muon`` added.
+They train a few steps on CPU ranks:
+
+    .venv/bin/python -m pytest -q tests/e2e/test_recipes.py
+"""
+
+import re
+
+import pytest
+
+from .cli import floats, losses, run
+
+TINY_DATA = "--mock-data --vocab-size 128 --num-workers 0 --seq-length 16"
+LOGGING = (
+    "--log-interval 1 --eval-interval 2 --eval-iters 1 --distributed-backend nccl "
+    "--use-mcore-models --transformer-impl local --no-gradient-accumulation-fusion "
+    "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-rope-fusion "
+    "--attention-softmax-in-fp32 --deterministic-mode --manual-gc"
+)
+MUON = "--optimizer muon --muon-tp-mode duplicated --muon-momentum 0.95"
+
+# (name, ranks, flags): dense Llama-style TP x PP x VPP with GQA, RoPE, SwiGLU, RMSNorm and a
+# rampup batch (sample-based, as Megatron-LM requires for a rampup); GPT-3-style DP with
+# learned positions and GeLU; MoE with expert parallelism.
+RECIPES = [
+    (
+        "llama-tp2-pp2-vpp2-gqa-rope-swiglu-rampup",
+        4,
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+        "--num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer "
+        "--overlap-grad-reduce --num-layers 4 --hidden-size 32 --ffn-hidden-size 64 "
+        "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 8 "
+        "--position-embedding-type rope --rotary-percent 1.0 --rotary-base 500000 --swiglu "
+        "--normalization RMSNorm --norm-epsilon 1e-5 --untie-embeddings-and-output-weights "
+        "--disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 "
+        "--micro-batch-size 1 --global-batch-size 4 --rampup-batch-size 2 2 8 "
+        "--train-samples 16 --lr-decay-samples 16 --lr-warmup-samples 2 "
+        "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+        "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 "
+        "--grad-reduce-in-bf16 --use-flash-attn --cross-entropy-loss-fusion",
+    ),
+    (
+        "gpt3-dp2-learned-gelu",
+        2,
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --micro-batch-size 2 "
+        "--global-batch-size 8 --train-iters 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style linear "
+        "--lr-warmup-fraction 0.25 --lr-decay-iters 4 --weight-decay 0.01 --clip-grad 1.0 "
+        "--seed 1234 --init-method-std 0.006 --accumulate-allreduce-grads-in-fp32 "
+        "--ckpt-format torch_dist --no-mmap-bin-files --no-create-attention-mask-in-dataloader",
+    ),
+    (
+        "moe-ep2-alltoall-aux-loss",
+        2,
+        "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --num-experts 4 "
+        "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+        "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-ffn-hidden-size 32 "
+        "--moe-shared-expert-intermediate-size 32 --moe-router-dtype fp32 "
+        "--moe-z-loss-coeff 1e-3 --use-distributed-optimizer --num-layers 2 --hidden-size 32 "
+        "--num-attention-heads 4 --position-embedding-type rope --swiglu --normalization RMSNorm "
+        "--disable-bias-linear --micro-batch-size 1 --global-batch-size 4 --train-iters 4 "
+        "--lr 3e-3 --lr-decay-style cosine --bf16",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, nproc, flags", RECIPES, ids=[r[0] for r in RECIPES])
+def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
+    args = f"{TINY_DATA} {LOGGING} {MUON} {flags}".split()
+    proc = run(args, nproc=nproc)
+    table = losses(proc)
+    total = int(re.findall(r"iteration\s+\d+/\s*(\d+)", proc.stdout)[-1])
+    assert sorted(table) == list(range(1, total + 1)) and total >= 4, proc.stdout[-2000:]
+    assert all(loss > 0 for loss in floats(table))
+    noted = [line for line in proc.stderr.splitlines() if "accepted, no effect" in line]
+    assert len(noted) == 1 and "--use-mcore-models" in noted[0]
