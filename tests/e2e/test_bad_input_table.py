@@ -361,7 +361,7 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
         "cli",
         "--mock-data --optimizer-cpu-offload",
         2,
-        "unknown flag --optimizer-cpu-offload",
+        "--optimizer-cpu-offload is not supported here: CPU offloading (activations, parameters",
     ),
     ("typo", "cli", "--mock-data --hidden-sise 8", 2, "did you mean --hidden-size"),
     # -- command line: data

@@ -31,8 +31,7 @@ RECIPES = [
         "llama-tp2-pp2-vpp2-gqa-rope-swiglu-rampup",
         4,
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-        "--num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer "
-        "--overlap-grad-reduce --num-layers 4 --hidden-size 32 --ffn-hidden-size 64 "
+        "--num-layers-per-virtual-pipeline-stage 1 --overlap-grad-reduce --num-layers 4 --hidden-size 32 --ffn-hidden-size 64 "
         "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 8 "
         "--position-embedding-type rope --rotary-percent 1.0 --rotary-base 500000 --swiglu "
         "--normalization RMSNorm --norm-epsilon 1e-5 --untie-embeddings-and-output-weights "
@@ -50,6 +49,7 @@ RECIPES = [
         "--global-batch-size 8 --train-iters 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style linear "
         "--lr-warmup-fraction 0.25 --lr-decay-iters 4 --weight-decay 0.01 --clip-grad 1.0 "
         "--seed 1234 --init-method-std 0.006 --accumulate-allreduce-grads-in-fp32 "
+        "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
         "--ckpt-format torch_dist --no-mmap-bin-files --no-create-attention-mask-in-dataloader",
     ),
     (
