@@ -380,7 +380,7 @@ def test_train_iters_from_samples(extra, iters):
 
 REFUSED_NOW = [  # known Megatron-LM flags this stack does not run yet: refused with the reason
     ("--async-save", "checkpointing"),
-    ("--manual-gc", "memory management"),
+    ("--log-memory-to-tensorboard", "memory figures"),
     ("--deterministic-mode", "deterministic algorithms"),
     ("--timing-log-level 2", "timers"),
     ("--tiktoken-pattern v2", "tiktoken"),
