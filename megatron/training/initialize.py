@@ -29,6 +29,8 @@ def initialize(args) -> None:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     set_seeds(args.seed)
+    if args.deterministic_mode:  # Megatron-LM's --deterministic-mode
+        torch.use_deterministic_algorithms(True)
     init_num_microbatches_calculator(
         torch.distributed.get_rank(),
         args.rampup_batch_size,

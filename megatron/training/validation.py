@@ -111,6 +111,11 @@ UNSUPPORTED = (
 RULES = (
     (lambda a: a.bf16 and a.fp16, lambda a: "--bf16 and --fp16 are exclusive: pick one"),
     (
+        lambda a: a.deterministic_mode and (a.cross_entropy_loss_fusion or a.use_flash_attn),
+        lambda a: "--deterministic-mode excludes --cross-entropy-loss-fusion and --use-flash-attn "
+        "(not deterministic; Megatron-LM refuses the combination too)",
+    ),
+    (
         lambda a: a.squared_relu and a.swiglu,
         lambda a: "--squared-relu and --swiglu are exclusive: pick one activation",
     ),

@@ -19,7 +19,7 @@ LOGGING = (
     "--log-interval 1 --eval-interval 2 --eval-iters 1 --distributed-backend nccl "
     "--use-mcore-models --transformer-impl local --no-gradient-accumulation-fusion "
     "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-rope-fusion "
-    "--attention-softmax-in-fp32 --deterministic-mode --manual-gc"
+    "--attention-softmax-in-fp32 --manual-gc"
 )
 MUON = "--optimizer muon --muon-tp-mode duplicated --muon-momentum 0.95"
 
@@ -43,7 +43,7 @@ RECIPES = [
         "--train-samples 16 --lr-decay-samples 16 --lr-warmup-samples 2 "
         "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
         "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 "
-        "--use-flash-attn --cross-entropy-loss-fusion",
+        "--use-flash-attn",
     ),
     (
         "gpt3-dp2-learned-gelu",
@@ -53,7 +53,8 @@ RECIPES = [
         "--lr-warmup-fraction 0.25 --lr-decay-iters 4 --weight-decay 0.01 --clip-grad 1.0 "
         "--seed 1234 --init-method-std 0.006 --accumulate-allreduce-grads-in-fp32 "
         "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
-        "--ckpt-format torch_dist --no-mmap-bin-files --no-create-attention-mask-in-dataloader",
+        "--ckpt-format torch_dist --no-mmap-bin-files --no-create-attention-mask-in-dataloader "
+        "--deterministic-mode",
     ),
     (
         "moe-ep2-alltoall-aux-loss",

@@ -205,12 +205,13 @@ def test_core_fields_reach_the_configs():
     from megatron.training.core_configs import ddp_config, optimizer_config, transformer_config
 
     args = parse(
-        "--norm-epsilon 1e-6 --qk-layernorm --disable-bias-linear --num-experts 4 "
+        "--norm-epsilon 1e-6 --qk-layernorm --deterministic-mode --disable-bias-linear "
+        "--num-experts 4 "
         "--moe-router-topk 3 --accumulate-allreduce-grads-in-fp32 --ddp-bucket-size 1000 "
         "--optimizer muon --muon-momentum 0.5 --decoupled-lr 1e-4"
     )
     tc, oc, ddp = transformer_config(args), optimizer_config(args), ddp_config(args)
-    assert (tc.layernorm_epsilon, tc.qk_layernorm) == (1e-6, True)
+    assert (tc.layernorm_epsilon, tc.qk_layernorm, tc.deterministic_mode) == (1e-6, True, True)
     assert (tc.add_bias_linear, tc.num_moe_experts, tc.moe_router_topk) == (False, 4, 3)
     assert (oc.muon_momentum, oc.decoupled_lr) == (0.5, 1e-4)
     assert (ddp.grad_reduce_in_fp32, ddp.bucket_size) == (True, 1000)
@@ -275,6 +276,7 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--multi-latent-attention", 1, ["--multi-latent-attention", "transformer_engine"]),
     ("--apply-layernorm-1p", 1, ["--apply-layernorm-1p", "zero-centered"]),
     ("--moe-token-dispatcher-type flex --num-experts 2", 1, ["flex", "alltoall"]),
+    ("--deterministic-mode --cross-entropy-loss-fusion", 1, ["--deterministic-mode excludes"]),
     ("--optimizer muon --muon-coefficient-type cubic", 1, ["--muon-coefficient-type", "quintic"]),
     ("--overlap-param-gather", 1, ["--use-distributed-optimizer"]),
     ("--save-interval 5", 1, ["--save"]),
@@ -381,7 +383,6 @@ def test_train_iters_from_samples(extra, iters):
 REFUSED_NOW = [  # known Megatron-LM flags this stack does not run yet: refused with the reason
     ("--async-save", "checkpointing"),
     ("--log-memory-to-tensorboard", "memory figures"),
-    ("--deterministic-mode", "deterministic algorithms"),
     ("--timing-log-level 2", "timers"),
     ("--tiktoken-pattern v2", "tiktoken"),
     ("--tokenizer-type Llama2Tokenizer", "sentencepiece"),
