@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing, failures, log_figures
+from . import checkpointing, failures, log_figures, memory
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
@@ -151,12 +151,14 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
+    memory.empty_cache(args.empty_unused_memory_level, 1, _device())
     if args.check_for_nan_in_loss_and_grad:
         # fp16's loss scaler already skips steps with inf/NaN grads: there only the loss counts
         grads = [] if args.fp16 else failures.model_grad_buffers(model)
         failures.check_finite(outputs, grads, iteration, _device())
     ok, grad_norm, num_zeros = optimizer.step()
     max_logit = clip_qk(model, optimizer=optimizer)  # --qk-clip / --log-max-attention-logit
+    memory.empty_cache(args.empty_unused_memory_level, 2, _device())
     if ok:
         scheduler.step(increment=get_current_global_batch_size())
     return reduce_losses(outputs), not ok, (grad_norm, num_zeros), max_logit
@@ -170,6 +172,7 @@ def evaluate(args, forward_step, data_iterator, model, state: TrainState) -> dic
     totals: dict = {}
     for _ in range(args.eval_iters):
         outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=True)
+        memory.empty_cache(args.empty_unused_memory_level, 1, _device())
         for key, value in reduce_losses(outputs).items():
             totals[key] = totals.get(key, 0.0) + value
         state.consumed_valid_samples += get_current_global_batch_size()
@@ -202,9 +205,10 @@ def pretrain(
     checkpointing.restore_pending_rng(state)
     tb = TensorBoard(args.tensorboard_dir)
     iterators = (train_iter, valid_iter)
-    reason = train_loop(
-        args, forward_step, model, optimizer, scheduler, state, iterators, tb, exit_conditions
-    )
+    collector = memory.ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval)
+    with collector:
+        loop = (tb, exit_conditions, collector)
+        reason = train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, loop)
     tb.close()
     exit_conditions.release()
     if reason:
@@ -212,8 +216,10 @@ def pretrain(
     return state
 
 
-def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, tb, stop):
-    """Steps until --train-iters or an early exit (returned as its reason), then a final save."""
+def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, loop):
+    """Steps until --train-iters or an early exit (returned as its reason), then a final save.
+    ``loop`` is (TensorBoard, ExitConditions, memory.ManualGC)."""
+    tb, stop, collector = loop
     train_iter, valid_iter = iterators  # valid_iter False: no evaluation (None: reads no data)
     reason = None
     stats = IntervalStats()
@@ -233,7 +239,9 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
             stats = IntervalStats()
         paused = time.perf_counter()
         if valid_iter is not False and state.iteration % args.eval_interval == 0:
+            collector.before_eval()
             _evaluate_and_print(args, forward_step, valid_iter, model, state, tb)
+            collector.after_eval()
         if args.save_interval and state.iteration % args.save_interval == 0:
             checkpointing.save(args, model, optimizer, scheduler, state)
             saved_at = state.iteration
@@ -241,6 +249,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         reason = stop.check(state.iteration, _device())
         if reason:
             break
+        collector.after_step(state.iteration)  # Megatron-LM: last in the iteration
     if args.save and saved_at != state.iteration:
         checkpointing.save(args, model, optimizer, scheduler, state)
     return reason

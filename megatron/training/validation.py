@@ -165,6 +165,15 @@ RULES = (
         f"({a.data_parallel_size}) = {a.micro_batch_size * a.data_parallel_size}",
     ),
     (
+        lambda a: a.manual_gc_interval < 0,
+        lambda a: f"--manual-gc-interval must be >= 0, got {a.manual_gc_interval}",
+    ),
+    (
+        lambda a: {"manual_gc_interval", "manual_gc_eval"} & a.given and not a.manual_gc,
+        lambda a: "--manual-gc-interval and --no-manual-gc-eval need --manual-gc (without it the "
+        "automatic collector is on)",
+    ),
+    (
         lambda a: a.min_lr is not None and a.min_lr > a.lr,
         lambda a: f"--min-lr ({a.min_lr}) must be <= --lr ({a.lr})",
     ),

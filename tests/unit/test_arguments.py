@@ -398,6 +398,26 @@ def test_flags_not_run_yet_are_refused_with_the_reason(extra, why):
     assert why in str(err.value) and extra.split()[0] in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--manual-gc --manual-gc-interval -1", "--manual-gc-interval must be >= 0, got -1"),
+        ("--manual-gc-interval 5", "--manual-gc-interval and --no-manual-gc-eval need --manual-gc"),
+        ("--no-manual-gc-eval", "need --manual-gc"),
+        ("--empty-unused-memory-level 3", "--empty-unused-memory-level"),
+    ],
+)
+def test_memory_flags_refuse_bad_values(extra, message):
+    with pytest.raises(ArgumentsError, match=message):
+        parse(extra)
+
+
+def test_memory_flags_keep_upstream_defaults():
+    args = parse()
+    assert (args.manual_gc, args.manual_gc_interval, args.manual_gc_eval) == (False, 0, True)
+    assert args.empty_unused_memory_level == 0
+
+
 def test_nan_check_is_on_by_default_as_megatron_lm():
     assert parse().check_for_nan_in_loss_and_grad is True
     assert parse("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad is False
