@@ -271,8 +271,32 @@ def load(args, model, optimizer, scheduler, state) -> None:
     )
 
 
+def saved_format(folder: str) -> str:
+    """The format a checkpoint folder was written in: torch_dist has dist_checkpointing's
+    metadata.json, torch has per-rank files."""
+    return "torch_dist" if os.path.isfile(os.path.join(folder, "metadata.json")) else "torch"
+
+
+def check_format(args, folder: str) -> str:
+    """Megatron-LM reads a checkpoint in the format it finds when --ckpt-format is torch_dist or
+    --auto-detect-ckpt-format is given; --ckpt-format torch alone reads only torch files. Saves
+    always use --ckpt-format, so a detected other format is converted by the next save."""
+    found = saved_format(folder)
+    if found != args.ckpt_format:
+        if args.ckpt_format == "torch" and not args.auto_detect_ckpt_format:
+            raise CheckpointError(
+                f"checkpoint {folder} is in {found} format, this run reads --ckpt-format torch: "
+                f"give --ckpt-format {found} or --auto-detect-ckpt-format"
+            )
+        print_rank_0(
+            f" > loading a {found} checkpoint (detected); saving in --ckpt-format "
+            f"{args.ckpt_format}"
+        )
+    return found
+
+
 def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
-    if os.path.isfile(os.path.join(folder, "metadata.json")):
+    if check_format(args, folder) == "torch_dist":
         common = _read(lambda: dist_checkpointing.load_common_state_dict(folder), folder)
         check_compatible(args, common.get("args", {}), folder)
         check_saved_parts(args, common.get("saved_parts", {}), folder)

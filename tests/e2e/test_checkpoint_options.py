@@ -23,3 +23,28 @@ def test_no_save_optim_and_rng_leave_them_out_and_loading_needs_no_load(tmp_path
     assert "saved with --no-save-optim" in refused.stderr and "--no-load-optim" in refused.stderr
     resumed = run(ARGS + ["--train-iters", 3, "--load", save, "--no-load-optim", "--no-load-rng"])
     assert sorted(losses(resumed)) == [3]  # the weights and the position in the data resume
+
+
+def test_auto_detect_ckpt_format_loads_either_format_and_saves_in_ckpt_format(tmp_path):
+    """Megatron-LM semantics: --ckpt-format torch alone reads only torch files; with
+    --auto-detect-ckpt-format (or --ckpt-format torch_dist) the saved format is detected. Saves
+    use --ckpt-format, so the chain torch_dist -> torch -> torch_dist converts both ways and must
+    continue the uninterrupted run's losses exactly."""
+    base = TINY + ["--optimizer", "muon", "--lr-decay-style", "constant"]
+    first, second, third = (str(tmp_path / name) for name in ("a", "b", "c"))
+    full = losses(run(base + ["--train-iters", 4, "--ckpt-format", "torch"]))
+    got = losses(run(base + ["--train-iters", 2, "--ckpt-format", "torch_dist", "--save", first]))
+    refused = run(base + ["--train-iters", 3, "--ckpt-format", "torch", "--load", first])
+    assert refused.returncode == 1
+    assert "torch_dist format" in refused.stderr and "--auto-detect-ckpt-format" in refused.stderr
+    to_torch = ["--ckpt-format", "torch", "--auto-detect-ckpt-format"]
+    got.update(
+        losses(run(base + ["--train-iters", 3, "--load", first, "--save", second] + to_torch))
+    )
+    assert os.path.isfile(os.path.join(second, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    to_dist = ["--ckpt-format", "torch_dist", "--auto-detect-ckpt-format"]
+    got.update(
+        losses(run(base + ["--train-iters", 4, "--load", second, "--save", third] + to_dist))
+    )
+    assert os.path.isfile(os.path.join(third, "iter_0000004", "metadata.json"))
+    assert got == full

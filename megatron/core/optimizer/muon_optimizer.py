@@ -172,10 +172,16 @@ class Muon(Optimizer):
         """Load, then restore state dtypes and give each param its own tensors.
 
         torch casts loaded state to the param's dtype (undoing ``exp_avg_dtype``) and may alias
-        the source's tensors, e.g. one ``step`` shared by all params.
+        the source's tensors, e.g. one ``step`` shared by all params. Keys a param does not
+        declare are dropped: megatron-core's torch_dist load gives every param the common
+        ``step``, which Muon params would keep stale (their rule has no step), so that the next
+        torch_dist save failed with "The optimizer step differs per parameter".
         """
         super().load_state_dict(state_dict)
         for param, state in self.state.items():
+            declared = {*self.state_keys(param), *self.scalar_state_keys(param)}
+            for key in [key for key in state if key not in declared]:
+                del state[key]
             for key in self.state_keys(param):
                 if key in state:
                     state[key] = state[key].to(dtype=self.state_dtype(param), copy=True)
