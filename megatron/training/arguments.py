@@ -365,6 +365,10 @@ def parse_args(argv=None, world_size: Optional[int] = None) -> argparse.Namespac
     args.given = set(given)
     args.no_effect = no_effect_names(given)
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if args.use_checkpoint_args:
+        from . import checkpoint_args
+
+        checkpoint_args.apply(args)
     from .validation import validate_args
 
     validate_args(args)

@@ -82,7 +82,10 @@ def _rank0() -> bool:
 
 
 def _saved_args(args) -> dict:
+    from .checkpoint_args import FROM_CHECKPOINT  # what --use-checkpoint-args reads back
+
     keys = [attr for attr, _ in MODEL_SHAPE + OPTIMIZER_SHAPE] + ["ckpt_format"]
+    keys += [dest for dest, _ in FROM_CHECKPOINT if dest not in keys]
     return {key: getattr(args, key, None) for key in keys}
 
 

@@ -1,4 +1,5 @@
-"""Checkpoint options through the real CLI: --no-save-optim / --no-save-rng.
+"""Checkpoint options through the real CLI: --no-save-optim / --no-save-rng,
+--auto-detect-ckpt-format, --use-checkpoint-args.
 
 .venv/bin/python -m pytest -q tests/e2e/test_checkpoint_options.py
 """
@@ -6,6 +7,8 @@
 import os
 
 import torch
+
+from megatron.training import checkpoint_args
 
 from .cli import TINY, losses, run
 
@@ -48,3 +51,26 @@ def test_auto_detect_ckpt_format_loads_either_format_and_saves_in_ckpt_format(tm
     )
     assert os.path.isfile(os.path.join(third, "iter_0000004", "metadata.json"))
     assert got == full
+    for root in (second, third):  # --use-checkpoint-args reads either format (no process group)
+        assert checkpoint_args.saved_args(root)[1]["hidden_size"] == 32
+
+
+SHAPE = "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split()
+
+
+def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path):
+    """Megatron-LM's rule: unset shape flags come from the checkpoint, forced ones (--swiglu
+    here) replace the command line's value; a given value that differs is refused by name."""
+    save = str(tmp_path / "save")
+    base = TINY + ["--optimizer", "muon", "--lr-decay-style", "constant", "--train-iters", 4]
+    full = losses(run(base + ["--save", save, "--save-interval", 2, "--ckpt-format", "torch"]))
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")  # resume from iteration 2
+    assert base[:6] == SHAPE
+    unshaped = base[6:]  # no --num-layers, --hidden-size, --num-attention-heads
+    resumed = run(unshaped + ["--load", save, "--use-checkpoint-args", "--swiglu"])
+    assert losses(resumed) == {3: full[3], 4: full[4]}
+    assert "setting hidden_size to 32 from checkpoint" in resumed.stdout
+    assert "setting swiglu to False from checkpoint" in resumed.stdout
+    wider = run(base + ["--load", save, "--use-checkpoint-args", "--hidden-size", 64])
+    assert wider.returncode == 1 and "--hidden-size: checkpoint 32, this run 64" in wider.stderr

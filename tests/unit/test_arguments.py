@@ -418,6 +418,11 @@ def test_memory_flags_keep_upstream_defaults():
     assert args.empty_unused_memory_level == 0
 
 
+def test_use_checkpoint_args_needs_load():
+    with pytest.raises(ArgumentsError, match="--use-checkpoint-args needs --load"):
+        parse("--use-checkpoint-args")
+
+
 def test_nan_check_is_on_by_default_as_megatron_lm():
     assert parse().check_for_nan_in_loss_and_grad is True
     assert parse("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad is False
