@@ -174,6 +174,11 @@ RULES = (
         "automatic collector is on)",
     ),
     (
+        lambda a: {"qk_clip_alpha", "qk_clip_threshold"} & a.given and not a.qk_clip,
+        lambda a: "--qk-clip-alpha and --qk-clip-threshold need --qk-clip (without it nothing "
+        "is clipped)",
+    ),
+    (
         lambda a: a.min_lr is not None and a.min_lr > a.lr,
         lambda a: f"--min-lr ({a.min_lr}) must be <= --lr ({a.lr})",
     ),

@@ -141,10 +141,13 @@ def test_evaluation_forwards_record_nothing():
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
 
 BAD_CONFIGS = [
-    (dict(qk_clip_alpha=0.0), r"qk_clip_alpha must be in \(0, 1\), got 0\.0"),
-    (dict(qk_clip_alpha=1.0), r"qk_clip_alpha must be in \(0, 1\), got 1\.0"),
-    (dict(qk_clip_threshold=0.0), "qk_clip_threshold must be a finite number > 0"),
-    (dict(qk_clip_threshold=float("inf")), "qk_clip_threshold must be a finite number > 0"),
+    (dict(qk_clip=True, qk_clip_alpha=0.0), r"qk_clip_alpha must be in \(0, 1\), got 0\.0"),
+    (dict(qk_clip=True, qk_clip_alpha=1.0), r"qk_clip_alpha must be in \(0, 1\), got 1\.0"),
+    (dict(qk_clip=True, qk_clip_threshold=0.0), "qk_clip_threshold must be a finite number > 0"),
+    (
+        dict(qk_clip=True, qk_clip_threshold=float("inf")),
+        "qk_clip_threshold must be a finite number > 0",
+    ),
     (dict(qk_clip=True, qk_layernorm=True), "qk_clip with qk_layernorm"),
     (
         dict(qk_clip=True, num_query_groups=1, tensor_model_parallel_size=2),
@@ -157,6 +160,13 @@ BAD_CONFIGS = [
 def test_bad_qk_clip_configs_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**BASE, **fields)
+
+
+def test_ranges_are_checked_only_with_the_clip_on_as_upstream():
+    # upstream 0.16.1 declares the fields without checks: a config with the clip off keeps
+    # accepting any alpha / threshold (no upstream caller breaks)
+    config = TransformerConfig(**BASE, qk_clip_alpha=2.0, qk_clip_threshold=0.0)
+    assert (config.qk_clip_alpha, config.qk_clip_threshold) == (2.0, 0.0)
 
 
 def test_defaults_are_upstreams_and_off():
@@ -188,7 +198,8 @@ def test_cli_flags_set_upstreams_fields():
 @pytest.mark.parametrize(
     "flags, words",
     [
-        ("--qk-clip-alpha 1.5", ["qk_clip_alpha must be in (0, 1)", "1.5"]),
+        ("--qk-clip --qk-clip-alpha 1.5", ["qk_clip_alpha must be in (0, 1)", "1.5"]),
+        ("--qk-clip-alpha 0.25", ["--qk-clip-alpha", "need --qk-clip"]),
         ("--qk-clip --qk-clip-threshold -1", ["qk_clip_threshold must be a finite number > 0"]),
         ("--qk-clip-threshold x", ["--qk-clip-threshold", "invalid float value"]),
     ],

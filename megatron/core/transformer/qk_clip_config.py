@@ -12,11 +12,6 @@ import math
 def validate_qk_clip_config(config) -> None:
     """Raise ValueError naming the field when the QK-clip settings are out of range or the
     attention variant is one the clip cannot bound."""
-    alpha, tau = config.qk_clip_alpha, config.qk_clip_threshold
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"qk_clip_alpha must be in (0, 1), got {alpha}")
-    if not (tau > 0 and math.isfinite(tau)):
-        raise ValueError(f"qk_clip_threshold must be a finite number > 0, got {tau}")
     if config.multi_latent_attention and (config.qk_clip or config.log_max_attention_logit):
         raise ValueError(
             "qk_clip / log_max_attention_logit do not support multi_latent_attention: this "
@@ -25,7 +20,12 @@ def validate_qk_clip_config(config) -> None:
             "handled"
         )
     if not config.qk_clip:
-        return
+        return  # upstream 0.16.1 takes any alpha / threshold while the clip is off
+    alpha, tau = config.qk_clip_alpha, config.qk_clip_threshold
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"qk_clip_alpha must be in (0, 1), got {alpha}")
+    if not (tau > 0 and math.isfinite(tau)):
+        raise ValueError(f"qk_clip_threshold must be a finite number > 0, got {tau}")
     for field in ("qk_layernorm", "qk_l2_norm"):
         if getattr(config, field, False):
             raise ValueError(
