@@ -286,6 +286,13 @@ def known_flags() -> list:
     return [name for flag in FLAGS for name in flag.names]
 
 
+def flag_states(names) -> dict:
+    """{name: state} for flag names as a launch script lists them (no values needed): the
+    row's kind (core, args, noeffect, refused), or None for a name the table does not know."""
+    rows = {name: flag for flag in FLAGS for name in flag.names}
+    return {name: rows[name].kind if name in rows else None for name in names}
+
+
 def _raise_unknown(unknown: list) -> None:
     for item in unknown:
         if item.startswith("-"):

@@ -32,6 +32,18 @@ TOKENIZER_TYPES = (
     "NullTokenizer",
 )
 
+# megatron-core's tokenizer libraries (``megatron.core.tokenizers``) and the --tokenizer-type
+# values each one builds there; upstream main's --tokenizer-library names the library. The first
+# type is the one a library alone stands for (megatron: the GPT tokenizer).
+LIBRARY_TYPES = {
+    "megatron": ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"),
+    "huggingface": ("HuggingFaceTokenizer",),
+    "null": ("NullTokenizer",),
+    "sentencepiece": ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"),
+    "tiktoken": ("TikTokenizer",),
+    "byte-level": (),  # megatron-core's own byte tokenizer (eos 0, pad 1): not ours, see below
+}
+
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
 # End-of-document names tried, in order, when a tokenizer.json has no tokenizer_config.json beside.

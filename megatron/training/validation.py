@@ -427,6 +427,7 @@ def _derive(args) -> None:
         args.lr_decay_iters = args.train_iters
     if args.data_path and args.split is None:
         args.split = "969, 30, 1"
+    _derive_tokenizer_library(args)
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
     if args.mock_data and args.vocab_size is None:
@@ -442,6 +443,34 @@ def _derive(args) -> None:
     if upstream_scale and "muon_matched_adamw_rms" not in args.given:
         # upstream 0.16's flags select its scale rule, which the matched-RMS rule would override
         args.muon_matched_adamw_rms = None
+
+
+def _derive_tokenizer_library(args) -> None:
+    """Upstream main's --tokenizer-library names megatron-core's tokenizer library; alone it
+    stands for that library's tokenizer type, with --tokenizer-type the two must agree."""
+    from .tokenizer import LIBRARY_TYPES, TOKENIZER_TYPES
+
+    library = args.tokenizer_library
+    if library is None:
+        return
+    types = LIBRARY_TYPES[library]
+    if not set(types) & set(TOKENIZER_TYPES):
+        raise ArgumentsError(
+            f"--tokenizer-library {library} is not supported here: "
+            + (
+                "megatron-core's byte-level tokenizer (eos 0, pad 1, 512 ids) is not built by "
+                "this stack; --tokenizer-type ByteLevelTokenizer is ours (bytes 0-255, eod 256)"
+                if library == "byte-level"
+                else "sentencepiece and tiktoken tokenizers are not implemented yet"
+            )
+        )
+    if args.tokenizer_type is None:
+        args.tokenizer_type = types[0]
+    elif args.tokenizer_type not in types:
+        raise ArgumentsError(
+            f"--tokenizer-library {library} and --tokenizer-type {args.tokenizer_type} disagree: "
+            f"the {library} library builds {', '.join(types)}"
+        )
 
 
 def _derive_exit_signal(args) -> None:

@@ -292,6 +292,14 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--expert-model-parallel-size 2", 2, ["--num-experts"]),
     ("--optimizer muon --muon-momentum 1.5", 1, ["muon_momentum"]),
     ("--micro-batch-size -1", 1, ["--micro-batch-size must be >= 1"]),
+    ("--use-mup --mup-base-hidden-size 32", 1, ["--use-mup is not supported", "core_v0.16.1"]),
+    ("--tokenizer-library tiktoken", 1, ["--tokenizer-library tiktoken", "not implemented"]),
+    ("--tokenizer-library byte-level", 1, ["byte-level", "--tokenizer-type ByteLevelTokenizer"]),
+    (
+        "--tokenizer-library huggingface --tokenizer-type NullTokenizer",
+        1,
+        ["--tokenizer-library huggingface and --tokenizer-type NullTokenizer disagree"],
+    ),
 ]
 
 
@@ -330,6 +338,9 @@ def test_derived_values():
     assert not parse("--bf16 --grad-reduce-in-bf16").accumulate_allreduce_grads_in_fp32
     args = parse("--load /x --finetune")
     assert args.no_load_optim and args.no_load_rng
+    # upstream main's --tokenizer-library alone stands for its library's tokenizer type
+    for library, tokenizer_type in (("null", "NullTokenizer"), ("megatron", "GPT2BPETokenizer")):
+        assert parse(f"--tokenizer-library {library}").tokenizer_type == tokenizer_type
 
 
 def test_help_shows_homes_and_defaults(capsys):

@@ -1,0 +1,82 @@
+"""Megatron-LM's own GPT/MoE recipes meet only flags that pretrain_gpt.py knows.
+
+``upstream_recipes.tsv`` holds the flag sets of Megatron-LM's functional-test recipes and example
+launch scripts (repository, path and commit per recipe; names only). Parse-only: each name is
+looked up in the flag table (``arguments.flag_states``), no launch. The report (known fraction,
+the fraction that would start, the most frequent refusals):
+
+    .venv/bin/python tests/unit/test_upstream_recipes.py
+"""
+
+import collections
+import re
+from pathlib import Path
+
+from megatron.training.arguments import flag_states
+
+DATA = Path(__file__).with_name("upstream_recipes.tsv")
+KNOWN_GOAL = 0.95  # issue 11: >= 95% of upstream's recipes use only flags we know
+
+
+def recipes() -> list:
+    """[(path, commit, [flag names])] of the data file."""
+    rows = []
+    for line in DATA.read_text().splitlines():
+        if line and not line.startswith("#"):
+            path, commit, flags = line.split("\t")
+            rows.append((path, commit, flags.split()))
+    return rows
+
+
+def summary(rows) -> dict:
+    """How many recipes use only known flags, how many also no refused flag, and per flag the
+    number of recipes it blocks (unknown or refused)."""
+    known = startable = 0
+    unknown, refused = collections.Counter(), collections.Counter()
+    for _, _, names in rows:
+        states = flag_states(set(names))
+        missing = {n for n, s in states.items() if s is None}
+        blocked = {n for n, s in states.items() if s == "refused"}
+        unknown.update(missing)
+        refused.update(blocked)
+        known += not missing
+        startable += not missing and not blocked
+    return dict(total=len(rows), known=known, startable=startable, unknown=unknown, refused=refused)
+
+
+def test_the_sample_is_upstreams_gpt_and_moe_recipes_with_their_commits():
+    rows = recipes()
+    kinds = collections.Counter(
+        "gpt" if "/gpt/" in p else "moe" if "/moe/" in p else "example" for p, _, _ in rows
+    )
+    assert len(rows) >= 50 and min(kinds.values()) >= 8, kinds
+    assert all(re.fullmatch(r"[0-9a-f]{40}", commit) for _, commit, _ in rows)
+    assert len({commit for _, commit, _ in rows}) >= 20  # several releases, not one snapshot
+    assert all(all(n.startswith("--") for n in names) and len(names) > 10 for *_, names in rows)
+
+
+def test_at_least_95_percent_of_upstream_recipes_use_only_known_flags():
+    result = summary(recipes())
+    assert result["known"] / result["total"] >= KNOWN_GOAL, result["unknown"]
+
+
+def test_a_flag_the_table_lacks_counts_against_its_recipe():  # negative control of the count
+    path, commit, names = recipes()[0]
+    before = summary([(path, commit, names)])
+    after = summary([(path, commit, names + ["--not-a-megatron-flag"])])
+    assert (before["known"], after["known"]) == (1, 0)
+    assert after["unknown"] == {"--not-a-megatron-flag": 1}
+
+
+def report() -> str:
+    r = summary(recipes())
+    top = ", ".join(f"{name} ({n})" for name, n in r["refused"].most_common(12))
+    return (
+        f"{r['total']} recipes: {r['known']} ({r['known'] / r['total']:.0%}) use only known "
+        f"flags; {r['startable']} ({r['startable'] / r['total']:.0%}) use no refused flag\n"
+        f"unknown: {dict(r['unknown']) or 'none'}\nmost frequent refusals (recipes): {top}"
+    )
+
+
+if __name__ == "__main__":
+    print(report())
