@@ -127,9 +127,11 @@ def data_iterators(args, state, n_chunks, tokenizer):
     if args.full_validation:
         valid_ds = _whole_validation_passes(args, valid_ds)
     train, valid = [], []
+    # --full-validation reads the split in order whatever the type (Megatron-LM's choice too)
+    valid_type = "single" if args.full_validation else args.dataloader_type
     for _ in range(n_chunks):
-        train.append(_loader(args, train_ds, state.consumed_train_samples, cyclic=False))
-        valid.append(_loader(args, valid_ds, state.consumed_valid_samples, cyclic=True))
+        train.append(_loader(args, train_ds, state.consumed_train_samples, args.dataloader_type))
+        valid.append(_loader(args, valid_ds, state.consumed_valid_samples, valid_type, True))
     return _one_or_list(train), _one_or_list(valid), _any_rank(valid_ds is not None)
 
 
@@ -160,18 +162,28 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def _loader(args, dataset, consumed, cyclic):
+def _loader(args, dataset, consumed, dataloader_type, cyclic=False):
+    """An iterator over ``dataset`` from ``consumed`` samples on. single: the sequential
+    sampler, restarted at its end for validation only; cyclic: Megatron-LM's random sampler,
+    restarted (next epoch, new permutation) for training and validation alike."""
     if dataset is None:
         return None
+    if dataloader_type == "single":
+        consumed %= len(dataset)
     loader = datasets.build_pretraining_data_loader(
-        dataset, consumed % len(dataset), args.micro_batch_size, num_workers=args.num_workers
+        dataset,
+        consumed,
+        args.micro_batch_size,
+        num_workers=args.num_workers,
+        dataloader_type=dataloader_type,
+        data_sharding=args.data_sharding,
     )
     # Creating a DataLoader iterator draws a worker seed from the loader's generator, by default
     # torch's global one. On CPU that generator also drives dropout, which must stay identical
     # across TP ranks (only TP rank 0 has a loader) and across a resume: give the loader its own.
     loader.generator = torch.Generator().manual_seed(args.seed)
     first = iter(loader)
-    return _cycle(loader, first) if cyclic else first
+    return _cycle(loader, first) if cyclic or dataloader_type == "cyclic" else first
 
 
 def _cycle(loader, first):
@@ -223,6 +235,9 @@ def train(args, exit_conditions) -> None:
         args.merge_file,
         args.tokenizer_model,
         vocab_size=args.vocab_size,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
     )
     args.padded_vocab_size = padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size

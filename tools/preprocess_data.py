@@ -10,7 +10,11 @@ Each jsonl line is one document; for every key of --json-keys (default: text) it
 {output-prefix}_{key}_document.bin/.idx through megatron-core's IndexedDatasetBuilder; train with
 --data-path {output-prefix}_{key}_document. Tokenizer types: ByteLevelTokenizer (ours, no files),
 GPT2BPETokenizer, HuggingFaceTokenizer (--tokenizer-model tokenizer.json), NullTokenizer
-(--vocab-size). Not supported from upstream: --split-sentences, --partitions.
+(--vocab-size), GPTSentencePieceTokenizer and Llama2Tokenizer (--tokenizer-model x.model),
+TikTokenizer (--tokenizer-model ranks.json --tiktoken-pattern v1|v2, optionally --vocab-size,
+--tiktoken-num-special-tokens, --tiktoken-special-tokens): the flags of pretrain_gpt.py, so that
+the ids written are the ones training embeds. Not supported from upstream: --split-sentences,
+--partitions.
 Bad input exits non-zero with a message naming the flag, and leaves no output files: data is
 written under *.partial names and renamed only once every document is in.
 """
@@ -33,6 +37,9 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
 )
 
 
@@ -45,8 +52,21 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: tokenizer.json or folder")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids below this value")
+    group.add_argument(
+        "--tokenizer-model",
+        help="HuggingFaceTokenizer: tokenizer.json or folder; GPTSentencePieceTokenizer, "
+        "Llama2Tokenizer: sentencepiece .model; TikTokenizer: JSON ranks file",
+    )
+    group.add_argument(
+        "--vocab-size", type=int, help="NullTokenizer: ids below this value; TikTokenizer: size"
+    )
+    group.add_argument("--tiktoken-pattern", help="TikTokenizer: v1 or v2 (required)")
+    group.add_argument(
+        "--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer (1000)"
+    )
+    group.add_argument(
+        "--tiktoken-special-tokens", nargs="+", help="TikTokenizer (default <unk> <s> </s>)"
+    )
     group.add_argument("--append-eod", action="store_true", help="end each document with eod")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="path prefix of the output files")
@@ -79,6 +99,9 @@ def build_tokenizer_from_args(args: argparse.Namespace):
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
     )
 
 

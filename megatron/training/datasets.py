@@ -281,16 +281,28 @@ def build_pretraining_data_loader(
     data_parallel_rank: int | None = None,
     data_parallel_size: int | None = None,
     num_workers: int = 0,
+    dataloader_type: str = "single",
+    data_sharding: bool = True,
 ):
     """A DataLoader over ``dataset`` from ``consumed_samples`` on (None for a None dataset). The
-    DP rank and size default to parallel_state's, or 0 and 1 when it is not set up."""
+    DP rank and size default to parallel_state's, or 0 and 1 when it is not set up.
+    ``dataloader_type`` single: the sequential sampler (``consumed_samples`` < len); cyclic:
+    Megatron-LM's random sampler (random_sampler.py; any ``consumed_samples``)."""
     if dataset is None:
         return None
     if data_parallel_size is None:
         data_parallel_rank, data_parallel_size = _data_parallel_rank_and_size()
-    sampler = MegatronPretrainingSampler(
-        len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
-    )
+    ranks = (micro_batch_size, data_parallel_rank, data_parallel_size)
+    if dataloader_type == "cyclic":
+        from .random_sampler import MegatronPretrainingRandomSampler
+
+        sampler = MegatronPretrainingRandomSampler(
+            len(dataset), consumed_samples, *ranks, data_sharding=data_sharding
+        )
+    elif dataloader_type == "single":
+        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, *ranks)
+    else:
+        raise ValueError(f"dataloader_type must be single or cyclic, got {dataloader_type!r}")
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,

@@ -13,6 +13,8 @@ Types:
   package, imported lazily.
 - ``NullTokenizer``: ids written as space-separated integers; ``vocab_size`` ids plus one eod
   (Megatron-LM's tokenizer for mock data).
+- ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer`` (``sentencepiece_tokenizer.py``) and
+  ``TikTokenizer`` (``tiktokenizer.py``): Megatron-LM's, on the sentencepiece/tiktoken packages.
 """
 
 import functools
@@ -30,6 +32,9 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
 )
 
 # megatron-core's tokenizer libraries (``megatron.core.tokenizers``) and the --tokenizer-type
@@ -80,10 +85,14 @@ def build_tokenizer(
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
     vocab_size: int | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
+    tiktoken_special_tokens: list | None = None,
     **kwargs,
 ) -> MegatronLegacyTokenizer:
     """Build the tokenizer named by ``tokenizer_type``; a missing file or flag is a ValueError
-    naming the flag. ``kwargs`` go to HuggingFaceTokenizer (e.g. ``eod_token``)."""
+    naming the flag. ``kwargs`` go to HuggingFaceTokenizer (e.g. ``eod_token``). The defaults
+    of the ``tiktoken_*`` options are Megatron-LM's."""
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     if tokenizer_type == "GPT2BPETokenizer":
@@ -97,6 +106,22 @@ def build_tokenizer(
         if vocab_size is None or int(vocab_size) < 1:
             raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
         return NullTokenizer(int(vocab_size))
+    if tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        from . import sentencepiece_tokenizer
+
+        _require_file("--tokenizer-model", tokenizer_model, tokenizer_type)
+        return getattr(sentencepiece_tokenizer, tokenizer_type)(tokenizer_model)
+    if tokenizer_type == "TikTokenizer":
+        from .tiktokenizer import TikTokenizer
+
+        _require_file("--tokenizer-model", tokenizer_model, tokenizer_type)
+        return TikTokenizer(
+            tokenizer_model,
+            tiktoken_pattern,
+            vocab_size,
+            tiktoken_num_special_tokens,
+            tiktoken_special_tokens,
+        )
     raise ValueError(
         f"unknown --tokenizer-type {tokenizer_type!r}; allowed: {', '.join(TOKENIZER_TYPES)}"
     )

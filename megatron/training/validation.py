@@ -259,20 +259,36 @@ RULES = (
         "exclusive (megatron-core: blend and blend_per_split are incompatible)",
     ),
     (
-        lambda a: a.dataloader_type in ("cyclic", "external"),
-        lambda a: f"--dataloader-type {a.dataloader_type} is not supported here: only single "
-        "(Megatron's pretraining sampler, resumable by consumed samples; the default)",
+        lambda a: a.dataloader_type == "external",
+        lambda a: "--dataloader-type external is not supported here: Megatron-LM then hands the "
+        "dataset object to the loop as the iterator, which only a custom training script that "
+        "builds its own loader can use; pretrain_gpt.py builds GPT datasets: use single (the "
+        "default) or cyclic",
+    ),
+    (
+        lambda a: not a.data_sharding and a.dataloader_type != "cyclic",
+        lambda a: "--no-data-sharding changes the shuffled order of --dataloader-type cyclic "
+        "only: add --dataloader-type cyclic or drop it",
     ),
     (
         lambda a: a.tokenizer_type not in _tokenizer_types(),
         lambda a: f"--tokenizer-type {a.tokenizer_type} is not supported by this stack; "
-        f"implemented: {', '.join(_tokenizer_types())}"
-        + (
-            " (sentencepiece and tiktoken tokenizers are not yet)"
-            if "Piece" in a.tokenizer_type
-            or a.tokenizer_type in ("Llama2Tokenizer", "TikTokenizer")
-            else ""
-        ),
+        f"implemented: {', '.join(_tokenizer_types())}",
+    ),
+    (
+        lambda a: a.tokenizer_type in _NEEDS_TOKENIZER_MODEL and a.tokenizer_model is None,
+        lambda a: f"--tokenizer-type {a.tokenizer_type} needs --tokenizer-model "
+        f"({_NEEDS_TOKENIZER_MODEL[a.tokenizer_type]})",
+    ),
+    (
+        lambda a: _TIKTOKEN_FLAGS.keys() & a.given and a.tokenizer_type != "TikTokenizer",
+        lambda a: f"{', '.join(_given_tiktoken_flags(a))} configure TikTokenizer: add "
+        "--tokenizer-type TikTokenizer or drop them",
+    ),
+    (
+        lambda a: a.tokenizer_type == "TikTokenizer" and a.tiktoken_pattern not in ("v1", "v2"),
+        lambda a: f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got "
+        f"{a.tiktoken_pattern}",
     ),
     (
         lambda a: a.tokenizer_type == "NullTokenizer" and a.vocab_size is None,
@@ -350,6 +366,23 @@ VPP_RULES = (
         f"({a.num_layers // a.pipeline_model_parallel_size})",
     ),
 )
+
+
+_NEEDS_TOKENIZER_MODEL = {
+    "HuggingFaceTokenizer": "a tokenizer.json or its folder",
+    "GPTSentencePieceTokenizer": "a sentencepiece .model file",
+    "Llama2Tokenizer": "a sentencepiece .model file",
+    "TikTokenizer": "Megatron-LM's JSON list of tiktoken ranks",
+}
+_TIKTOKEN_FLAGS = {
+    "tiktoken_pattern": "--tiktoken-pattern",
+    "tiktoken_num_special_tokens": "--tiktoken-num-special-tokens",
+    "tiktoken_special_tokens": "--tiktoken-special-tokens",
+}
+
+
+def _given_tiktoken_flags(a) -> list:
+    return [flag for dest, flag in _TIKTOKEN_FLAGS.items() if dest in a.given]
 
 
 def _tokenizer_types() -> tuple:
@@ -430,6 +463,8 @@ def _derive(args) -> None:
     _derive_tokenizer_library(args)
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"  # Megatron-LM's default
     if args.mock_data and args.vocab_size is None:
         args.vocab_size = 256  # a small mock vocabulary; Megatron-LM needs one given
     if args.bf16 and not args.grad_reduce_in_bf16:
@@ -545,6 +580,7 @@ def validate_args(args) -> None:
     _check_optimizer_specific(args)
     _check_table(args)
     _check_schedule_form(args)
+    _apply_per_split_data_args(args)
     _derive(args)
     _check_rules(args, RULES)
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -553,6 +589,15 @@ def validate_args(args) -> None:
         _check_rampup(args)
     _derive_train_iters(args)
     _check_core_configs(args)
+
+
+def _apply_per_split_data_args(args) -> None:
+    from .per_split_data import apply_per_split_data_args
+
+    try:
+        apply_per_split_data_args(args)
+    except ValueError as err:
+        raise ArgumentsError(str(err)) from None
 
 
 def _check_core_configs(args) -> None:

@@ -115,6 +115,7 @@ DERIVED = {
     "rope_type",
     "vocab_size",
     "split",
+    "dataloader_type",  # None -> single, as Megatron-LM
 }
 
 
@@ -395,10 +396,8 @@ REFUSED_NOW = [  # known Megatron-LM flags this stack does not run yet: refused 
     ("--async-save", "checkpointing"),
     ("--log-memory-to-tensorboard", "memory figures"),
     ("--timing-log-level 2", "timers"),
-    ("--tiktoken-pattern v2", "tiktoken"),
-    ("--tokenizer-type Llama2Tokenizer", "sentencepiece"),
-    ("--tokenizer-type TikTokenizer", "tiktoken"),
-    ("--dataloader-type cyclic", "only single"),
+    ("--tokenizer-type SentencePieceTokenizer", "implemented: ByteLevelTokenizer"),
+    ("--dataloader-type external", "custom training script"),
 ]
 
 

@@ -14,6 +14,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from test_tokenizer import GPT2_MERGES, GPT2_VOCAB
 
 from megatron.training.tokenizer import TOKENIZER_TYPES
+from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "tools", "preprocess_data.py")
@@ -29,12 +30,16 @@ DOCS = {
     "GPT2BPETokenizer": ["hello hello world", "", " ho\n"],
     "HuggingFaceTokenizer": ["hello world", "", "world hello moon"],
     "NullTokenizer": ["1 2 3", "", "7 0"],
+    "GPTSentencePieceTokenizer": ["hello world", "", "the lazy dog"],
+    "Llama2Tokenizer": ["hello world", "", "the lazy dog"],
+    "TikTokenizer": ["hello world", "", "HelloWorld\n"],
 }
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """Tokenizer files shared by the tests: GPT-2 vocab/merges and a tokenizer.json."""
+    """Tokenizer files shared by the tests: GPT-2 vocab/merges, a tokenizer.json, a sentencepiece
+    model and a tiktoken ranks file (tests/tokenizer_files.py)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     folder = tmp_path_factory.mktemp("tok")
@@ -43,6 +48,8 @@ def files(tmp_path_factory):
     hf = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}, "[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
     hf.save(str(folder / "tokenizer.json"))
+    write_sentencepiece_model(folder / "sp.model")
+    write_tiktoken_ranks(folder / "ranks.json")
     return folder
 
 
@@ -52,6 +59,11 @@ def tokenizer_flags(tokenizer_type: str, files) -> list[str]:
         "GPT2BPETokenizer": gpt2,
         "HuggingFaceTokenizer": ["--tokenizer-model", f"{files}/tokenizer.json"],
         "NullTokenizer": ["--vocab-size", "10"],
+        "GPTSentencePieceTokenizer": ["--tokenizer-model", f"{files}/sp.model"],
+        "Llama2Tokenizer": ["--tokenizer-model", f"{files}/sp.model"],
+        "TikTokenizer": ["--tokenizer-model", f"{files}/ranks.json", "--tiktoken-pattern", "v1",
+                         "--vocab-size", "270", "--tiktoken-num-special-tokens", "4",
+                         "--tiktoken-special-tokens", "<unk>", "<s>", "</s>", "<pad>"],
     }  # fmt: skip
     return ["--tokenizer-type", tokenizer_type, *extra.get(tokenizer_type, [])]
 
@@ -85,11 +97,14 @@ def test_end_to_end_each_tokenizer(tmp_path, files, tokenizer_type, append_eod):
     assert preprocess_data.main(argv) == 0
     tok = preprocess_data.build_tokenizer_from_args(preprocess_data.get_args(argv))
     expected = [
-        tok.tokenize(t) + [tok.eod] * (append_eod and bool(t)) for t in DOCS[tokenizer_type]
+        tok.tokenize(t) + [tok.eod] * (append_eod and bool(tok.tokenize(t)))
+        for t in DOCS[tokenizer_type]
     ]
     assert read_back(str(tmp_path / "out" / "ds_text_document")) == expected
     assert sorted(os.listdir(tmp_path / "out")) == ["ds_text_document.bin", "ds_text_document.idx"]
-    assert expected[1] == [] and all(expected[0::2])
+    # Llama2Tokenizer starts every document with <s> (id 1), even an empty one (Megatron-LM)
+    assert expected[1][:1] == ([1] if tokenizer_type == "Llama2Tokenizer" else [])
+    assert all(expected[0::2])
 
 
 def test_append_eod_adds_exactly_one_token_per_document(tmp_path):
@@ -137,6 +152,10 @@ BAD_INPUTS = [
      "/no/tokenizer.json"], None, 1, "--tokenizer-model '/no/tokenizer.json' does not exist"),
     ("null without size", ["--tokenizer-type", "NullTokenizer"], None, 1,
      "NullTokenizer needs --vocab-size"),
+    ("sentencepiece without model", ["--tokenizer-type", "Llama2Tokenizer"], None, 1,
+     "Llama2Tokenizer needs --tokenizer-model"),
+    ("tiktoken without pattern", ["--tokenizer-type", "TikTokenizer", "--tokenizer-model",
+     "RANKS"], None, 1, "TikTokenizer needs --tiktoken-pattern v1 or v2, got None"),
     ("missing json key", ["--tokenizer-type", "ByteLevelTokenizer", "--json-keys", "text",
      "title", "--workers", "2"], ['{"text": "a", "title": "b"}', '{"text": "c"}'], 1,
      "line 2 has no key 'title' (--json-keys text title); keys present: ['text']"),
@@ -156,7 +175,11 @@ CLI_CASES = ("missing input", "unknown tokenizer", "missing json key")
 def bad_input_argv(folder, files, argv, lines) -> list[str]:
     src = folder / "in.jsonl"
     src.write_text("\n".join(lines or ['{"text": "hello"}']) + "\n")
-    names = {"VOCAB": f"{files}/vocab.json", "MERGES": f"{files}/merges.txt"}
+    names = {
+        "VOCAB": f"{files}/vocab.json",
+        "MERGES": f"{files}/merges.txt",
+        "RANKS": f"{files}/ranks.json",
+    }
     argv = [names.get(a, a) for a in argv]
     if "--input" not in argv:
         argv = ["--input", str(src), *argv]

@@ -1,0 +1,175 @@
+"""--dataloader-type cyclic (Megatron-LM's random sampler: epochs, sharding, exact resume),
+--per-split-data-args-path (Megatron-LM's JSON), and the tokenizer/data flag checks.
+
+    .venv/bin/python -m pytest -q tests/unit/test_data_args.py
+"""
+
+import json
+
+import pytest
+import torch
+
+from megatron.training.arguments import ArgumentsError, parse_args
+from megatron.training.random_sampler import MegatronPretrainingRandomSampler
+
+BASE = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --train-iters 1 --lr 1e-3"
+).split()
+
+
+def _stream(total, consumed, batches, rank, dp=2, micro=2, sharding=True) -> list:
+    """``batches`` micro-batches of one rank, restarting the sampler at its end as the cyclic
+    iterator does (each restart is the next epoch)."""
+    sampler = MegatronPretrainingRandomSampler(total, consumed, micro, rank, dp, sharding)
+    out = []
+    while len(out) < batches:
+        out.extend(sampler)
+    return out[:batches]
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+@pytest.mark.parametrize("total", [23, 24])
+def test_resume_at_any_step_continues_the_same_stream(sharding, total):
+    """Three epochs uninterrupted, then a fresh sampler at each step's consumed count: it must
+    yield exactly the rest (the count is all a checkpoint keeps)."""
+    per_epoch = total // 4  # global micro-batches of 2 x 2 per epoch
+    for rank in (0, 1):
+        full = _stream(total, 0, 3 * per_epoch, rank, sharding=sharding)
+        for step in range(1, 3 * per_epoch):
+            rest = _stream(total, 4 * step, 3 * per_epoch - step, rank, sharding=sharding)
+            assert rest == full[step:], (rank, step)
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_each_epoch_reads_its_samples_once_and_reshuffles(sharding):
+    total, per_epoch = 23, 5  # 20 samples of whole global batches per epoch; 3 left out
+    epochs = []
+    for epoch in range(2):
+        seen = [i for rank in (0, 1) for b in _stream(total, 20 * epoch, per_epoch, rank,
+                sharding=sharding) for i in b]  # fmt: skip
+        assert len(seen) == len(set(seen)) == 20 and max(seen) < total
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]
+    if sharding:  # each rank's shard, reshuffled: the same 20 samples
+        assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(20))
+    else:  # 20 of the 22 = (23 // 2) * 2 permuted samples, a new draw each epoch (Megatron-LM)
+        assert max(epochs[0] + epochs[1]) < 22
+
+
+def test_sharded_order_is_megatron_lms():
+    """Data sharding (Megatron-LM's default): rank r walks torch.randperm(B, seed=epoch) of its
+    own shard [r*B, (r+1)*B), B = (total // (micro*dp)) * micro."""
+    total, shard = 23, 10
+    for epoch in range(2):
+        for rank in (0, 1):
+            order = torch.randperm(shard, generator=torch.Generator().manual_seed(epoch))
+            expected = [rank * shard + i for i in order.tolist()]
+            got = [i for b in _stream(total, 20 * epoch, 5, rank) for i in b]
+            assert got == expected
+
+
+def test_unsharded_epoch_ends_at_the_same_batch_on_every_rank():
+    """Megatron-LM permutes (total // micro) * micro samples and deals them over the ranks; with
+    micro 1, dp 2 and 5 samples its rank 0 reads 3 batches, rank 1 two, and they drift apart.
+    Here an epoch stops at its last whole global batch on every rank (module docstring)."""
+    for total in range(2, 12):
+        counts = [len(list(MegatronPretrainingRandomSampler(total, 0, 1, r, 2, False)))
+                  for r in (0, 1)]  # fmt: skip
+        assert counts == [total // 2] * 2, total
+
+
+def test_sampler_bad_input():
+    with pytest.raises(ValueError, match="at least one global micro-batch of samples \\(4\\)"):
+        MegatronPretrainingRandomSampler(3, 0, 2, 0, 2)
+    with pytest.raises(ValueError, match="data_parallel_rank \\(2\\) < data_parallel_size"):
+        MegatronPretrainingRandomSampler(8, 0, 2, 2, 2)
+
+
+def test_loader_types(tmp_path):
+    from megatron.training import datasets
+
+    data = list(range(12))
+    single = datasets.build_pretraining_data_loader(data, 4, 2, 0, 1)
+    cyclic = datasets.build_pretraining_data_loader(data, 4, 2, 0, 1, dataloader_type="cyclic")
+    assert [b.tolist() for b in single] == [[4, 5], [6, 7], [8, 9], [10, 11]]
+    assert isinstance(cyclic.batch_sampler, MegatronPretrainingRandomSampler)
+    assert sorted(i for b in cyclic for i in b.tolist()) != list(range(4, 12))  # shuffled
+    with pytest.raises(ValueError, match="single or cyclic, got 'external'"):
+        datasets.build_pretraining_data_loader(data, 0, 2, 0, 1, dataloader_type="external")
+
+
+def _per_split_file(tmp_path, table) -> str:
+    path = tmp_path / "splits.json"
+    path.write_text(table if isinstance(table, str) else json.dumps(table))
+    return str(path)
+
+
+def test_per_split_data_args_path_fills_the_split_paths(tmp_path):
+    table = {"train": "0.7 a 0.3 b", "valid": ["v"], "test": None}
+    args = parse_args(
+        BASE + ["--per-split-data-args-path", _per_split_file(tmp_path, table)], world_size=1
+    )
+    assert args.train_data_path == ["0.7", "a", "0.3", "b"]
+    assert (args.valid_data_path, args.test_data_path) == (["v"], None)
+
+
+PER_SPLIT_ERRORS = [
+    ({"train": "a", "valid": "b"}, [], "keys must be exactly ['train', 'valid', 'test'] "
+     "(missing ['test'], unknown [])"),
+    ({"train": "a", "valid": "b", "test": None, "dev": "c"}, [], "unknown ['dev']"),
+    ({"train": 5, "valid": None, "test": None}, [], "'train' must be a string, a list"),
+    ("{oops", [], "not valid JSON"),
+    ("[1]", [], "expected a JSON object"),
+    ({"train": "a", "valid": None, "test": None}, ["--train-data-path", "x"],
+     "--per-split-data-args-path and --train-data-path are exclusive"),
+    ({"train": "a", "valid": None, "test": None}, ["--data-path", "x"],
+     "--per-split-data-args-path and --data-path are exclusive"),
+    ({"train": "a", "valid": None, "test": None}, ["--mock-data"], "exclusive"),
+    ({"train": None, "valid": None, "test": None}, [], "no data"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("table, extra, message", PER_SPLIT_ERRORS)
+def test_per_split_data_args_path_errors(tmp_path, table, extra, message):
+    flags = ["--per-split-data-args-path", _per_split_file(tmp_path, table), *extra]
+    with pytest.raises(ArgumentsError) as err:
+        parse_args(BASE + flags, world_size=1)
+    assert message in str(err.value)
+
+
+def test_per_split_data_args_path_missing_file():
+    with pytest.raises(ArgumentsError, match="'/no/s.json': cannot read it"):
+        parse_args(BASE + ["--mock-data", "--per-split-data-args-path", "/no/s.json"], world_size=1)
+
+
+FLAG_ERRORS = [
+    ("--mock-data --tiktoken-pattern v2 --tiktoken-num-special-tokens 9",
+     "--tiktoken-pattern, --tiktoken-num-special-tokens configure TikTokenizer"),
+    ("--mock-data --tokenizer-type TikTokenizer --tokenizer-model r.json",
+     "TikTokenizer needs --tiktoken-pattern v1 or v2, got None"),
+    ("--mock-data --tokenizer-type TikTokenizer --tokenizer-model r.json --tiktoken-pattern v9",
+     "got v9"),
+    ("--mock-data --tokenizer-type Llama2Tokenizer", "Llama2Tokenizer needs --tokenizer-model "
+     "(a sentencepiece .model file)"),
+    ("--mock-data --tokenizer-type GPTSentencePieceTokenizer", "needs --tokenizer-model"),
+    ("--mock-data --no-data-sharding", "--no-data-sharding changes the shuffled order of "
+     "--dataloader-type cyclic only"),
+    ("--mock-data --dataloader-type external", "--dataloader-type external is not supported"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra, message", FLAG_ERRORS)
+def test_tokenizer_and_loader_flag_errors(extra, message):
+    with pytest.raises(ArgumentsError) as err:
+        parse_args(BASE + extra.split(), world_size=1)
+    assert message in str(err.value)
+
+
+def test_accepted_combinations():
+    args = parse_args(BASE + "--mock-data --dataloader-type cyclic --no-data-sharding".split(), 1)
+    assert (args.dataloader_type, args.data_sharding) == ("cyclic", False)
+    assert parse_args(BASE + ["--mock-data"], world_size=1).dataloader_type == "single"
+    tt = "--mock-data --tokenizer-type TikTokenizer --tokenizer-model r.json --tiktoken-pattern v1"
+    args = parse_args(BASE + tt.split() + ["--tiktoken-special-tokens", "<unk>", "<s>", "</s>"], 1)
+    assert args.tiktoken_special_tokens == ["<unk>", "<s>", "</s>"]
