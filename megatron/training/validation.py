@@ -491,13 +491,9 @@ def _derive_tokenizer_library(args) -> None:
     types = LIBRARY_TYPES[library]
     if not set(types) & set(TOKENIZER_TYPES):
         raise ArgumentsError(
-            f"--tokenizer-library {library} is not supported here: "
-            + (
-                "megatron-core's byte-level tokenizer (eos 0, pad 1, 512 ids) is not built by "
-                "this stack; --tokenizer-type ByteLevelTokenizer is ours (bytes 0-255, eod 256)"
-                if library == "byte-level"
-                else "sentencepiece and tiktoken tokenizers are not implemented yet"
-            )
+            f"--tokenizer-library {library} is not supported here: megatron-core's byte-level "
+            "tokenizer (eos 0, pad 1, 512 ids) is not built by this stack; --tokenizer-type "
+            "ByteLevelTokenizer is ours (bytes 0-255, eod 256)"
         )
     if args.tokenizer_type is None:
         args.tokenizer_type = types[0]

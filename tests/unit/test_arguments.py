@@ -294,7 +294,12 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--optimizer muon --muon-momentum 1.5", 1, ["muon_momentum"]),
     ("--micro-batch-size -1", 1, ["--micro-batch-size must be >= 1"]),
     ("--use-mup --mup-base-hidden-size 32", 1, ["--use-mup is not supported", "core_v0.16.1"]),
-    ("--tokenizer-library tiktoken", 1, ["--tokenizer-library tiktoken", "not implemented"]),
+    ("--tokenizer-library tiktoken", 1, ["--tokenizer-type TikTokenizer needs --tokenizer-model"]),
+    (
+        "--tokenizer-library sentencepiece --tokenizer-type TikTokenizer",
+        1,
+        ["--tokenizer-library sentencepiece and --tokenizer-type TikTokenizer disagree"],
+    ),
     ("--tokenizer-library byte-level", 1, ["byte-level", "--tokenizer-type ByteLevelTokenizer"]),
     (
         "--tokenizer-library huggingface --tokenizer-type NullTokenizer",
@@ -340,7 +345,12 @@ def test_derived_values():
     args = parse("--load /x --finetune")
     assert args.no_load_optim and args.no_load_rng
     # upstream main's --tokenizer-library alone stands for its library's tokenizer type
-    for library, tokenizer_type in (("null", "NullTokenizer"), ("megatron", "GPT2BPETokenizer")):
+    for library, tokenizer_type in (
+        ("null", "NullTokenizer"),
+        ("megatron", "GPT2BPETokenizer"),
+        ("sentencepiece --tokenizer-model m", "GPTSentencePieceTokenizer"),
+        ("tiktoken --tokenizer-model r --tiktoken-pattern v2", "TikTokenizer"),
+    ):
         assert parse(f"--tokenizer-library {library}").tokenizer_type == tokenizer_type
 
 
