@@ -64,7 +64,11 @@ def virtual_pipeline_size(args):
 
 def optimizer_config(args) -> OptimizerConfig:
     kw = _homed(args, OptimizerConfig)
-    kw.update(params_dtype=params_dtype(args))
+    # --bf16/--fp16 live in TransformerConfig (their table home) and in OptimizerConfig, as
+    # Megatron-LM fills both: there they pick the mixed-precision optimizer (fp32 main params and
+    # grads; fp16 loss scaling). Without them a 16-bit model got the FP32 optimizer, which
+    # failed on its first step unless the DistributedOptimizer was on, and fp16 had no scaler.
+    kw.update(params_dtype=params_dtype(args), bf16=args.bf16, fp16=args.fp16)
     return OptimizerConfig(**kw)
 
 

@@ -23,11 +23,11 @@ LOGGING = (
 )
 MUON = "--optimizer muon --muon-tp-mode duplicated --muon-momentum 0.95"
 
-# (name, ranks, flags): dense Llama-style TP x PP x VPP with GQA, RoPE, SwiGLU, RMSNorm and a
-# rampup batch (sample-based, as Megatron-LM requires for a rampup); GPT-3-style DP with
-# learned positions and GeLU; MoE with expert parallelism. The interleaved recipe runs in fp32 and
-# without DistOpt: bf16 + VPP without DistOpt, and Muon + DistOpt + VPP, fail in the optimizer
-# today (reported, not parser issues).
+# (name, ranks, flags): dense Llama-style TP x PP x VPP with GQA, RoPE, SwiGLU, RMSNorm, a
+# rampup batch (sample-based, as Megatron-LM requires for a rampup), bf16 and DistOpt; GPT-3-style
+# DP in fp16 (loss scaling; the 345M recipes' precision) with learned positions and GeLU; MoE with
+# expert parallelism in bf16 with bf16 gradient reduction and no DistOpt (Megatron's
+# mixed-precision optimizer, fp32 main grads: its clipping needs them).
 RECIPES = [
     (
         "llama-tp2-pp2-vpp2-gqa-rope-swiglu-rampup",
@@ -43,7 +43,7 @@ RECIPES = [
         "--train-samples 16 --lr-decay-samples 16 --lr-warmup-samples 2 "
         "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
         "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 "
-        "--use-flash-attn",
+        "--use-flash-attn --bf16 --use-distributed-optimizer",
     ),
     (
         "gpt3-dp2-learned-gelu",
@@ -54,7 +54,7 @@ RECIPES = [
         "--seed 1234 --init-method-std 0.006 --accumulate-allreduce-grads-in-fp32 "
         "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
         "--ckpt-format torch_dist --no-mmap-bin-files --no-create-attention-mask-in-dataloader "
-        "--deterministic-mode",
+        "--deterministic-mode --fp16 --initial-loss-scale 4096",
     ),
     (
         "moe-ep2-alltoall-aux-loss",
@@ -63,7 +63,7 @@ RECIPES = [
         "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
         "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-ffn-hidden-size 32 "
         "--moe-shared-expert-intermediate-size 32 --moe-router-dtype fp32 "
-        "--moe-z-loss-coeff 1e-3 --use-distributed-optimizer --num-layers 2 --hidden-size 32 "
+        "--moe-z-loss-coeff 1e-3 --grad-reduce-in-bf16 --num-layers 2 --hidden-size 32 "
         "--num-attention-heads 4 --position-embedding-type rope --swiglu --normalization RMSNorm "
         "--disable-bias-linear --micro-batch-size 1 --global-batch-size 4 --train-iters 4 "
         "--lr 3e-3 --lr-decay-style cosine --bf16",
@@ -81,3 +81,6 @@ def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
     assert all(loss > 0 for loss in floats(table))
     noted = [line for line in proc.stderr.splitlines() if "accepted, no effect" in line]
     assert len(noted) == 1 and "--use-mcore-models" in noted[0]
+    # fp16 runs under Megatron's loss scaler (a 1.0 scale here meant none); bf16 needs none
+    scales = set(re.findall(r"loss scale: (\S+) \|", proc.stdout))
+    assert scales == ({"4096.0"} if "--fp16" in flags else {"1.0"}), scales

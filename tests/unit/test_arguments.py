@@ -217,6 +217,10 @@ def test_core_fields_reach_the_configs():
     assert (oc.muon_momentum, oc.decoupled_lr) == (0.5, 1e-4)
     assert (ddp.grad_reduce_in_fp32, ddp.bucket_size) == (True, 1000)
     assert isinstance(oc, OptimizerConfig)
+    # --bf16/--fp16 reach both configs: the optimizer config picks the mixed-precision optimizer
+    for flag in ("bf16", "fp16"):
+        tc, oc = transformer_config(parse(f"--{flag}")), optimizer_config(parse(f"--{flag}"))
+        assert getattr(tc, flag) and getattr(oc, flag) and oc.params_dtype == tc.params_dtype
 
 
 def _help_text() -> str:
