@@ -79,6 +79,14 @@ SERIES = [
         ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
     ),
     (
+        "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms",
+        "WrappedTorchNorm asserted layernorm_zero_centered_gamma off; it now returns LayerNorm /\n"
+        "RMSNorm modules whose weight is gamma (scale 1 + gamma, gamma initialized to 0), as TE\n"
+        "and Apex store it.",
+        ["megatron/core/transformer/zero_centered_norm.py"],
+        ["0015-local-norm-zero-centered-gamma.patch"],
+    ),
+    (
         "moe: router without Transformer Engine",
         "The MoE router's fused path is guarded so the local spec runs without TE.",
         [],

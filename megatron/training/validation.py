@@ -92,11 +92,6 @@ UNSUPPORTED = (
         "with local: auto, local or unfused",
     ),
     (
-        lambda a: a.layernorm_zero_centered_gamma and a.transformer_impl == "local",
-        "--apply-layernorm-1p needs --transformer-impl transformer_engine: the local spec's "
-        "torch LayerNorm/RMSNorm has no zero-centered gamma (megatron-core refuses it)",
-    ),
-    (
         lambda a: a.cross_entropy_loss_fusion
         and a.cross_entropy_fusion_impl == "te"
         and not _has_te(),

@@ -279,7 +279,6 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--muon-use-syrk", 1, ["--muon-use-syrk", "SYRK"]),
     ("--context-parallel-size 2", 1, ["--context-parallel-size", "Transformer Engine"]),
     ("--multi-latent-attention", 1, ["--multi-latent-attention", "transformer_engine"]),
-    ("--apply-layernorm-1p", 1, ["--apply-layernorm-1p", "zero-centered"]),
     ("--moe-token-dispatcher-type flex --num-experts 2", 1, ["flex", "alltoall"]),
     ("--deterministic-mode --cross-entropy-loss-fusion", 1, ["--deterministic-mode excludes"]),
     ("--optimizer muon --muon-coefficient-type cubic", 1, ["--muon-coefficient-type", "quintic"]),

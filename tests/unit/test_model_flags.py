@@ -111,8 +111,43 @@ def test_cross_entropy_loss_fusion_gives_the_unfused_numbers():
     assert (fused - unfused).abs().max().item() < 1e-5
 
 
-def test_apply_layernorm_1p_with_the_local_spec_is_refused():
-    from megatron.training.arguments import ArgumentsError, parse_args
+def _norm_weights(model) -> dict:
+    return {name: p for name, p in model.named_parameters() if name.endswith("layernorm.weight")}
 
-    with pytest.raises(ArgumentsError, match="--apply-layernorm-1p needs"):
-        parse_args(BASE + ["--apply-layernorm-1p", "--transformer-impl", "local"], world_size=1)
+
+def _layernorm_1p_facts(flags: str) -> dict:
+    """A model with --apply-layernorm-1p against one without, given the same params except each
+    norm weight w stored as gamma = w - 1: their logits must agree (and differ when gamma is
+    not shifted: the negative control)."""
+    import torch
+
+    _, plain = _build(flags)
+    _, shifted = _build(flags + " --apply-layernorm-1p")
+    init = {n: p.abs().max().item() for n, p in _norm_weights(shifted).items()}
+    with torch.no_grad():
+        for p in _norm_weights(plain).values():
+            p.uniform_(0.5, 1.5)  # a scale away from 1, so gamma matters
+        state = plain.state_dict()
+        copied = {k: v - 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
+        shifted.load_state_dict(copied)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        position_ids = torch.arange(16).expand(2, 16)
+        plain.eval(), shifted.eval()
+        reference = plain(tokens, position_ids, None)
+        same = shifted(tokens, position_ids, None)
+        shifted.load_state_dict(state)  # gamma = w: the scale becomes 1 + w
+        control = shifted(tokens, position_ids, None)
+    return {
+        "init": init,
+        "diff": (same - reference).abs().max().item(),
+        "control": (control - reference).abs().max().item(),
+    }
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_apply_layernorm_1p_reaches_the_local_norms(normalization):
+    facts = _one_rank(_layernorm_1p_facts, f"--normalization {normalization} --qk-layernorm")
+    # every norm (input, pre-MLP, q/k, final) starts at gamma = 0, i.e. scale 1
+    assert len(facts["init"]) == 2 * 4 + 1 and set(facts["init"].values()) == {0.0}
+    # 1 + (w - 1) vs w: fp32 rounding of the scale only
+    assert facts["diff"] < 1e-5 and facts["control"] > 1e-2

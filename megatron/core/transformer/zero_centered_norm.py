@@ -1,0 +1,53 @@
+"""Zero-centered gamma for the local (torch) norms: ``TransformerConfig.
+layernorm_zero_centered_gamma`` (Megatron-LM's ``--apply-layernorm-1p``) without Transformer
+Engine or Apex.
+
+    y = norm(x) * (1 + gamma) + beta        gamma initialized to 0, so y = norm(x) at init
+
+The stored weight is gamma, as in TE's and Apex's zero-centered norms, so weight decay pulls the
+scale towards 1 rather than 0 and checkpoints hold the same numbers as those backends.
+megatron-core 0.16.1's ``WrappedTorchNorm`` asserts the field is off; patch 0015 returns these
+modules instead.
+"""
+
+import torch
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm whose ``weight`` is gamma: the scale applied is ``1 + weight``."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(
+            x, self.normalized_shape, self.weight + 1, self.bias, self.eps
+        )
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm whose ``weight`` is gamma: the scale applied is ``1 + weight``."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+ZERO_CENTERED_NORMS = {"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenteredRMSNorm}
+
+
+def zero_centered_norm(normalization: str, hidden_size: int, eps: float) -> torch.nn.Module:
+    """The zero-centered module for ``config.normalization``; ValueError for one without a
+    learned scale to center (L2Norm)."""
+    if normalization not in ZERO_CENTERED_NORMS:
+        raise ValueError(
+            f"layernorm_zero_centered_gamma needs normalization LayerNorm or RMSNorm, "
+            f"got {normalization!r}"
+        )
+    return ZERO_CENTERED_NORMS[normalization](hidden_size, eps=eps)
