@@ -64,14 +64,20 @@ def test_train_save_resume_reproduces_losses(tmp_path, name, nproc, flags, fmt):
     assert resumed == {3: full[3], 4: full[4]}
 
 
-@pytest.mark.parametrize("optimizer, fmt", [("muon", "torch_dist"), ("adam", "torch")])
-def test_data_parallel_distributed_optimizer_resume(tmp_path, optimizer, fmt):
+@pytest.mark.parametrize(
+    "optimizer, fmt, loader",
+    [("muon", "torch_dist", "single"), ("adam", "torch", "cyclic")],
+)
+def test_data_parallel_distributed_optimizer_resume(tmp_path, optimizer, fmt, loader):
     """DP=2 with the DistributedOptimizer trains, saves, and a resumed launch prints the same
     losses. Upstream 0.16.1 fails every DistOpt resume on CPU (design.md section 6); the fork's
-    declared-state checkpoint code (muon_checkpoint.py) covers Muon and torch's AdamW."""
+    declared-state checkpoint code (muon_checkpoint.py) covers Muon and torch's AdamW. The adam
+    case reads with --dataloader-type cyclic: its random sampler resumes from the consumed-sample
+    count alone (the 16 mock samples are one shuffled epoch; a restart at sample 0 would differ)."""
     save = str(tmp_path / "save")
     chosen = MUON.split() if optimizer == "muon" else ["--optimizer", optimizer]
     args = TINY + chosen + ["--use-distributed-optimizer", "--train-iters", 4]
+    args += ["--dataloader-type", loader]
     args += ["--ckpt-format", fmt]
     full = losses(run(args + ["--save", save, "--save-interval", 2], nproc=2))
     assert sorted(full) == [1, 2, 3, 4] and floats(full)[-1] < floats(full)[0]
