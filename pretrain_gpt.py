@@ -96,9 +96,9 @@ def forward_step(args, data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def data_iterators(args, state, n_chunks, tokenizer):
-    """(train, valid) iterators from the consumed-sample counts (lists for virtual stages)."""
-    config = datasets.gpt_dataset_config(
+def dataset_config(args, tokenizer):
+    """pretrain_gpt.py's GPTDatasetConfig from the data flags."""
+    return datasets.gpt_dataset_config(
         tokenizer,
         args.seq_length,
         seed=args.seed,
@@ -111,7 +111,15 @@ def data_iterators(args, state, n_chunks, tokenizer):
         test_data_path=args.test_data_path,
         mmap_bin_files=args.mmap_bin_files,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
     )
+
+
+def data_iterators(args, state, n_chunks, tokenizer):
+    """(train, valid) iterators from the consumed-sample counts (lists for virtual stages)."""
+    config = dataset_config(args, tokenizer)
     samples = datasets.train_valid_test_num_samples(
         args.train_iters,
         args.global_batch_size,

@@ -460,6 +460,7 @@ def _derive(args) -> None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
     if args.dataloader_type is None:
         args.dataloader_type = "single"  # Megatron-LM's default
+    _derive_attention_mask(args)
     if args.mock_data and args.vocab_size is None:
         args.vocab_size = 256  # a small mock vocabulary; Megatron-LM needs one given
     if args.bf16 and not args.grad_reduce_in_bf16:
@@ -497,6 +498,24 @@ def _derive_tokenizer_library(args) -> None:
             f"--tokenizer-library {library} and --tokenizer-type {args.tokenizer_type} disagree: "
             f"the {library} library builds {', '.join(types)}"
         )
+
+
+def _derive_attention_mask(args) -> None:
+    """--reset-attention-mask acts on the mask the data loader builds, which is off by default
+    here (DIFFERENCES): it turns mask building on, said once; with the mask explicitly off it
+    would be silently ignored, so that is an error."""
+    if not args.reset_attention_mask or args.create_attention_mask_in_dataloader:
+        return
+    if "create_attention_mask_in_dataloader" in args.given:
+        raise ArgumentsError(
+            "--reset-attention-mask needs the data loader's attention mask: drop "
+            "--no-create-attention-mask-in-dataloader"
+        )
+    args.create_attention_mask_in_dataloader = True
+    args.notices.append(
+        "--reset-attention-mask: the data loader builds per-sample attention masks "
+        "(documents do not attend to each other)"
+    )
 
 
 def _derive_exit_signal(args) -> None:
@@ -571,7 +590,7 @@ def validate_args(args) -> None:
     _check_optimizer_specific(args)
     _check_table(args)
     _check_schedule_form(args)
-    _apply_per_split_data_args(args)
+    _apply_data_args_files(args)
     _derive(args)
     _check_rules(args, RULES)
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -582,10 +601,11 @@ def validate_args(args) -> None:
     _check_core_configs(args)
 
 
-def _apply_per_split_data_args(args) -> None:
-    from .per_split_data import apply_per_split_data_args
+def _apply_data_args_files(args) -> None:
+    from .data_args_files import apply_data_args_path, apply_per_split_data_args
 
     try:
+        apply_data_args_path(args)
         apply_per_split_data_args(args)
     except ValueError as err:
         raise ArgumentsError(str(err)) from None

@@ -1,7 +1,8 @@
 """Tokenizer families through the real CLI, one launch each: tools/preprocess_data.py writes the
 data with a model file made here (tests/tokenizer_files.py), pretrain_gpt.py trains 3 steps on it
-with the same tokenizer flags. Folded in: --per-split-data-args-path, --apply-layernorm-1p with
-the local layers, --dataloader-type cyclic (sharded and not).
+with the same tokenizer flags. Folded in: --per-split-data-args-path, --data-args-path,
+--apply-layernorm-1p with the local layers, --dataloader-type cyclic (sharded and not),
+--eod-mask-loss, --reset-position-ids and --reset-attention-mask (masks in the local attention).
 
     .venv/bin/python -m pytest -q tests/e2e/test_tokenizer_cli.py
 """
@@ -85,13 +86,18 @@ def test_llama2_sentencepiece_trains_with_per_split_file_and_layernorm_1p(data, 
     assert proc.stdout.count("validation loss at iteration 2") == 1
 
 
-def test_tiktoken_trains_with_unsharded_cyclic_loader(data):
+def test_tiktoken_trains_with_data_args_file_document_masks_and_unsharded_cyclic(data, tmp_path):
     flags, prefix = data["tiktoken"]
     docs = _documents(prefix + "_text_document")
     assert all(d[-1] == 2 and max(d[:-1]) < 270 and min(d[:-1]) >= 4 for d in docs)
-    args = MODEL_FLAGS + flags + ["--train-data-path", prefix + "_text_document"]
-    args += ["--valid-data-path", prefix + "_valid_document", "--train-iters", 3]
-    args += ["--dataloader-type", "cyclic", "--no-data-sharding"]
+    data_args = tmp_path / "data.txt"
+    data_args.write_text(f"1.0 {prefix}_text_document\n")
+    args = MODEL_FLAGS + flags + ["--data-args-path", str(data_args), "--split", "90,10,0"]
+    args += ["--train-iters", 3, "--dataloader-type", "cyclic", "--no-data-sharding"]
+    args += ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
     proc = run(args)
     assert sorted(losses(proc)) == [1, 2, 3]
     assert proc.stdout.count("validation loss at iteration 2") == 1
+    assert "--reset-attention-mask: the data loader builds per-sample attention masks" in (
+        proc.stderr
+    )

@@ -6,6 +6,7 @@
 
 import json
 
+import numpy
 import pytest
 import torch
 
@@ -173,3 +174,88 @@ def test_accepted_combinations():
     tt = "--mock-data --tokenizer-type TikTokenizer --tokenizer-model r.json --tiktoken-pattern v1"
     args = parse_args(BASE + tt.split() + ["--tiktoken-special-tokens", "<unk>", "<s>", "</s>"], 1)
     assert args.tiktoken_special_tokens == ["<unk>", "<s>", "</s>"]
+
+
+def test_data_args_path_reads_the_data_path_items(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("0.3 a\n0.7  b\n")
+    args = parse_args(BASE + ["--data-args-path", str(path)], world_size=1)
+    assert args.data_path == ["0.3", "a", "0.7", "b"]
+    for extra, message in (
+        (["--data-path", "x"], "--data-args-path and --data-path are exclusive"),
+        (["--train-data-path", "x"], "--train-data-path/--valid-data-path/--test-data-path are"),
+    ):
+        with pytest.raises(ArgumentsError, match=message):
+            parse_args(BASE + ["--data-args-path", str(path), *extra], world_size=1)
+    path.write_text("  \n")
+    with pytest.raises(ArgumentsError, match="is empty"):
+        parse_args(BASE + ["--data-args-path", str(path)], world_size=1)
+    with pytest.raises(ArgumentsError, match="'/no/d.txt': cannot read it"):
+        parse_args(BASE + ["--data-args-path", "/no/d.txt"], world_size=1)
+
+
+def test_reset_attention_mask_turns_the_loader_mask_on_or_is_refused():
+    args = parse_args(BASE + ["--mock-data", "--reset-attention-mask"], world_size=1)
+    assert args.create_attention_mask_in_dataloader
+    assert any("--reset-attention-mask" in n for n in args.notices)
+    assert not parse_args(BASE + ["--mock-data"], world_size=1).create_attention_mask_in_dataloader
+    with pytest.raises(ArgumentsError, match="drop --no-create-attention-mask-in-dataloader"):
+        parse_args(
+            BASE + "--mock-data --reset-attention-mask --no-create-attention-mask-in-dataloader"
+            .split(), world_size=1,
+        )  # fmt: skip
+
+
+def _pretrain_gpt():
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", f"{root}/pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DOCS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12, 13]]  # each ends with eod (256) on disk
+
+
+def _first_sample(tmp_path, flags: list) -> dict:
+    """The first training sample pretrain_gpt.py's dataset config gives for ``flags``."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron.training import datasets
+    from megatron.training.tokenizer import ByteLevelTokenizer
+
+    tmp_path.mkdir()
+    prefix = str(tmp_path / "docs")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for doc in DOCS * 4:
+        builder.add_document(torch.tensor(doc + [256]), [len(doc) + 1])
+    builder.finalize(prefix + ".idx")
+    argv = BASE + ["--data-path", prefix, "--split", "100,0,0", "--seq-length", "12", *flags]
+    args = parse_args(argv, world_size=1)
+    config = _pretrain_gpt().dataset_config(args, ByteLevelTokenizer())
+    train, _, _ = datasets.build_train_valid_test_datasets(config, [2, 0, 0])
+    return train[0]
+
+
+def test_document_flags_reach_the_samples(tmp_path):
+    """--eod-mask-loss, --reset-position-ids, --reset-attention-mask through pretrain_gpt.py's
+    dataset config: the sample's loss mask, positions and mask follow its document bounds."""
+    plain = _first_sample(tmp_path / "plain", [])
+    sample = _first_sample(
+        tmp_path / "flags", ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+    )
+    tokens = sample["tokens"].tolist()
+    assert tokens == plain["tokens"].tolist() and 256 in tokens
+    doc = [sum(t == 256 for t in tokens[:i]) for i in range(len(tokens))]  # document of each
+    starts = [doc.index(d) for d in doc]
+    assert sample["loss_mask"].tolist() == [float(t != 256) for t in tokens]
+    assert sample["position_ids"].tolist() == [i - s for i, s in enumerate(starts)]
+    masked = sample["attention_mask"][0]  # True: may not attend
+    assert masked.tolist() == [
+        [not (j <= i and doc[j] == doc[i]) for j in range(len(tokens))] for i in range(len(tokens))
+    ]
+    assert plain["loss_mask"].tolist() == [1.0] * len(tokens) and "attention_mask" not in plain
+    assert plain["position_ids"].tolist() == list(range(len(tokens)))

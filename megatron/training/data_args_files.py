@@ -1,4 +1,5 @@
-"""``--per-split-data-args-path``: Megatron-LM's JSON file of per-split data paths.
+"""Megatron-LM's data-path files: ``--data-args-path`` (the ``--data-path`` items, whitespace
+separated, in a text file) and ``--per-split-data-args-path`` (a JSON file of per-split paths):
 
     {"train": "0.7 data/a_text_document 0.3 data/b_text_document",
      "valid": ["data/v_text_document"],
@@ -15,6 +16,24 @@ import json
 
 FLAG = "--per-split-data-args-path"
 SPLITS = ("train", "valid", "test")
+
+
+def apply_data_args_path(args) -> None:
+    """``--data-args-path FILE``: ``args.data_path`` from the file's whitespace-separated items
+    (prefixes, optionally weighted), as Megatron-LM reads it; exclusive with ``--data-path``."""
+    path = args.data_args_path
+    if path is None:
+        return
+    if args.data_path:
+        raise ValueError("--data-args-path and --data-path are exclusive: the file gives the paths")
+    try:
+        with open(path, encoding="utf-8") as f:
+            items = f.read().split()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--data-args-path {path!r}: cannot read it ({err})") from None
+    if not items:
+        raise ValueError(f"--data-args-path {path!r} is empty: it should hold --data-path's items")
+    args.data_path = items
 
 
 def read_per_split_data_args(path: str) -> dict:
