@@ -67,6 +67,11 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument(
         "--tiktoken-special-tokens", nargs="+", help="TikTokenizer (default <unk> <s> </s>)"
     )
+    group.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="accepted, no effect: the tokenizers here always follow Megatron-LM's legacy ones",
+    )
     group.add_argument("--append-eod", action="store_true", help="end each document with eod")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="path prefix of the output files")
