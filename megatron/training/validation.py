@@ -465,6 +465,7 @@ def _derive(args) -> None:
         args.vocab_size = 256  # a small mock vocabulary; Megatron-LM needs one given
     if args.bf16 and not args.grad_reduce_in_bf16:
         args.accumulate_allreduce_grads_in_fp32 = True  # as Megatron-LM: bf16 grads reduced in fp32
+    _derive_rotary(args)
     if args.rope_type is None:
         args.rope_type = "yarn" if args.multi_latent_attention else "rope"
     if args.finetune:
@@ -498,6 +499,19 @@ def _derive_tokenizer_library(args) -> None:
             f"--tokenizer-library {library} and --tokenizer-type {args.tokenizer_type} disagree: "
             f"the {library} library builds {', '.join(types)}"
         )
+
+
+def _derive_rotary(args) -> None:
+    """Megatron-LM's legacy --use-rotary-position-embeddings means rope; a different
+    --position-embedding-type given with it would be overridden silently upstream: refused."""
+    if not args.use_rotary_position_embeddings:
+        return
+    if "position_embedding_type" in args.given and args.position_embedding_type != "rope":
+        raise ArgumentsError(
+            f"--use-rotary-position-embeddings means --position-embedding-type rope, but "
+            f"{args.position_embedding_type} is given: drop one"
+        )
+    args.position_embedding_type = "rope"
 
 
 def _derive_attention_mask(args) -> None:

@@ -151,3 +151,58 @@ def test_apply_layernorm_1p_reaches_the_local_norms(normalization):
     assert len(facts["init"]) == 2 * 4 + 1 and set(facts["init"].values()) == {0.0}
     # 1 + (w - 1) vs w: fp32 rounding of the scale only
     assert facts["diff"] < 1e-5 and facts["control"] > 1e-2
+
+
+def _interleaved_rope_facts(flags: str) -> dict:
+    """--rotary-interleaved rotates channel pairs (2i, 2i+1); the half-split RoPE rotates
+    (i, i + d/2). Attention scores sum over channels, so an interleaved model equals a half-split
+    one whose query and key rows are reordered per head as [0, 2, .., d-2, 1, 3, .., d-1]
+    (same values elsewhere); the unpermuted copy is the negative control."""
+    import torch
+
+    _, interleaved = _build(flags + " --rotary-interleaved")
+    _, half = _build(flags)
+    assert interleaved.config.rotary_interleaved and not half.config.rotary_interleaved
+    d, heads = 8, 4  # kv channels (32 / 4), heads; no GQA: linear_qkv rows are [q k v] per head
+    order = list(range(0, d, 2)) + list(range(1, d, 2))
+    rows = []
+    for head in range(heads):
+        base = head * 3 * d
+        rows += [base + i for i in order] + [base + d + i for i in order]
+        rows += list(range(base + 2 * d, base + 3 * d))
+    state = interleaved.state_dict()
+    permuted = {
+        k: v[rows] if k.endswith("linear_qkv.weight") or k.endswith("linear_qkv.bias") else v
+        for k, v in state.items()
+    }
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(16).expand(2, 16)
+    interleaved.eval(), half.eval()
+    with torch.no_grad():
+        reference = interleaved(tokens, position_ids, None)
+        half.load_state_dict(permuted)
+        same = half(tokens, position_ids, None)
+        half.load_state_dict(state)
+        control = half(tokens, position_ids, None)
+    return {
+        "diff": (same - reference).abs().max().item(),
+        "control": (control - reference).abs().max().item(),
+    }
+
+
+def test_rotary_interleaved_reaches_the_attention():
+    facts = _one_rank(_interleaved_rope_facts, "--use-rotary-position-embeddings")
+    # the same products summed in another channel order: fp32 rounding only (measured ~6e-8);
+    # the unpermuted copy is off by ~6e-4 at this tiny init scale
+    assert facts["diff"] < 1e-6 and facts["control"] > 1e-4
+
+
+def test_use_rotary_position_embeddings_is_rope():
+    from megatron.training.arguments import ArgumentsError, parse_args
+
+    args = parse_args(BASE + ["--use-rotary-position-embeddings"], world_size=1)
+    assert args.position_embedding_type == "rope"
+    with pytest.raises(ArgumentsError, match="means --position-embedding-type rope, but none"):
+        parse_args(
+            BASE + "--use-rotary-position-embeddings --position-embedding-type none".split(), 1
+        )
