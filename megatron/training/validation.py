@@ -115,6 +115,17 @@ RULES = (
         lambda a: "--squared-relu and --swiglu are exclusive: pick one activation",
     ),
     (
+        lambda a: {"glu_linear_offset", "activation_func_clamp_value"} & a.given
+        and not (a.swiglu or a.quick_geglu),
+        lambda a: "--glu-linear-offset and --activation-func-clamp-value act on a gated MLP: "
+        "add --swiglu or --quick-geglu (without one they would be ignored)",
+    ),
+    (
+        lambda a: a.activation_func_clamp_value is not None
+        and not a.activation_func_clamp_value > 0,
+        lambda a: f"--activation-func-clamp-value must be > 0, got {a.activation_func_clamp_value}",
+    ),
+    (
         lambda a: not 0 < a.rotary_percent <= 1,
         lambda a: f"--rotary-percent must be in (0, 1], got {a.rotary_percent}",
     ),

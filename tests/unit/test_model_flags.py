@@ -206,3 +206,51 @@ def test_use_rotary_position_embeddings_is_rope():
         parse_args(
             BASE + "--use-rotary-position-embeddings --position-embedding-type none".split(), 1
         )
+
+
+def _gated_mlp_output(flags: str) -> dict:
+    """The built first layer's MLP on a fixed input, with zero biases, against the GLU formula
+    act(clamp(x Wg)) * (clamp(x Wl) + offset) Wo (TP=1: linear_fc1's rows are [gate; linear])."""
+    import torch
+
+    args, model = _build(flags)
+    mlp = model.decoder.layers[0].mlp
+    with torch.no_grad():
+        for name, p in mlp.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0, 1, generator=torch.Generator().manual_seed(len(name)))
+        x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(1))
+        out, bias = mlp(x)
+        out = out + (bias if bias is not None else 0)
+        gate, linear = (x @ mlp.linear_fc1.weight.t()).chunk(2, dim=-1)
+        clamp = args.activation_func_clamp_value
+        if clamp is not None:
+            gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)
+        hidden = mlp.config.activation_func(gate) * (linear + args.glu_linear_offset)
+        expected = hidden @ mlp.linear_fc2.weight.t()
+    return {"diff": (out - expected).abs().max().item(), "scale": expected.abs().max().item()}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--swiglu --glu-linear-offset 1.0 --activation-func-clamp-value 2.0",
+        "--quick-geglu --glu-linear-offset 0.5",
+        "--swiglu",  # the plain GLU through the same formula: the reference itself is right
+    ],
+)
+def test_glu_offset_and_clamp_reach_the_mlp(flags):
+    facts = _one_rank(_gated_mlp_output, flags)
+    # the same fp32 matmuls in the same order: exact up to rounding of O(scale) values
+    assert facts["diff"] <= 1e-5 * max(1.0, facts["scale"])
+
+
+def test_glu_flags_need_a_gated_mlp():
+    from megatron.training.arguments import ArgumentsError, parse_args
+
+    with pytest.raises(ArgumentsError, match="act on a gated MLP: add --swiglu or --quick-geglu"):
+        parse_args(BASE + ["--glu-linear-offset", "1"], world_size=1)
+    with pytest.raises(ArgumentsError, match="--activation-func-clamp-value must be > 0, got -1"):
+        parse_args(BASE + ["--swiglu", "--activation-func-clamp-value", "-1"], world_size=1)
