@@ -68,7 +68,9 @@ def optimizer_config(args) -> OptimizerConfig:
     # Megatron-LM fills both: there they pick the mixed-precision optimizer (fp32 main params and
     # grads; fp16 loss scaling). Without them a 16-bit model got the FP32 optimizer, which
     # failed on its first step unless the DistributedOptimizer was on, and fp16 had no scaler.
+    # --no-barrier-with-level-1-timing likewise fills both configs' barrier_with_L1_time.
     kw.update(params_dtype=params_dtype(args), bf16=args.bf16, fp16=args.fp16)
+    kw.update(barrier_with_L1_time=args.barrier_with_L1_time)
     return OptimizerConfig(**kw)
 
 

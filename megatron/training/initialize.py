@@ -2,6 +2,7 @@
 The same code runs on GPUs (nccl) and on CPUs (gloo, megatron-core's CPU mode)."""
 
 import datetime
+import logging
 import os
 import random
 
@@ -17,6 +18,7 @@ from .core_configs import virtual_pipeline_size
 
 
 def initialize(args) -> None:
+    set_logging_level(args.logging_level)
     on_cpu = cpu_mode.enable_if_needed()
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # ranks share the cores; more threads only contend
@@ -55,6 +57,15 @@ def _init_process_group(on_cpu: bool, timeout_minutes: int) -> None:
         )
         return
     torch.distributed.init_process_group(backend=backend, timeout=timeout)
+
+
+def set_logging_level(level) -> None:
+    """Megatron-LM's precedence: --logging-level, else $MEGATRON_LOGGING_LEVEL, else Python's
+    default; set on the root logger (megatron-core logs through module loggers under it)."""
+    env = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    level = level if level is not None else (int(env) if env is not None else None)
+    if level is not None:
+        logging.getLogger().setLevel(level)
 
 
 def set_seeds(seed: int) -> None:

@@ -35,6 +35,7 @@ class IntervalStats:
         self.iterations = self.skipped = self.nan = 0
         self.losses: dict = {}
         self.max_logit = None
+        self.end = None
 
     def pause(self, seconds: float) -> None:
         """Leave evaluation and checkpoint time out of the per-iteration time, as Megatron-LM."""
@@ -51,18 +52,36 @@ class IntervalStats:
             self.nan += int(not math.isfinite(value))
             self.losses[key] = self.losses.get(key, 0.0) + value
 
+    def freeze(self) -> None:
+        """Stop the clock: every figure of one log line reads the same interval."""
+        self.end = time.perf_counter()
+
+    def seconds_per_iteration(self) -> float:
+        end = self.end if self.end is not None else time.perf_counter()
+        return (end - self.start) / max(1, self.iterations)
+
     def averages(self) -> dict:
         counted = max(1, self.iterations - self.skipped)
         return {key: total / counted for key, total in self.losses.items()}
 
 
 def training_line(
-    args, state, stats: IntervalStats, lrs, batch_size, loss_scale, grad_norm, extra=None
+    args,
+    state,
+    stats: IntervalStats,
+    lrs,
+    batch_size,
+    loss_scale,
+    grad_norm,
+    extra=None,
+    *,
+    tflops=None,
 ):
     """One Megatron-LM training log line, plus tokens/s and ETA (ours). ``lrs``: the learning
-    rate and the decoupled one (None without --decoupled-lr)."""
+    rate and the decoupled one (None without --decoupled-lr); ``tflops``: the throughput per
+    GPU (``throughput``), printed with --log-throughput."""
     lr, decoupled_lr = lrs
-    elapsed = (time.perf_counter() - stats.start) / max(1, stats.iterations)
+    elapsed = stats.seconds_per_iteration()
     tokens_per_s = batch_size * args.seq_length / elapsed
     eta = datetime.timedelta(seconds=int(elapsed * (args.train_iters - state.iteration)))
     parts = [
@@ -73,8 +92,7 @@ def training_line(
         f" ETA: {eta}",
     ]
     if args.log_throughput:
-        tflops = 6 * state.num_params * tokens_per_s / 1e12 / args.world_size
-        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
     parts.append(f" learning rate: {lr:.6E}")
     if decoupled_lr is not None:
         parts.append(f" decoupled learning rate: {decoupled_lr:.6E}")
@@ -94,6 +112,12 @@ def training_line(
     return "".join(part + " |" for part in parts)
 
 
+def throughput(flops_per_iteration: float, stats: IntervalStats, world_size: int) -> float:
+    """TFLOP/s per GPU (Megatron-LM's): model FLOPs of an iteration (``flops.py``) over the
+    interval's seconds per iteration, shared by all ranks of the world."""
+    return flops_per_iteration / (stats.seconds_per_iteration() * 1e12 * world_size)
+
+
 def validation_block(label: str, losses: dict) -> str:
     text = f" validation loss at {label} | "
     for key, value in losses.items():
@@ -106,19 +130,23 @@ def validation_block(label: str, losses: dict) -> str:
 class TensorBoard:
     """Scalars under --tensorboard-dir, written by the last rank (it has the loss)."""
 
-    def __init__(self, log_dir):
+    def __init__(self, log_dir, queue_size: int = 1000):
         self.writer = None
         if log_dir and is_last_rank():
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
-    def scalars(self, values: dict, step: int) -> None:
+    def scalars(self, values: dict, step: int, samples=None) -> None:
+        """Each value at ``step``; with ``samples`` also as ``<tag> vs samples`` at that
+        consumed-sample count (Megatron-LM's second axis). None values are left out."""
         if self.writer is None:
             return
         for key, value in values.items():
             if value is not None:
                 self.writer.add_scalar(key, value, step)
+                if samples is not None:
+                    self.writer.add_scalar(key + " vs samples", value, samples)
 
     def close(self) -> None:
         if self.writer is not None:

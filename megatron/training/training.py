@@ -9,7 +9,6 @@ OptimizerParamScheduler; gradient accumulation to the global batch by the micro-
 interleaved with virtual stages); evaluation, checkpoints, Megatron-LM log lines.
 """
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -27,19 +26,15 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing, failures, log_figures, memory
+from . import checkpointing, failures, memory
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
-from .log import (
-    IntervalStats,
-    TensorBoard,
-    print_rank_0,
-    print_rank_last,
-    training_line,
-    validation_block,
-)
-from .schedule import get_scheduler, learning_rates
+from .log import print_rank_0, print_rank_last, validation_block
+from .progress import ProgressLog
+from .schedule import get_scheduler
+from .timers import started
+from .train_log import TrainingLog, make_timers
 
 
 @dataclass
@@ -107,10 +102,13 @@ def _device():
 
 
 def setup_model_and_optimizer(args, model_provider, config):
+    """``config.timers`` (Megatron's timers, when set) also time the optimizer's phases."""
     model = get_model(args, model_provider, config)
     _hook_up_schedule(args, config, model)
+    opt_config = optimizer_config(args)
+    opt_config.timers = config.timers
     try:
-        optimizer = get_megatron_optimizer(optimizer_config(args), model)
+        optimizer = get_megatron_optimizer(opt_config, model)
     except ValueError as err:  # the factory refuses a combination of optimizer settings
         raise ArgumentsError(f"--optimizer {args.optimizer}: {err}") from err
     config.grad_scale_func = optimizer.scale_loss
@@ -147,6 +145,7 @@ def reduce_losses(outputs: list) -> dict:
 
 
 def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, iteration=None):
+    """One iteration; returns (losses, skipped, (grad norm, num zeros), max attention logit)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -156,7 +155,9 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
         # fp16's loss scaler already skips steps with inf/NaN grads: there only the loss counts
         grads = [] if args.fp16 else failures.model_grad_buffers(model)
         failures.check_finite(outputs, grads, iteration, _device())
+    timer = started(model[0].config.timers, "optimizer", 1, args.barrier_with_L1_time)
     ok, grad_norm, num_zeros = optimizer.step()
+    timer.stop()
     max_logit = clip_qk(model, optimizer=optimizer)  # --qk-clip / --log-max-attention-logit
     memory.empty_cache(args.empty_unused_memory_level, 2, _device())
     if ok:
@@ -194,6 +195,7 @@ def pretrain(
     ``exit_conditions`` (made at process start, so that its signal handler and clock cover
     start-up) decides early exits; one is made here when not given."""
     exit_conditions = exit_conditions or ExitConditions(args, time.time())
+    config.timers = make_timers(args, _device())  # megatron-core's schedules and optimizer
     model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider, config)
     state = TrainState(num_params=count_parameters(model))
     print_rank_0(f" > number of parameters: {state.num_params}")
@@ -203,13 +205,15 @@ def pretrain(
     train_iter, valid_iter, has_valid = data_iterators_provider(args, state, len(model))
     valid_iter = valid_iter if has_valid and args.eval_iters > 0 else False
     checkpointing.restore_pending_rng(state)
-    tb = TensorBoard(args.tensorboard_dir)
+    log = TrainingLog(args, config.timers, _device(), config)
+    if args.log_progress:
+        log.progress = ProgressLog(args, config, state, exit_conditions.start_time)
     iterators = (train_iter, valid_iter)
     collector = memory.ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval)
     with collector:
-        loop = (tb, exit_conditions, collector)
+        loop = (log, exit_conditions, collector)
         reason = train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, loop)
-    tb.close()
+    log.close()
     exit_conditions.release()
     if reason:
         print_rank_0(f" > {reason}")
@@ -218,66 +222,44 @@ def pretrain(
 
 def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, loop):
     """Steps until --train-iters or an early exit (returned as its reason), then a final save.
-    ``loop`` is (TensorBoard, ExitConditions, memory.ManualGC)."""
-    tb, stop, collector = loop
+    ``loop`` is (TrainingLog, ExitConditions, memory.ManualGC)."""
+    log, stop, collector = loop
     train_iter, valid_iter = iterators  # valid_iter False: no evaluation (None: reads no data)
     reason = None
-    stats = IntervalStats()
     saved_at = None
     while state.iteration < args.train_iters:
         update_num_microbatches(state.consumed_train_samples, consistency_check=True)
         batch_size = get_current_global_batch_size()
-        losses, skipped, (grad_norm, num_zeros), max_logit = train_step(
+        step = train_step(
             args, forward_step, train_iter, model, optimizer, scheduler, state.iteration + 1
         )
         state.iteration += 1
         state.consumed_train_samples += batch_size
-        stats.add(losses, skipped, max_logit)
-        if state.iteration % args.log_interval == 0:
-            extra = log_figures.figures(args, model, num_zeros)
-            _log(args, state, stats, optimizer, batch_size, grad_norm, tb, extra)
-            stats = IntervalStats()
+        log.step(state, step, model, optimizer, batch_size)
         paused = time.perf_counter()
         if valid_iter is not False and state.iteration % args.eval_interval == 0:
             collector.before_eval()
-            _evaluate_and_print(args, forward_step, valid_iter, model, state, tb)
+            _evaluate_and_print(args, forward_step, valid_iter, model, state, log)
             collector.after_eval()
         if args.save_interval and state.iteration % args.save_interval == 0:
             checkpointing.save(args, model, optimizer, scheduler, state)
+            log.saved(state)
             saved_at = state.iteration
-        stats.pause(time.perf_counter() - paused)
+        log.pause(time.perf_counter() - paused)
         reason = stop.check(state.iteration, _device())
         if reason:
             break
         collector.after_step(state.iteration)  # Megatron-LM: last in the iteration
     if args.save and saved_at != state.iteration:
         checkpointing.save(args, model, optimizer, scheduler, state)
+        log.saved(state)
     return reason
 
 
-def _log(args, state, stats, optimizer, batch_size, grad_norm, tb, extra) -> None:
-    lr, decoupled_lr = learning_rates(optimizer, args.decoupled_lr is not None)
-    scale = optimizer.get_loss_scale().item()
-    norm = None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm
-    lrs = (lr, decoupled_lr)
-    line = training_line(args, state, stats, lrs, batch_size, scale, grad_norm, extra)
-    print_rank_last(line)
-    values = {f"train/{k}": v for k, v in stats.averages().items()}
-    values.update({"learning-rate": lr, "loss-scale": scale, "grad-norm": norm})
-    values["decoupled-learning-rate"] = decoupled_lr
-    values["batch-size"] = batch_size
-    values["max-attention-logit"] = stats.max_logit
-    values.update({log_figures.TAGS[k]: v for k, v in extra.items()})
-    tb.scalars(values, state.iteration)
-
-
-def _evaluate_and_print(args, forward_step, valid_iter, model, state, tb) -> None:
+def _evaluate_and_print(args, forward_step, valid_iter, model, state, log) -> None:
     if args.eval_iters == 0:
         return
     losses = evaluate(args, forward_step, valid_iter, model, state)
     if losses:
         print_rank_last(validation_block(f"iteration {state.iteration}", losses))
-        tb.scalars({f"validation/{k}": v for k, v in losses.items()}, state.iteration)
-        if args.log_validation_ppl_to_tensorboard:
-            ppl = {f"validation/{k} ppl": math.exp(min(20.0, v)) for k, v in losses.items()}
-            tb.scalars(ppl, state.iteration)
+        log.validation(state.iteration, state.consumed_train_samples, losses)

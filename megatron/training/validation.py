@@ -40,7 +40,26 @@ POSITIVE = (
     ("exit_interval", "--exit-interval"),
     ("num_experts", "--num-experts"),
     ("muon_num_ns_steps", "--muon-num-ns-steps"),
+    ("tensorboard_log_interval", "--tensorboard-log-interval"),
+    ("tensorboard_queue_size", "--tensorboard-queue-size"),
+    ("log_memory_interval", "--log-memory-interval"),
 )
+
+# Flags whose only effect is on TensorBoard's output: without --tensorboard-dir they would do
+# nothing, so they are refused rather than ignored.
+TENSORBOARD_ONLY = (
+    ("log_timers_to_tensorboard", "--log-timers-to-tensorboard"),
+    ("log_memory_to_tensorboard", "--log-memory-to-tensorboard"),
+    ("log_world_size_to_tensorboard", "--log-world-size-to-tensorboard"),
+    ("log_loss_scale_to_tensorboard", "--no-log-loss-scale-to-tensorboard"),
+    ("tensorboard_log_interval", "--tensorboard-log-interval"),
+    ("tensorboard_queue_size", "--tensorboard-queue-size"),
+)
+
+
+def _tensorboard_only(args):
+    """The first TensorBoard-only flag given, or None."""
+    return next((flag for dest, flag in TENSORBOARD_ONLY if dest in args.given), None)
 
 
 def _has_te() -> bool:
@@ -246,6 +265,19 @@ RULES = (
         lambda a: "--save-interval needs --save",
     ),
     (lambda a: a.finetune and a.load is None, lambda a: "--finetune needs --load"),
+    (
+        lambda a: _tensorboard_only(a) and not a.tensorboard_dir,
+        lambda a: f"{_tensorboard_only(a)} configures TensorBoard output: it needs "
+        "--tensorboard-dir",
+    ),
+    (
+        lambda a: a.log_muon_figures and a.optimizer != "muon",
+        lambda a: "--log-muon-figures reports Muon's own figures: it needs --optimizer muon",
+    ),
+    (
+        lambda a: a.log_progress and not a.save,
+        lambda a: "--log-progress writes progress.txt under --save: it needs --save",
+    ),
     (
         lambda a: a.log_validation_ppl_to_tensorboard and not a.tensorboard_dir,
         lambda a: "--log-validation-ppl-to-tensorboard needs --tensorboard-dir",

@@ -1,5 +1,6 @@
-"""Log-line figures through the real CLI: --log-params-norm, --log-num-zeros-in-grad,
---log-validation-ppl-to-tensorboard.
+"""Logging through the real CLI: --log-params-norm, --log-num-zeros-in-grad,
+--log-validation-ppl-to-tensorboard; Megatron-LM's timers, memory, throughput and progress log
+and TensorBoard scalars; Muon's own figures (--log-muon-figures), tied to the exchange plan.
 
     .venv/bin/python -m pytest -q tests/e2e/test_logging.py
 """
@@ -7,11 +8,12 @@
 import math
 import os
 import re
+import sys
 
 import pytest
 import torch
 
-from .cli import TINY, losses, run
+from .cli import ROOT, TINY, losses, run
 from .test_train import _tensorboard_scalars
 
 FLAGS = TINY + "--optimizer muon --train-iters 2 --untie-embeddings-and-output-weights".split()
@@ -39,8 +41,8 @@ def test_params_norm_num_zeros_and_validation_ppl(tmp_path):
     two = run(args + ["--save", save2, "--tensor-model-parallel-size", 2], nproc=2)
     assert _figure(two.stdout, "params norm")[1] == pytest.approx(_saved_norm(save2, 2), abs=1e-3)
     scalars = _tensorboard_scalars(tb)
-    ((step, loss),) = scalars["validation/lm loss"]
-    assert scalars["validation/lm loss ppl"] == [(step, pytest.approx(math.exp(loss), rel=1e-5))]
+    ((step, loss),) = scalars["lm loss validation"]
+    assert scalars["lm loss validation ppl"] == [(step, pytest.approx(math.exp(loss), rel=1e-5))]
     assert [v for _, v in scalars["params-norm"]] == pytest.approx(norms, abs=1e-3)
     assert [v for _, v in scalars["num-zeros"]] == zeros
 
@@ -59,3 +61,117 @@ def _saved_norm(save: str, tp: int) -> float:
         replicated = all(s.shape == first.shape and torch.equal(s, first) for s in shards)
         total += sum(s.double().square().sum().item() for s in shards[: 1 if replicated else tp])
     return math.sqrt(total)
+
+
+# Llama-shaped (RMSNorm, SwiGLU, no biases, RoPE, GQA, untied output): the layout that
+# bench/projection.py rebuilds, so its exchange plan is the one this run executes.
+LLAMA = (
+    "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --ffn-hidden-size 64 --normalization RMSNorm --swiglu "
+    "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights"
+).split()
+LLAMA_SHAPE = dict(layers=3, hidden=32, ffn=64, heads=4, kv=2, vocab=128, tp=1)  # vocab padded
+LOG_FLAGS = (
+    "--log-interval 1 --tensorboard-log-interval 2 --timing-log-level 2 --timing-log-option "
+    "minmax --log-timers-to-tensorboard --log-memory-to-tensorboard --log-memory-interval 2 "
+    "--log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard --tensorboard-queue-size "
+    "5 --log-throughput --log-muon-figures --log-progress --save-interval 2"
+).split()
+_TIMER = re.compile(r"^    (\S+) \.+: \((\S+), (\S+)\)$", re.M)
+
+
+def test_timers_memory_throughput_progress_and_muon_figures(tmp_path):
+    """One DP=2 DistOpt Muon launch with every logging flag: timers printed (min, max) and in
+    TensorBoard (> 0, Muon's NS and exchange among them), CPU memory (RSS > 0), world size,
+    no loss scale, per-step scalars every 2nd step equal to the console's, throughput = the
+    model FLOPs counted by hand / time, progress.txt lines, and Muon's bytes and FLOPs equal
+    to the exchange plan of bench/projection.py for this layout (the busiest of the 2 ranks)."""
+    save, tb = str(tmp_path / "save"), str(tmp_path / "tb")
+    args = _drop(TINY, "--num-layers", "--hidden-size", "--num-attention-heads", "--log-interval")
+    args += LLAMA + LOG_FLAGS + ["--optimizer", "muon", "--use-distributed-optimizer"]
+    args += ["--train-iters", 4, "--save", save, "--tensorboard-dir", tb, "--ckpt-format", "torch"]
+    proc = run(args, nproc=2)
+    table = losses(proc)
+    assert sorted(table) == [1, 2, 3, 4]
+    _check_timers(proc.stdout)
+    scalars = _tensorboard_scalars(tb)
+    _check_tensorboard(scalars, table)
+    _check_muon_figures(proc.stdout, scalars)
+    assert re.findall(r"\[Rank 0\] \(after (\d) iterations\) memory \(MB\) \| rss: ", proc.stdout)
+    assert proc.stdout.count("memory (MB)") == 2  # iterations 2 and 4, DP rank 0 only
+    _check_progress(os.path.join(save, "progress.txt"))
+
+
+def _drop(flags: list, *names) -> list:
+    out, skip = [], False
+    for item in flags:
+        if skip:
+            skip = False
+        elif item in names:
+            skip = True
+        else:
+            out.append(item)
+    return out
+
+
+def _check_timers(stdout: str) -> None:
+    timed = {}
+    for name, low, high in _TIMER.findall(stdout):
+        timed.setdefault(name, []).append((float(low), float(high)))
+    for name in ("forward-backward", "optimizer", "optimizer-inner-step", "forward-compute"):
+        assert len(timed[name]) == 4, (name, stdout[-3000:])  # one report per log line
+    for name in ("muon-newton-schulz", "muon-dp-exchange", "params-all-gather"):
+        assert len(timed[name]) == 4 and all(0 < lo <= hi for lo, hi in timed[name]), name
+
+
+def _check_tensorboard(scalars: dict, table: dict) -> None:
+    assert [s for s, _ in scalars["lm loss"]] == [2, 4]  # --tensorboard-log-interval 2
+    for step, value in scalars["lm loss"]:  # this step's loss, as the console's (interval 1)
+        assert value == pytest.approx(float(table[step][0]), rel=1e-5)
+    assert [s for s, _ in scalars["lm loss vs samples"]] == [8, 16]  # 4 samples per step
+    assert "loss-scale" not in scalars and scalars["world-size"] == [(2, 2.0), (4, 2.0)]
+    rss, peak = scalars["mem-rss-bytes"], scalars["mem-max-rss-bytes"]
+    assert all(v > 1e7 for _, v in rss) and all(p >= r for (_, p), (_, r) in zip(peak, rss))
+    for tag in ("iteration-time", "forward-backward-time", "optimizer-time"):
+        assert [s for s, _ in scalars[tag]] == [1, 2, 3, 4] and all(v > 0 for _, v in scalars[tag])
+    for (_, seconds), (_, tflops) in zip(scalars["iteration-time"], scalars["throughput"]):
+        assert tflops * seconds * 1e12 * 2 == pytest.approx(_model_flops(batch=4), rel=1e-5)
+
+
+def _model_flops(batch: int, seq: int = 16) -> float:
+    """Megatron-LM's count by hand: 3 GEMM passes x 2 FLOPs per multiply-add; per token and
+    layer qkv h(q + 2kv), attention q s (causal half of QK^T and AV), proj q h, SwiGLU 3 h f;
+    logits h V once."""
+    s = LLAMA_SHAPE
+    h, q, kv = s["hidden"], s["hidden"], s["hidden"] // s["heads"] * s["kv"]
+    layer = h * (q + 2 * kv) + q * seq + q * h + 3 * h * s["ffn"]
+    return 6 * batch * seq * (s["layers"] * layer + h * s["vocab"])
+
+
+def _check_muon_figures(stdout: str, scalars: dict) -> None:
+    from megatron.core.optimizer.muon_distopt import ns_cost
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import projection  # noqa: E402 (bench/ is not a package)
+
+    params = projection.model_params(*LLAMA_SHAPE.values())
+    plan = projection.build_plan(params, 2, None, lambda info: ns_cost(info, 5))
+    # default --muon-fp32-matmul-prec medium: bf16 Newton-Schulz, so bf16 goes out, fp32 back
+    moved = max(plan.bytes_per_step(2, 4, rank=r) for r in range(2))
+    flops = max(plan.ns_flops_per_rank())
+    assert moved > 0 and flops > min(plan.ns_flops_per_rank())  # owners cross shards, unequal
+    printed = [float(x) for x in re.findall(r" muon exchange bytes: (\S+) \|", stdout)]
+    assert printed == [moved] * 4
+    assert [v for _, v in scalars["muon-dp-exchange-bytes"]] == [moved] * 4
+    assert [v for _, v in scalars["muon-newton-schulz-flops"]] == pytest.approx([flops] * 4)
+    for tag in ("muon-newton-schulz-time", "muon-dp-exchange-time"):
+        assert len(scalars[tag]) == 4 and all(v > 0 for _, v in scalars[tag]), tag
+
+
+def _check_progress(path: str) -> None:
+    lines = [line.split("\t") for line in open(path).read().splitlines()]
+    assert [cells[3] for cells in lines] == ["Starting job", "Saved checkpoint", "Saved checkpoint"]
+    assert all(cells[2] == "# GPUs: 2" for cells in lines)
+    assert [cells[4] for cells in lines[1:]] == ["Iteration: 2", "Iteration: 4"]
+    flops = [float(cells[7].split(": ")[1]) for cells in lines[1:]]
+    assert flops == pytest.approx([_model_flops(8), _model_flops(16)], rel=1e-2)  # 3 digits

@@ -30,7 +30,7 @@ def test_qk_clip_logs_and_resumes_identically(tmp_path):
     table, maxima = losses(full), _max_logits(full)
     assert sorted(maxima) == [1, 2, 3, 4], full.stdout[-2000:]
     assert float(maxima[1]) > 0.05  # the clip had something to do
-    logged = [v for _, v in _tensorboard_scalars(tb)["max-attention-logit"]]
+    logged = [v for _, v in _tensorboard_scalars(tb)["max_attention_logit"]]
     assert logged == pytest.approx([float(maxima[i]) for i in range(1, 5)], rel=1e-5)
     load = str(tmp_path / "load")
     shutil.copytree(os.path.join(save, "iter_0000002"), os.path.join(load, "iter_0000002"))

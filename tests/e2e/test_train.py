@@ -145,8 +145,8 @@ def test_preprocess_train_eval_on_real_text(tmp_path):
     assert sum(table[-5:]) / 5 < sum(table[:5]) / 5 - 0.3, table  # bytes are learnable fast
     assert proc.stdout.count("validation loss at iteration") == 2
     scalars = _tensorboard_scalars(str(tmp_path / "tb"))
-    logged = [v for _, v in scalars["train/lm loss"]]  # the console prints 6 significant digits
-    assert logged == pytest.approx(table, rel=1e-5) and len(scalars["validation/lm loss"]) == 2
+    logged = [v for _, v in scalars["lm loss"]]  # the console prints 6 significant digits
+    assert logged == pytest.approx(table, rel=1e-5) and len(scalars["lm loss validation"]) == 2
 
 
 def _tensorboard_scalars(log_dir: str) -> dict:

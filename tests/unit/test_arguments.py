@@ -407,8 +407,6 @@ def test_train_iters_from_samples(extra, iters):
 
 REFUSED_NOW = [  # known Megatron-LM flags this stack does not run yet: refused with the reason
     ("--async-save", "checkpointing"),
-    ("--log-memory-to-tensorboard", "memory figures"),
-    ("--timing-log-level 2", "timers"),
     ("--tokenizer-type SentencePieceTokenizer", "implemented: ByteLevelTokenizer"),
     ("--dataloader-type external", "custom training script"),
 ]
@@ -419,6 +417,37 @@ def test_flags_not_run_yet_are_refused_with_the_reason(extra, why):
     with pytest.raises(ArgumentsError, match="not supported") as err:
         parse(extra)
     assert why in str(err.value) and extra.split()[0] in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--log-timers-to-tensorboard", "--log-timers-to-tensorboard configures TensorBoard"),
+        ("--no-log-loss-scale-to-tensorboard", "it needs --tensorboard-dir"),
+        ("--tensorboard-queue-size 5", "--tensorboard-queue-size configures TensorBoard"),
+        ("--tensorboard-dir t --tensorboard-log-interval 0", "--tensorboard-log-interval must be"),
+        ("--log-memory-interval 0", "--log-memory-interval must be >= 1, got 0"),
+        ("--log-muon-figures", "--log-muon-figures reports Muon's own figures: it needs --opt"),
+        ("--log-progress", "--log-progress writes progress.txt under --save: it needs --save"),
+        ("--timing-log-level 3", "invalid choice: 3"),
+        ("--timing-log-option mean", "invalid choice: 'mean'"),
+    ],
+)
+def test_logging_flags_refuse_what_would_do_nothing(extra, message):
+    with pytest.raises(ArgumentsError, match=re.escape(message)):
+        parse(extra)
+
+
+def test_logging_flags_keep_upstream_defaults():
+    args = parse("--no-barrier-with-level-1-timing")
+    assert (args.timing_log_level, args.timing_log_option) == (0, "minmax")
+    assert (args.tensorboard_log_interval, args.tensorboard_queue_size) == (1, 1000)
+    assert args.log_loss_scale_to_tensorboard and not args.log_muon_figures
+    assert args.barrier_with_L1_time is False  # both configs take it, as Megatron-LM's do
+    from megatron.training.core_configs import optimizer_config, transformer_config
+
+    assert not transformer_config(args).barrier_with_L1_time
+    assert not optimizer_config(args).barrier_with_L1_time
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from .muon_config import EXCHANGE_DTYPES
-from .muon_functional import MatrixFn, MuonParamInfo, Orthogonalizer
+from .muon_functional import EXCHANGE_TIMER, MatrixFn, MuonParamInfo, Orthogonalizer, timed
 from .newton_schulz import compute_dtype
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -365,6 +365,7 @@ class DistributedMuonOrthogonalizer:
         self.update_dtype = update_dtype  # DistOpt's main params (fp32)
         self.device = device  # of the grad buffers: where a rank without Muon shards exchanges
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
+        self.timers = getattr(inner, "timers", None)  # Megatron's: times the all-to-alls
 
     @property
     def dtype(self) -> torch.dtype:
@@ -427,10 +428,12 @@ class DistributedMuonOrthogonalizer:
         else:
             inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=device)
         out = torch.empty(sum(recv), dtype=dtype, device=device)
-        torch.distributed.all_to_all_single(
-            out, inp, output_split_sizes=recv, input_split_sizes=send, group=ex.group
-        )
-        self.bytes_moved += self.plan.moved(ex) * _itemsize(dtype)
+        with timed(self.timers, EXCHANGE_TIMER):
+            torch.distributed.all_to_all_single(
+                out, inp, output_split_sizes=recv, input_split_sizes=send, group=ex.group
+            )
+        rank = self.plan.rank  # counted from the split sizes used, self-copies excluded
+        self.bytes_moved += (sum(send) + sum(recv) - send[rank] - recv[rank]) * _itemsize(dtype)
         return out
 
 

@@ -13,6 +13,7 @@ QKV weight scales each block by its own shape); it comes from ``MuonParamInfo``,
 local tensor's shape, so a shard's stage 2 can be fed the global layout.
 """
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -130,6 +131,29 @@ class Orthogonalizer(Protocol):
     def __call__(
         self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
     ) -> list[Tensor]: ...
+
+
+# Phase timers an orthogonalizer runs when handed Megatron's timers (``OptimizerConfig.timers``,
+# a callable ``timers(name, log_level)`` returning an object with ``start()``/``stop()``):
+# orthogonalizing whole matrices (Newton-Schulz, with the TP gathers of exact TP modes), and the
+# DistributedOptimizer's exchange of shard pieces with their owners.
+NS_TIMER = "muon-newton-schulz"
+EXCHANGE_TIMER = "muon-dp-exchange"
+TIMER_LOG_LEVEL = 2  # finer than Megatron's level-1 "optimizer-inner-step" they sit in
+
+
+@contextlib.contextmanager
+def timed(timers: Optional[Callable], name: str):
+    """Time the block with ``timers(name)`` when timers are given; nothing otherwise."""
+    if timers is None:
+        yield
+        return
+    timer = timers(name, log_level=TIMER_LOG_LEVEL)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.stop()
 
 
 class LocalOrthogonalizer:

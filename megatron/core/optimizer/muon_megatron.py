@@ -202,7 +202,9 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
         split_param_groups(param_groups),
         distopt_exchange_dtype=config.muon_distopt_exchange_dtype,
         param_info=infos,
-        orthogonalizer=TPOrthogonalizer(config.muon_tp_mode, tp_groups(pg_collection)),
+        orthogonalizer=TPOrthogonalizer(
+            config.muon_tp_mode, tp_groups(pg_collection), timers=config.timers
+        ),
         **muon_kwargs(config),
     )
     return optimizer, init_muon_state

@@ -30,7 +30,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .muon_config import TP_MODES
-from .muon_functional import MuonParamInfo, OrthoSpec, orthogonalize, orthogonalize_matrices
+from .muon_functional import (
+    NS_TIMER,
+    MuonParamInfo,
+    OrthoSpec,
+    orthogonalize,
+    orthogonalize_matrices,
+    timed,
+)
 from .newton_schulz import coefficient_set, compute_dtype
 
 
@@ -39,15 +46,21 @@ class TPOrthogonalizer:
 
     ``groups`` maps ``info.expert`` to the process group the param is sharded over (TP or
     expert TP). Params that TP does not split, or a group of size 1, go to ``matrix_fn`` as is.
+    ``timers`` (Megatron's, optional) times each call as ``muon-newton-schulz``.
     """
 
-    def __init__(self, mode: str, groups: dict[bool, Any]) -> None:
+    def __init__(self, mode: str, groups: dict[bool, Any], timers=None) -> None:
         if mode not in TP_MODES:
             raise ValueError(f"muon_tp_mode must be one of {TP_MODES}, got {mode!r}")
         self.mode = mode
         self.groups = groups
+        self.timers = timers
 
     def __call__(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
+        with timed(self.timers, NS_TIMER):
+            return self._orthogonalize(updates, infos, matrix_fn)
+
+    def _orthogonalize(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
         out: list = [None] * len(updates)
         whole = [i for i, info in enumerate(infos) if self._group(info) is None]
         for i, o in zip(whole, matrix_fn([updates[i] for i in whole], [infos[i] for i in whole])):
