@@ -50,6 +50,8 @@ def transformer_config(args) -> TransformerConfig:
         use_cpu_initialization=cpu_mode.is_enabled() or bool(args.use_cpu_initialization),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
     )
+    if args.init_method_xavier_uniform:  # as Megatron-LM: init_method only (the embedding
+        kw["init_method"] = torch.nn.init.xavier_uniform_  # follows it; output layers stay scaled)
     return (MLATransformerConfig if mla else TransformerConfig)(**kw)
 
 
