@@ -247,9 +247,7 @@ def train(args, exit_conditions) -> None:
         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
         tiktoken_special_tokens=args.tiktoken_special_tokens,
     )
-    args.padded_vocab_size = padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-    )
+    args.padded_vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     config = transformer_config(args)
     pretrain(
         args,
@@ -259,6 +257,22 @@ def train(args, exit_conditions) -> None:
         config,
         exit_conditions,
     )
+
+
+def model_vocab_size(args, tokenizer_vocab_size: int) -> int:
+    """The embedding's rows: --padded-vocab-size as given (Megatron-LM keeps a given value), else
+    the tokenizer's size rounded up to --make-vocab-size-divisible-by x TP. Every rank has the
+    same tokenizer, so a too-small value fails alike on all of them."""
+    if args.padded_vocab_size is None:
+        return padded_vocab_size(
+            tokenizer_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        )
+    if args.padded_vocab_size < tokenizer_vocab_size:
+        raise ArgumentsError(
+            f"--padded-vocab-size ({args.padded_vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer_vocab_size}): its ids would have no embedding row"
+        )
+    return args.padded_vocab_size
 
 
 def _classify(err: Exception):

@@ -159,6 +159,13 @@ RULES = (
         f"{_model_parallel(a)} must divide the world size ({a.world_size})",
     ),
     (
+        lambda a: a.padded_vocab_size is not None
+        and (a.padded_vocab_size < 1 or a.padded_vocab_size % a.tensor_model_parallel_size),
+        lambda a: f"--padded-vocab-size ({a.padded_vocab_size}) must be >= 1 and divisible by "
+        f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}): each TP rank holds an "
+        "equal slice of the embedding",
+    ),
+    (
         lambda a: a.num_attention_heads % a.tensor_model_parallel_size,
         lambda a: f"--num-attention-heads ({a.num_attention_heads}) must be divisible by "
         f"--tensor-model-parallel-size ({a.tensor_model_parallel_size})",

@@ -277,3 +277,34 @@ def test_init_method_xavier_uniform_reaches_the_weights():
     # normal(0, 0.02) stays far inside those bounds (~4 sigma = 0.08 against ~0.2), and the
     # output layers keep their scaled normal init with the flag too (Megatron-LM's choice)
     assert all(v < 0.5 for v in normal.values()) and xavier["proj"] < 0.5, (normal, xavier)
+
+
+def test_padded_vocab_size_sets_the_embedding_rows():
+    from megatron.training.arguments import ArgumentsError, parse_args
+
+    main = _pretrain_gpt()
+    args = parse_args(BASE + ["--padded-vocab-size", "200"], world_size=1)
+    assert main.model_vocab_size(args, 65) == 200  # used as given, not rounded to 128s
+    assert main.model_vocab_size(parse_args(BASE, world_size=1), 65) == 128
+    with pytest.raises(ArgumentsError, match="--padded-vocab-size \\(60\\) is smaller than"):
+        main.model_vocab_size(parse_args(BASE + ["--padded-vocab-size", "60"], 1), 65)
+    with pytest.raises(ArgumentsError, match="divisible by --tensor-model-parallel-size \\(2\\)"):
+        parse_args(BASE + "--padded-vocab-size 201 --tensor-model-parallel-size 2".split(), 2)
+    facts = _one_rank(_embedding_rows, "--padded-vocab-size 200")
+    assert facts == (200, 200)  # the built embedding's rows and the logits' width
+
+
+def _embedding_rows(flags: str) -> tuple:
+    import torch
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.core_configs import transformer_config
+
+    main = _pretrain_gpt()
+    args = parse_args(BASE + flags.split(), world_size=1)
+    args.padded_vocab_size = main.model_vocab_size(args, 65)
+    model = main.model_provider(args, transformer_config(args))
+    tokens = torch.zeros(1, 16, dtype=torch.long)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(16).unsqueeze(0), None)
+    return model.embedding.word_embeddings.weight.shape[0], logits.shape[-1]
