@@ -145,6 +145,11 @@ RULES = (
         lambda a: f"--activation-func-clamp-value must be > 0, got {a.activation_func_clamp_value}",
     ),
     (
+        lambda a: a.no_rope_freq is not None and a.position_embedding_type != "rope",
+        lambda a: "--no-rope-freq picks layers that skip RoPE: it needs --position-embedding-type "
+        f"rope (got {a.position_embedding_type})",
+    ),
+    (
         lambda a: not 0 < a.rotary_percent <= 1,
         lambda a: f"--rotary-percent must be in (0, 1], got {a.rotary_percent}",
     ),

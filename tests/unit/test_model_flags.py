@@ -308,3 +308,41 @@ def _embedding_rows(flags: str) -> tuple:
     with torch.no_grad():
         logits = model(tokens, torch.arange(16).unsqueeze(0), None)
     return model.embedding.word_embeddings.weight.shape[0], logits.shape[-1]
+
+
+def _no_rope_facts(flags: str) -> dict:
+    """--no-rope-freq 1 (every layer NoPE) with RoPE must give a position-free model's logits
+    (--position-embedding-type none, the same params); RoPE on every layer is the control."""
+    import torch
+
+    _, nope = _build(flags + " --position-embedding-type rope --no-rope-freq 1")
+    _, free = _build(flags + " --position-embedding-type none")
+    _, rope = _build(flags + " --position-embedding-type rope")
+    free.load_state_dict(nope.state_dict())
+    rope.load_state_dict(nope.state_dict())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(16).expand(2, 16)
+    out = {}
+    with torch.no_grad():
+        for name, model in (("nope", nope), ("free", free), ("rope", rope)):
+            model.eval()
+            out[name] = model(tokens, position_ids, None)
+    _, every_2nd = _build(flags + " --position-embedding-type rope --no-rope-freq 2")
+    return {
+        "diff": (out["nope"] - out["free"]).abs().max().item(),
+        "control": (out["rope"] - out["free"]).abs().max().item(),
+        "pattern": list(every_2nd.config.no_rope_freq),
+    }
+
+
+def test_no_rope_freq_skips_rope_in_the_chosen_layers():
+    facts = _one_rank(_no_rope_facts, "")
+    assert facts["diff"] == 0.0 and facts["control"] > 1e-4  # same ops with RoPE skipped
+    assert facts["pattern"] == [0, 1]  # layer 2 of 2 is NoPE
+
+
+def test_no_rope_freq_needs_rope():
+    from megatron.training.arguments import ArgumentsError, parse_args
+
+    with pytest.raises(ArgumentsError, match="--no-rope-freq picks layers that skip RoPE"):
+        parse_args(BASE + ["--no-rope-freq", "2"], world_size=1)
