@@ -5,7 +5,11 @@
     muon exchange bytes      bytes a rank sent plus received in the last step's exchange
     muon NS GFLOP            Newton-Schulz matmul FLOPs a rank executes per step (/1e9)
 
-Each is the busiest rank's (max over the world). Times come from the ``muon-newton-schulz`` and
+Each is the busiest rank's (max over the world). The exchange time is wall time in the
+all-to-alls: it includes waiting for the slowest peer (owners finish their Newton-Schulz at
+different times), so it shows load imbalance as well as the transfer. On an asynchronous device
+each timer start/stop synchronizes it (per owned matrix for the NS timer): the figures cost a
+little time while they are on. Times come from the ``muon-newton-schulz`` and
 ``muon-dp-exchange`` timers (``timers.py``; on for this flag whatever ``--timing-log-level``),
 averaged over the log interval. Bytes are counted by the exchange itself from the split sizes it
 handed to ``all_to_all_single`` (self-copies excluded), i.e. the exchange plan's count; FLOPs are
