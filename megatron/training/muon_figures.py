@@ -17,6 +17,7 @@ the plan's (``MuonExchangePlan.ns_flops_per_rank``; without DistOpt, every rank 
 all its Muon params: ``tp_ns_cost`` per param for the TP mode).
 """
 
+from megatron.core import parallel_state
 from megatron.core.optimizer.muon_distopt import tp_ns_cost
 from megatron.core.optimizer.muon_functional import EXCHANGE_TIMER, NS_TIMER
 from megatron.core.optimizer.muon_optimizer import Muon
@@ -33,7 +34,7 @@ FORMATS = {
     "muon NS time (ms)": "{:.2f}",
     "muon exchange time (ms)": "{:.2f}",
     "muon exchange bytes": "{:.0f}",
-    "muon NS GFLOP": "{:.4f}",
+    "muon NS GFLOP": "{:.6g}",
 }
 # TensorBoard gets seconds and FLOPs: console value x factor
 TB_FACTORS = {"muon NS time (ms)": 1e-3, "muon exchange time (ms)": 1e-3, "muon NS GFLOP": 1e9}
@@ -68,22 +69,23 @@ def _replicated_ns_flops(muon) -> float:
     specs = muon.ortho_specs()
     if not specs:
         return 0.0
-    orth = muon.orthogonalizer
-    mode = getattr(orth, "mode", "duplicated")
+    mode = muon.orthogonalizer.mode  # a TPOrthogonalizer: Megatron's Muon always has one
     total = 0.0
     for group in muon.param_groups:
         if group["use_muon"]:
             for param in group["params"]:
                 info = muon.param_info[param]
-                tp = _group_size(orth, info)
-                total += tp_ns_cost(info, specs[0].steps, mode, tp)
+                total += tp_ns_cost(info, specs[0].steps, mode, _tp_size(info))
     return total
 
 
-def _group_size(orth, info) -> int:
-    find = getattr(orth, "_group", None)  # TPOrthogonalizer: the TP group sharding this param
-    group = find(info) if find is not None else None
-    return group.size() if group is not None else 1
+def _tp_size(info) -> int:
+    """Ranks the param is split over: (expert) TP for a TP-sharded param, else 1."""
+    if getattr(info, "partition_dim", None) is None:
+        return 1
+    if getattr(info, "expert", False):
+        return parallel_state.get_expert_tensor_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def figures(timer_ms: dict, counted_max: list) -> dict:

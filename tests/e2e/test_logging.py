@@ -27,9 +27,11 @@ def _figure(stdout: str, name: str) -> list:
 def test_params_norm_num_zeros_and_validation_ppl(tmp_path):
     """The printed params norm is the norm of the saved params (TP=1, and TP=2 where each
     replicated param counts once); the untied embedding's padded rows (64 of 128, never an
-    input) have zero grads, so num zeros >= 64 x 32; TensorBoard gets exp(validation loss)."""
+    input) have zero grads, so num zeros >= 64 x 32; TensorBoard gets exp(validation loss).
+    Without DistOpt every rank orthogonalizes all its Muon matrices: --log-muon-figures' NS
+    FLOPs are the hand count of the whole (TP=1) or TP-local (TP=2, blockwise) matrices."""
     save, tb = str(tmp_path / "save"), str(tmp_path / "tb")
-    args = FLAGS + ["--ckpt-format", "torch"]
+    args = FLAGS + ["--ckpt-format", "torch", "--log-muon-figures"]
     one = run(
         args + ["--save", save, "--tensorboard-dir", tb, "--log-validation-ppl-to-tensorboard"]
     )
@@ -40,11 +42,28 @@ def test_params_norm_num_zeros_and_validation_ppl(tmp_path):
     save2 = str(tmp_path / "save2")
     two = run(args + ["--save", save2, "--tensor-model-parallel-size", 2], nproc=2)
     assert _figure(two.stdout, "params norm")[1] == pytest.approx(_saved_norm(save2, 2), abs=1e-3)
+    assert _figure(one.stdout, "muon NS GFLOP") == [_tiny_ns_flops(tp=1) / 1e9] * 2
+    assert _figure(two.stdout, "muon NS GFLOP") == [_tiny_ns_flops(tp=2) / 1e9] * 2
+    assert _figure(two.stdout, "muon exchange bytes") == [0.0, 0.0]  # no DistOpt: no exchange
     scalars = _tensorboard_scalars(tb)
     ((step, loss),) = scalars["lm loss validation"]
     assert scalars["lm loss validation ppl"] == [(step, pytest.approx(math.exp(loss), rel=1e-5))]
     assert [v for _, v in scalars["params-norm"]] == pytest.approx(norms, abs=1e-3)
     assert [v for _, v in scalars["num-zeros"]] == zeros
+
+
+def _tiny_ns_flops(tp: int, steps: int = 5) -> float:
+    """Newton-Schulz FLOPs per step of TINY's Muon matrices on one rank: per (s x l) block and
+    step X X^T and B X (2 s^2 l each) and A A (2 s^3). Per layer Q, K, V blocks (32 x 32 rows
+    split by TP), proj 32 x 32 (columns split), fc1 128 x 32 (rows), fc2 32 x 128 (columns);
+    the learned position embedding (16 x 32, 2-D, not TP-split) is a Muon param too."""
+
+    def cost(m, n):
+        s, big = min(m, n), max(m, n)
+        return steps * (4 * s * s * big + 2 * s**3)
+
+    layer = 3 * cost(32 // tp, 32) + cost(32, 32 // tp) + cost(128 // tp, 32) + cost(32, 128 // tp)
+    return 2 * layer + cost(16, 32)
 
 
 def _saved_norm(save: str, tp: int) -> float:
