@@ -114,7 +114,18 @@ def dataset_config(args, tokenizer):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        sequences_per_dataset=_sequences_per_dataset(args),
     )
+
+
+def _sequences_per_dataset(args):
+    if args.per_dataset_sequences_path is None:
+        return None
+    from megatron.training.data_args_files import read_sequences_per_dataset
+
+    return read_sequences_per_dataset(args.per_dataset_sequences_path)  # checked at start-up
 
 
 def data_iterators(args, state, n_chunks, tokenizer):

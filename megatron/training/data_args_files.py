@@ -1,5 +1,7 @@
-"""Megatron-LM's data-path files: ``--data-args-path`` (the ``--data-path`` items, whitespace
-separated, in a text file) and ``--per-split-data-args-path`` (a JSON file of per-split paths):
+"""Megatron-LM's data files: ``--per-dataset-sequences-path`` (JSON ``{prefix: [sequences,
+documents]}``, the counts of each ``.idx`` header, so that megatron-core need not read them),
+``--data-args-path`` (the ``--data-path`` items, whitespace separated, in a text file) and
+``--per-split-data-args-path`` (a JSON file of per-split paths):
 
     {"train": "0.7 data/a_text_document 0.3 data/b_text_document",
      "valid": ["data/v_text_document"],
@@ -16,6 +18,26 @@ import json
 
 FLAG = "--per-split-data-args-path"
 SPLITS = ("train", "valid", "test")
+
+
+def read_sequences_per_dataset(path: str) -> dict:
+    """{prefix: [sequence count, document count]}; ValueError naming the file otherwise."""
+    flag = "--per-dataset-sequences-path"
+    try:
+        with open(path, encoding="utf-8") as f:
+            table = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{flag} {path!r}: not a readable JSON file ({err})") from None
+    ok = isinstance(table, dict) and all(
+        isinstance(v, list) and len(v) == 2 and all(type(n) is int and n >= 0 for n in v)
+        for v in table.values()
+    )
+    if not ok:
+        raise ValueError(
+            f"{flag} {path!r}: expected {{prefix: [sequence count, document count]}} with "
+            "counts >= 0"
+        )
+    return table
 
 
 def apply_data_args_path(args) -> None:

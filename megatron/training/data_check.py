@@ -72,11 +72,13 @@ def _check_bin(idx: str, bin_: str, sequences: int, itemsize: int) -> None:
 
 
 def check_data(args) -> None:
-    """Every --data-path (and per-split) prefix readable and non-empty; --save writable."""
+    """Every --data-path (and per-split) prefix readable and non-empty; --save writable; the
+    counts of --per-dataset-sequences-path equal to the index headers."""
     if args.save:
         check_writable(args.save, "--save")
     if getattr(args, "mock_data", False):
         return
+    prefixes = []
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         try:
@@ -85,6 +87,38 @@ def check_data(args) -> None:
             raise DataError(str(err)) from None
         for prefix in blend[0] if blend else []:
             check_indexed_prefix(prefix, flag)
+            prefixes.append((flag, prefix))
+    if getattr(args, "per_dataset_sequences_path", None):
+        check_sequences_per_dataset(args.per_dataset_sequences_path, prefixes)
+
+
+def index_counts(prefix: str) -> list:
+    """[sequence count, document count] as the .idx header holds them (documents + 1)."""
+    with open(prefix + ".idx", "rb") as f:
+        head = f.read(HEADER_BYTES)
+    _, _, sequences, documents = struct.unpack("<QBQQ", head[9:])
+    return [sequences, documents]
+
+
+def check_sequences_per_dataset(path: str, prefixes) -> None:
+    """megatron-core trusts these counts instead of reading the headers: a missing or wrong entry
+    would fail deep in the build or read the index at wrong offsets."""
+    from .data_args_files import read_sequences_per_dataset
+
+    try:
+        table = read_sequences_per_dataset(path)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+    for flag, prefix in prefixes:
+        if prefix not in table:
+            raise DataError(
+                f"--per-dataset-sequences-path {path!r} has no entry for {flag} prefix {prefix!r}"
+            )
+        if table[prefix] != index_counts(prefix):
+            raise DataError(
+                f"--per-dataset-sequences-path {path!r}: {prefix!r} is {table[prefix]}, but its "
+                f"index holds {index_counts(prefix)} ([sequences, documents + 1])"
+            )
 
 
 def check_writable(folder: str, flag: str) -> None:

@@ -107,6 +107,9 @@ def gpt_dataset_config(
     create_attention_mask_in_dataloader: bool = False,
     mmap_bin_files: bool = True,
     num_dataset_builder_threads: int = 1,
+    mid_level_dataset_surplus: float = 0.005,
+    allow_ambiguous_pad_tokens: bool = False,
+    sequences_per_dataset: dict | None = None,
 ) -> GPTDatasetConfig:
     """pretrain_gpt.py's ``core_gpt_dataset_config_from_args``. With mock_data no blend is passed,
     so megatron-core sets ``config.mock`` and the builder makes MockGPTDatasets; no data path
@@ -125,6 +128,9 @@ def gpt_dataset_config(
         path_to_cache=data_cache_path,
         mmap_bin_files=mmap_bin_files,
         num_dataset_builder_threads=num_dataset_builder_threads,
+        mid_level_dataset_surplus=mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=allow_ambiguous_pad_tokens,
+        sequences_per_dataset=sequences_per_dataset,
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
         reset_attention_mask=reset_attention_mask,

@@ -316,6 +316,15 @@ RULES = (
         "default) or cyclic",
     ),
     (
+        lambda a: a.mid_level_dataset_surplus < 0,
+        lambda a: f"--mid-level-dataset-surplus must be >= 0, got {a.mid_level_dataset_surplus}",
+    ),
+    (
+        lambda a: a.mock_data and a.per_dataset_sequences_path,
+        lambda a: "--per-dataset-sequences-path gives the counts of real data files: not with "
+        "--mock-data",
+    ),
+    (
         lambda a: not a.data_sharding and a.dataloader_type != "cyclic",
         lambda a: "--no-data-sharding changes the shuffled order of --dataloader-type cyclic "
         "only: add --dataloader-type cyclic or drop it",

@@ -259,3 +259,45 @@ def test_document_flags_reach_the_samples(tmp_path):
     ]
     assert plain["loss_mask"].tolist() == [1.0] * len(tokens) and "attention_mask" not in plain
     assert plain["position_ids"].tolist() == list(range(len(tokens)))
+
+
+def test_blend_options_reach_the_dataset_config():
+    from megatron.training.tokenizer import ByteLevelTokenizer
+
+    flags = "--mock-data --mid-level-dataset-surplus 0.1 --allow-ambiguous-pad-tokens".split()
+    config = _pretrain_gpt().dataset_config(parse_args(BASE + flags, 1), ByteLevelTokenizer())
+    assert (config.mid_level_dataset_surplus, config.allow_ambiguous_pad_tokens) == (0.1, True)
+    args = parse_args(BASE + ["--mock-data"], 1)
+    plain = _pretrain_gpt().dataset_config(args, ByteLevelTokenizer())
+    assert (plain.mid_level_dataset_surplus, plain.allow_ambiguous_pad_tokens) == (0.005, False)
+    with pytest.raises(ArgumentsError, match="--mid-level-dataset-surplus must be >= 0"):
+        parse_args(BASE + "--mock-data --mid-level-dataset-surplus -1".split(), world_size=1)
+    with pytest.raises(ArgumentsError, match="not with --mock-data"):
+        parse_args(BASE + "--mock-data --per-dataset-sequences-path x.json".split(), 1)
+
+
+def test_per_dataset_sequences_path_is_checked_and_used(tmp_path):
+    """The counts reach megatron-core, which builds the same samples from them; a missing or
+    wrong entry is found at start-up against the .idx header."""
+    from megatron.training import data_check
+
+    plain = _first_sample(tmp_path / "plain", [])
+    prefix = str(tmp_path / "seq" / "docs")
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({prefix: [20, 21]}))  # 20 one-sequence documents (+1)
+    used = _first_sample(tmp_path / "seq", ["--per-dataset-sequences-path", str(counts)])
+    assert used["tokens"].tolist() == plain["tokens"].tolist()
+    assert data_check.index_counts(prefix) == [20, 21]
+    args = parse_args(
+        BASE + ["--data-path", prefix, "--per-dataset-sequences-path", str(counts)], world_size=1
+    )
+    data_check.check_data(args)
+    for table, message in (
+        ({prefix: [19, 21]}, "is [19, 21], but its index holds [20, 21]"),
+        ({"other": [20, 21]}, "has no entry for --data-path prefix"),
+        ({prefix: [20]}, "expected {prefix: [sequence count, document count]}"),
+    ):
+        counts.write_text(json.dumps(table))
+        with pytest.raises(data_check.DataError) as err:
+            data_check.check_data(args)
+        assert message in str(err.value)
