@@ -18,6 +18,7 @@ Reports (``--timing-log-option``): ``max`` and ``minmax`` over the ranks that ra
 all-gather over the world at each report, which every rank must join.
 """
 
+import contextlib
 import time
 from typing import Optional
 
@@ -145,6 +146,17 @@ def started(timers, name: str, log_level: int, barrier: bool = False):
     timer = timers(name, log_level=log_level) if timers is not None else _OFF
     timer.start(barrier=barrier)
     return timer
+
+
+@contextlib.contextmanager
+def suspended(config):
+    """No timers in ``config`` (megatron-core's) for the block, as Megatron-LM's evaluation:
+    its forward passes must not add to the training step's ``forward-backward`` time."""
+    timers, config.timers = config.timers, None
+    try:
+        yield
+    finally:
+        config.timers = timers
 
 
 def gather_per_rank(values: list, device: torch.device) -> torch.Tensor:

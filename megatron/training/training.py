@@ -33,7 +33,7 @@ from .exit_conditions import ExitConditions
 from .log import print_rank_0, print_rank_last, validation_block
 from .progress import ProgressLog
 from .schedule import get_scheduler
-from .timers import started
+from .timers import started, suspended
 from .train_log import TrainingLog, make_timers
 
 
@@ -171,12 +171,13 @@ def evaluate(args, forward_step, data_iterator, model, state: TrainState) -> dic
     for chunk in model:
         chunk.eval()
     totals: dict = {}
-    for _ in range(args.eval_iters):
-        outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=True)
-        memory.empty_cache(args.empty_unused_memory_level, 1, _device())
-        for key, value in reduce_losses(outputs).items():
-            totals[key] = totals.get(key, 0.0) + value
-        state.consumed_valid_samples += get_current_global_batch_size()
+    with suspended(model[0].config):  # the chunks share one config
+        for _ in range(args.eval_iters):
+            outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=True)
+            memory.empty_cache(args.empty_unused_memory_level, 1, _device())
+            for key, value in reduce_losses(outputs).items():
+                totals[key] = totals.get(key, 0.0) + value
+            state.consumed_valid_samples += get_current_global_batch_size()
     for chunk in model:
         chunk.train()
     return {key: total / args.eval_iters for key, total in totals.items()}

@@ -149,3 +149,20 @@ def test_logging_level_from_the_flag_else_the_environment(monkeypatch):
     assert root.level == 40
     set_logging_level(10)
     assert root.level == 10
+
+
+def test_evaluation_runs_without_timers(monkeypatch):
+    """As Megatron-LM: evaluation's forward passes do not add to the training timers (the
+    schedules read ``config.timers``); the timers are back for the next training step."""
+    from megatron.training import training
+
+    config = SimpleNamespace(timers="the run's timers")
+    chunk = SimpleNamespace(config=config, eval=lambda: None, train=lambda: None)
+    seen = []
+    monkeypatch.setattr(training, "run_schedule", lambda *a, **k: seen.append(config.timers) or [])
+    monkeypatch.setattr(training, "get_current_global_batch_size", lambda: 4)
+    args = SimpleNamespace(eval_iters=2, empty_unused_memory_level=0)
+    state = SimpleNamespace(consumed_valid_samples=0)
+    training.evaluate(args, None, None, [chunk], state)
+    assert seen == [None, None] and config.timers == "the run's timers"
+    assert state.consumed_valid_samples == 8
