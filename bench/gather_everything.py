@@ -12,7 +12,7 @@ Newton-Schulz work and receives all Muon momentum bytes. Plugged in through the 
 import torch
 from torch import Tensor
 
-from megatron.core.optimizer.muon_distopt import MuonExchangePlan, piece
+from megatron.core.optimizer.muon_plan import MuonExchangePlan, piece
 
 
 class GatherEverythingOrthogonalizer:

@@ -25,14 +25,15 @@ anything (an upper bound on the visible overhead), no latency terms, TP traffic 
 import argparse
 import math
 
-from megatron.core.optimizer.muon_distopt import (
+from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
+from megatron.core.optimizer.muon_plan import (
     BucketSlot,
     MatrixSlot,
     MuonExchangePlan,
     ns_cost,
     tp_ns_cost,
 )
-from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
+from megatron.core.optimizer.muon_split import NSCostModel, critical_path
 
 # name: (layers, hidden, ffn, heads, kv heads, vocab, tp); Llama 3.2 1B, Llama 3 8B / 70B shapes.
 MODELS = {
@@ -92,7 +93,7 @@ def ddp_layout(numels: list[int], dp: int, bucket_size) -> list[tuple[int, int, 
     return buckets
 
 
-def build_plan(params: list[tuple], dp: int, bucket_size, cost_of, window=None):
+def build_plan(params: list[tuple], dp: int, bucket_size, model: NSCostModel, window=None):
     """The optimizer's plan (rank 0's view; figures cover every rank) for this layout."""
     buckets, matrices = [], []
     numels = [math.prod(shape) for _, shape, _ in params]
@@ -104,11 +105,19 @@ def build_plan(params: list[tuple], dp: int, bucket_size, cost_of, window=None):
                 continue
             lo, hi = members[i]
             slot.matrices.append(len(matrices))
+            cost = model.whole(info)
             matrices.append(
-                MatrixSlot(name, len(buckets), lo - start, hi - start, shape, info, cost_of(info))
+                MatrixSlot(name, len(buckets), lo - start, hi - start, shape, info, cost)
             )
         buckets.append(slot)
-    return MuonExchangePlan(buckets, matrices, 0, dp, window)
+    return MuonExchangePlan(buckets, matrices, 0, dp, window, model)
+
+
+def cost_model(tp: int, mode: str, steps: int = NS_STEPS) -> NSCostModel:
+    """The optimizer's NS cost model for a TP size and mode (Muon params are all TP-sharded)."""
+    tp_of = lambda info: tp if info.partition_dim is not None else 1  # noqa: E731
+    whole = lambda info: tp_ns_cost(info, steps, mode, tp_of(info))  # noqa: E731
+    return NSCostModel(steps, whole, tp_of, mode)
 
 
 def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: int, link: float):
@@ -121,6 +130,18 @@ def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: i
     return total
 
 
+def ns_seconds(plan: MuonExchangePlan, rate: float, link: float) -> float:
+    """The plan's NS critical path in seconds: matmuls at ``rate``, each gang sum (fp32) as a
+    ring all-reduce over a duplex link, ``2 (k - 1) / k`` of the tensor each way."""
+    traces = [plan.trace(r) for r in range(plan.world)]
+
+    def ring(members: tuple, elements: int) -> float:
+        k = len(members)
+        return 2 * (k - 1) / k * elements * 4 / link if elements else 0.0
+
+    return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
+
+
 def project(model: str, dp: int, a) -> dict:
     cfg = MODELS[model]
     tp = cfg[-1]
@@ -128,10 +149,8 @@ def project(model: str, dp: int, a) -> dict:
     infos = [info for _, _, info in params if info is not None]
     total = sum(math.prod(shape) * (tp if len(shape) == 2 else 1) for _, shape, _ in params)
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
-    cost = lambda info: tp_ns_cost(info, NS_STEPS, a.tp_mode, tp)  # noqa: E731
-    size = ddp_bucket_size(dp, not a.one_bucket)
-    plan = build_plan(params, dp, size, cost)
-    per_bucket = build_plan(params, dp, size, cost, window=1)
+    plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), cost_model(tp, a.tp_mode))
+    unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
     forward = min(a.exchange_bytes, a.ns_bytes)
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
     return {
@@ -142,11 +161,14 @@ def project(model: str, dp: int, a) -> dict:
         "gpus": dp * tp,
         "buckets": len(plan.buckets),
         "step": 6 * total * a.tokens / (dp * tp * rate),
-        "ns": plan.critical_path_flops() / rate,
+        "ns": ns_seconds(plan, rate, link),
+        "ns_flops": plan.critical_path_flops() / rate,
         "efficiency": plan.efficiency(),
+        "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
         "comm": exchange_seconds(plan, forward, a.exchange_bytes, link),
-        "per_bucket_ns": per_bucket.critical_path_flops() / rate,
-        "per_bucket_efficiency": per_bucket.efficiency(),
+        "unsplit_ns": unsplit.critical_path_flops() / rate,
+        "unsplit_efficiency": unsplit.efficiency(),
+        "unsplit_comm": exchange_seconds(unsplit, forward, a.exchange_bytes, link),
         "base_ns": sum(ns_cost(i, NS_STEPS) for i in infos) / rate,
         "base_comm": muon_bytes * (dp - 1) / dp / link,
     }
@@ -154,20 +176,24 @@ def project(model: str, dp: int, a) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| model | TP x DP (GPUs) | buckets | model step | ours: NS + exchange | efficiency "
-        "| ours overhead | bucket by bucket: NS (efficiency) "
+        "| model | TP x DP (GPUs) | buckets | model step | gangs "
+        "| ours: NS (+ gang sums) + exchange | efficiency | ours overhead "
+        "| one owner per matrix: NS + exchange (efficiency) | its overhead "
         "| gather-everything: NS + all-gather | baseline overhead |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
         ours = r["ns"] + r["comm"]
+        unsplit = r["unsplit_ns"] + r["unsplit_comm"]
         base = r["base_ns"] + r["base_comm"]
         lines.append(
             f"| {r['model']} ({r['params'] / 1e9:.1f}B) | {r['tp']} x {r['dp']} ({r['gpus']}) "
-            f"| {r['buckets']} | {_ms(r['step'])} | {_ms(r['ns'])} + {_ms(r['comm'])} "
+            f"| {r['buckets']} | {_ms(r['step'])} | {r['gangs']} "
+            f"| {_ms(r['ns_flops'])} (+ {_ms(r['ns'] - r['ns_flops'])}) + {_ms(r['comm'])} "
             f"| {r['efficiency']:.2f} | {ours / r['step']:.1%} "
-            f"| {_ms(r['per_bucket_ns'])} ({r['per_bucket_efficiency']:.2f}) "
+            f"| {_ms(r['unsplit_ns'])} + {_ms(r['unsplit_comm'])} ({r['unsplit_efficiency']:.2f}) "
+            f"| {unsplit / r['step']:.1%} "
             f"| {_ms(r['base_ns'])} + {_ms(r['base_comm'])} | {base / r['step']:.1%} |"
         )
     return "\n".join(lines)

@@ -47,7 +47,14 @@ SERIES = [
         "TP orthogonalizers (blockwise, duplicated, distributed), the DistOpt exchange, the\n"
         "factory hooks and TensorParallelMuon; muon.py keeps upstream's public names.\n"
         "layer_wise_distributed_optimizer=True is deprecated in favour of the DistOpt path.",
-        [OPT + "muon_tp.py", OPT + "muon_distopt.py", OPT + "muon_megatron.py", OPT + "muon.py"],
+        [
+            OPT + "muon_tp.py",
+            OPT + "muon_split.py",
+            OPT + "muon_plan.py",
+            OPT + "muon_distopt.py",
+            OPT + "muon_megatron.py",
+            OPT + "muon.py",
+        ],
         ["0002-optimizer-factory-muon.patch"],
     ),
     (

@@ -107,8 +107,8 @@ def _lose_gathered_pieces(optimizer):
         ortho._orthogonalize_owned = functools.partial(_zeros_instead, ortho._orthogonalize_owned)
 
 
-def _zeros_instead(orthogonalize, receives, received, matrix_fn):
-    return orthogonalize(receives, torch.zeros_like(received), matrix_fn)
+def _zeros_instead(orthogonalize, ex, receives, received, matrix_fn):
+    return orthogonalize(ex, receives, torch.zeros_like(received), matrix_fn)
 
 
 def test_negative_control_broken_gather_misses_the_reference():
@@ -332,7 +332,7 @@ def _address(x) -> int:
 
 
 def _measured_transient():
-    from megatron.core.optimizer.muon_distopt import working_set_bytes
+    from megatron.core.optimizer.muon_plan import working_set_bytes
 
     model = build_model(
         COUNT_SPEC, distopt=True, bucket_size=COUNT_BUCKET, overlap_grad_reduce=True
@@ -353,7 +353,7 @@ def _measured_transient():
     muon_bytes = 4 * sum(m.end - m.start for m in plan.matrices)
     return {
         "measured": max(peaks),
-        "bound": plan.transient_bytes(4, 4, lambda m: working_set_bytes(m, 4, 4, 1)),
+        "bound": plan.transient_bytes(4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)),
         "largest": max(4 * (m.end - m.start) for m in plan.matrices if m.owner == plan.rank),
         "muon_bytes": muon_bytes,
     }

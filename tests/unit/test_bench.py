@@ -19,8 +19,8 @@ import projection  # noqa: E402
 import step_cost  # noqa: E402
 from gather_everything import distopts, use_gather_everything  # noqa: E402
 
-from megatron.core.optimizer.muon_distopt import ns_cost  # noqa: E402
 from megatron.core.optimizer.muon_functional import MuonParamInfo  # noqa: E402
+from megatron.core.optimizer.muon_plan import ns_cost  # noqa: E402
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
@@ -89,7 +89,7 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
     for dp in (8, 1024):
         r = projection.project("1B", dp, a)
         assert r["base_ns"] / dp <= r["ns"] <= r["base_ns"]
-        assert r["ns"] <= r["per_bucket_ns"] and 0 < r["efficiency"] <= 1
+        assert r["ns_flops"] <= r["unsplit_ns"] and 0 < r["efficiency"] <= 1
         assert r["ns"] + r["comm"] < r["base_ns"] + r["base_comm"]
 
 
@@ -121,7 +121,7 @@ def _real_layout():
 
 def _plan_figures(plan):
     return {
-        "matrices": [(m.bucket, m.start, m.end, m.cost, m.owner) for m in plan.matrices],
+        "matrices": [(m.bucket, m.start, m.end, m.cost, m.units) for m in plan.matrices],
         "pieces": [p.key + (p.lo, p.hi) for ex in plan.exchanges for p in ex.pieces],
         "critical": plan.critical_path_flops(),
     }
@@ -133,13 +133,13 @@ def test_projection_layout_and_plan_are_the_real_ones():
     owners, pieces and critical path."""
     import math
 
-    from megatron.core.optimizer.muon_distopt import ns_cost as cost
-
     for real, params in run_distributed(_real_layout, 2):
         numels = [math.prod(shape) for _, shape, _ in params]
         layout = projection.ddp_layout(numels, 2, LAYOUT_BUCKET)
         assert [(start, end) for start, end, _ in layout] == real["buckets"]
         index = {i: r for _, _, members in layout for i, r in members.items()}
         assert [index[i] for i in range(len(params))] == real["index"]
-        plan = projection.build_plan(params, 2, LAYOUT_BUCKET, lambda info: cost(info, 5))
+        plan = projection.build_plan(
+            params, 2, LAYOUT_BUCKET, projection.cost_model(1, "duplicated")
+        )
         assert len(real["buckets"]) > 2 and _plan_figures(plan) == real["plan"]

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .muon_config import SCALE_MODES
-from .newton_schulz import CoefficientSet, Triple, newton_schulz
+from .newton_schulz import CoefficientSet, Triple, newton_schulz, sharded_newton_schulz
 
 # Update scale s = SCALE_FNS[mode](m, n) * factor, m x n the (block's) global shape; the names
 # (and the matched-AdamW-RMS alias, resolve_scale) live in muon_config.
@@ -196,9 +196,9 @@ def orthogonalize(
 ) -> Tensor:
     """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight.
 
-    The one home of the Q/K/V split and of the scale: ``u`` may be the whole matrix or a row
-    shard of whole query groups (the ``distributed`` TP mode), since the scale and the block
-    shapes come from ``info`` (global), never from ``u``.
+    The one home of the Q/K/V split and of the scale: ``u`` may be the whole matrix, a row
+    shard of whole query groups (the ``distributed`` TP mode) or a column shard (a DP gang), since
+    the scale and the block shapes come from ``info`` (global), never from ``u``.
 
     Args:
         u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
@@ -224,9 +224,25 @@ def orthogonalize(
         ids = [i for i, ri in enumerate(split) if ri == r]
         blocks = [per_group[:, starts[i] : starts[i] + r].reshape(-1, cols) for i in ids]
         for i, orth in zip(ids, ns_blocks(blocks)):
-            orth = _scale_(orth, (global_groups * r, cols), spec)
+            orth = _scale_(orth, (global_groups * r, info.shape[1]), spec)
             out[:, starts[i] : starts[i] + r] = orth.view(-1, r, cols)
     return out.view(rows, cols)
+
+
+def orthogonalize_sharded(
+    u: Tensor, info: MuonParamInfo, spec: OrthoSpec, dim: int, reduce: Callable[[Tensor], object]
+) -> Tensor:
+    """``s * NS_k(U)`` of this shard (along ``dim``) of a matrix sharded over several places;
+    ``reduce(t)`` sums ``t`` in place over the shards (``newton_schulz.sharded_newton_schulz``).
+
+    Q/K/V blocks and the scale as ``orthogonalize``: a QKV shard holds whole query groups
+    (``dim=0``) or all rows of some columns (``dim=1``)."""
+
+    def ns_blocks(blocks: list[Tensor]) -> list[Tensor]:
+        ns = (spec.steps, spec.coefficients, spec.precision, spec.eps)
+        return [sharded_newton_schulz(b, dim, reduce, *ns) for b in blocks]
+
+    return orthogonalize(u, info, spec, ns_blocks)
 
 
 def _local_ns(x: Tensor, spec: OrthoSpec) -> Tensor:

@@ -34,11 +34,10 @@ from .muon_functional import (
     NS_TIMER,
     MuonParamInfo,
     OrthoSpec,
-    orthogonalize,
     orthogonalize_matrices,
+    orthogonalize_sharded,
     timed,
 )
-from .newton_schulz import coefficient_set, compute_dtype
 
 
 class TPOrthogonalizer:
@@ -87,7 +86,7 @@ class TPOrthogonalizer:
             full = all_gather_dim(u, dim, group)
             orth = matrix_fn([full], [info])[0]
             return orth.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
-        return distributed_orthogonalize(u, info, _spec_of(matrix_fn), group)
+        return distributed_orthogonalize(u, info, ortho_spec_of(matrix_fn), group)
 
 
 def _local_qkv(info, u: Tensor):
@@ -105,7 +104,7 @@ def all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def _spec_of(matrix_fn) -> OrthoSpec:
+def ortho_spec_of(matrix_fn) -> OrthoSpec:
     # Muon hands us functools.partial(orthogonalize_matrices, spec=...): the distributed mode
     # runs its own iteration, so it needs the group's settings rather than the local function.
     ok = isinstance(matrix_fn, functools.partial) and matrix_fn.func is orthogonalize_matrices
@@ -116,35 +115,10 @@ def _spec_of(matrix_fn) -> OrthoSpec:
 def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor:
     """``s * NS(U)`` of the own shard of U, the matrix built from the shards in ``group``.
 
-    The Q/K/V split and the scale are ``muon_functional.orthogonalize``'s; only the
-    Newton-Schulz of each (sharded) block runs here. A fused QKV weight is split by rows.
+    The math (``muon_functional.orthogonalize_sharded``) gets a sum over ``group``, never the
+    group. A fused QKV weight is split by rows.
     """
     dim = info.partition_dim
     assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"
-    return orthogonalize(
-        u, info, spec, lambda blocks: [sharded_newton_schulz(b, dim, group, spec) for b in blocks]
-    )
-
-
-def sharded_newton_schulz(x: Tensor, dim: int, group, spec: OrthoSpec) -> Tensor:
-    """Newton-Schulz of the matrix sharded along ``dim`` over ``group``; returns the own shard.
-
-    Same polynomial and normalization as ``newton_schulz.newton_schulz``; partial Gram
-    matrices and the squared norm are summed in fp32 (one rounding to the compute dtype after
-    the sum instead of one per rank).
-    """
-    dtype = compute_dtype(spec.precision)
-    buf = x.to(dtype, copy=True)
-    sq = buf.float().square().sum()
-    dist.all_reduce(sq, group=group)
-    buf.div_(sq.sqrt().to(dtype).add_(spec.eps))
-    for a, b, c in coefficient_set(spec.coefficients).schedule(spec.steps):
-        gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
-        gram = gram.float()
-        dist.all_reduce(gram, group=group)
-        gram = gram.to(dtype)
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
-        buf = (
-            torch.addmm(buf, buf, poly, beta=a) if dim == 0 else torch.addmm(buf, poly, buf, beta=a)
-        )
-    return buf.to(x.dtype)
+    reduce = functools.partial(dist.all_reduce, group=group)
+    return orthogonalize_sharded(u, info, spec, dim, reduce)

@@ -15,7 +15,7 @@ same ops as torch.optim.Muon, so the bf16 path rounds like it): the cost is clos
 matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -197,3 +197,39 @@ def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
         fma(x, *((x, poly) if tall else (poly, x)), beta=a, out=spare)  # a X + (b A + c A A) X
         x, spare = spare, x
     return x
+
+
+def sharded_newton_schulz(
+    x: Tensor,
+    dim: int,
+    reduce: Callable[[Tensor], object],
+    steps: int = DEFAULT_STEPS,
+    coefficients: str | CoefficientSet | Sequence[Triple] = DEFAULT_COEFFICIENTS,
+    precision: str = DEFAULT_PRECISION,
+    eps: float = DEFAULT_EPS,
+) -> Tensor:
+    """Newton-Schulz of a matrix whose shards (along ``dim``) live in several places; returns
+    this shard of ``NS_k(X)``. ``reduce(t)`` sums ``t`` in place over all shards.
+
+    With ``p(G) = b G + c G^2`` the step ``X <- a X + p(X X^T) X`` equals ``X <- a X + X
+    p(X^T X)``. Row shards X_i (``dim=0``) take the right Gram ``X^T X = sum_i X_i^T X_i`` and
+    update ``X_i <- a X_i + X_i p(X^T X)``; column shards (``dim=1``) the left Gram ``X X^T =
+    sum_j X_j X_j^T`` and ``X_j <- a X_j + p(X X^T) X_j``. Only the squared norm and one Gram
+    matrix per step are reduced, summed in fp32 (one rounding to the compute dtype after the sum
+    instead of one per shard). Same polynomial and normalization as ``newton_schulz``.
+    """
+    dtype = compute_dtype(precision)
+    buf = x.to(dtype, copy=True)
+    sq = buf.float().square().sum()
+    reduce(sq)
+    buf.div_(sq.sqrt().to(dtype).add_(eps))
+    for a, b, c in coefficient_set(coefficients).schedule(steps):
+        gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
+        gram = gram.float()
+        reduce(gram)
+        gram = gram.to(dtype)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
+        buf = (
+            torch.addmm(buf, buf, poly, beta=a) if dim == 0 else torch.addmm(buf, poly, buf, beta=a)
+        )
+    return buf.to(x.dtype)

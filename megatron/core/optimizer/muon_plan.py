@@ -1,0 +1,409 @@
+"""The DistOpt Muon exchange plan: who orthogonalizes which matrix (or gang block), what every
+rank sends where, and the counted figures of that schedule. Pure arithmetic on the layout (no
+collectives, no tensors): ``muon_distopt`` builds it from DistOpt's range maps and runs it,
+``bench/projection.py`` builds it from Megatron's bucket rule at any DP size.
+
+Order. Every piece is ``(matrix, holder, owner, lo, hi)``, ``[lo, hi)`` in the row-major order
+of the owner's unit (the whole matrix, or its gang block; ``muon_split.Block``): the part of the
+holder's shard that lies in the unit. All pieces of an exchange are sorted by one key,
+``Piece.key = (owner, holder, matrix)`` (one unit per owner and matrix, and a holder's part of a
+block is contiguous in the block's order, so the key is unique). A rank sends its held pieces in
+that order (grouped by destination, as ``all_to_all_single`` needs) and an owner receives its
+pieces in that order (grouped by source), so both sides of every link agree by construction.
+
+Counted figures. ``plan.trace(rank)`` lists, per collective the rank takes part in, the matmul
+FLOPs it runs before it: per exchange the forward all-to-all, the sums of its gangs (in the
+plan's gang order), then its whole matrices and the return all-to-all.
+``critical_path_flops()`` runs those traces (``muon_split.critical_path``: a collective ends when
+its last member arrives); without gangs it is the sum over exchanges of the busiest rank.
+``sync_points()`` counts exchanges plus gang sums; ``traffic``/``sum_traffic`` the elements moved
+by the all-to-alls and by the gang sums; ``transient_bytes`` bounds the exchange's memory.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .muon_functional import MuonParamInfo
+from .muon_split import (
+    TARGETS,
+    NSCostModel,
+    Unit,
+    Work,
+    assign_units,
+    critical_path,
+    member_events,
+)
+
+
+@dataclass
+class MatrixSlot:
+    """A Muon matrix as the DistributedOptimizer lays it out: a range of one bucket."""
+
+    name: str
+    bucket: int  # index into MuonExchangePlan.buckets
+    start: int  # element range within the bucket
+    end: int
+    local_shape: tuple[int, int]  # TP-local shape, as stored
+    info: MuonParamInfo  # TP-global shape and QKV split: what the math needs
+    cost: float  # Newton-Schulz FLOPs its owner executes when whole (per TP rank)
+    units: list[Unit] = field(default_factory=list)  # one owner, or one block per gang member
+
+    @property
+    def owner(self) -> int:
+        """The owner of a whole matrix; -1 for one split over a gang."""
+        return self.units[0].owner if len(self.units) == 1 else -1
+
+    def unit_of(self, rank: int) -> Optional[Unit]:
+        return next((u for u in self.units if u.owner == rank), None)
+
+
+@dataclass
+class BucketSlot:
+    """One DP-sharded bucket: its DP group (None in a projection) and its Muon matrices."""
+
+    group: object
+    shard_size: int
+    matrices: list[int] = field(default_factory=list)  # in bucket order
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part ``[lo, hi)`` of a flattened matrix that DP rank ``holder`` holds."""
+
+    matrix: int
+    holder: int
+    owner: int
+    lo: int
+    hi: int
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """THE order of every exchange: senders group by destination, receivers by source."""
+        return (self.owner, self.holder, self.matrix)
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class Exchange:
+    """One DP-wide sync point: a forward and a return ``all_to_all`` around owners' NS."""
+
+    group: object
+    buckets: list[int]
+    matrices: list[int]
+    pieces: list[Piece] = field(default_factory=list)  # sorted by Piece.key
+    gangs: list[int] = field(default_factory=list)  # split matrices, in the order all run them
+
+    def sends(self, rank: int) -> list[Piece]:
+        return [p for p in self.pieces if p.holder == rank]
+
+    def receives(self, rank: int) -> list[Piece]:
+        return [p for p in self.pieces if p.owner == rank]
+
+    def split_sizes(self, rank: int, world: int) -> tuple[list[int], list[int]]:
+        """Forward (send, receive) elements per peer; the return exchange swaps them."""
+        send, recv = [0] * world, [0] * world
+        for p in self.pieces:
+            if p.holder == rank:
+                send[p.owner] += p.size
+            if p.owner == rank:
+                recv[p.holder] += p.size
+        return send, recv
+
+
+def ns_cost(info: MuonParamInfo, steps: int) -> float:
+    """Newton-Schulz matmul FLOPs for one matrix (per QKV block when split).
+
+    Per step ``X X^T`` (2 s^2 l), ``A A`` (2 s^3) and ``B X`` (2 s^2 l), s = min(m, n),
+    l = max(m, n); elementwise work is left out.
+    """
+    return float(sum(steps * (4 * min(b) ** 2 * max(b) + 2 * min(b) ** 3) for b in _blocks(info)))
+
+
+def _blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
+    rows, cols = info.shape
+    if info.qkv_split is None:
+        return [(rows, cols)]
+    groups = rows // sum(info.qkv_split)
+    return [(groups * r, cols) for r in info.qkv_split]
+
+
+def tp_ns_cost(info: MuonParamInfo, steps: int, mode: str, tp: int) -> float:
+    """NS FLOPs each TP rank of the owner executes, per TP mode (``muon_tp.py``).
+
+    duplicated: the whole matrix on every TP rank; blockwise: the TP-local slice; distributed:
+    the own row (column) shard with the n x n (m x m) Gram matrix, ``4 r n^2 + 2 n^3`` per step.
+    """
+    dim = getattr(info, "partition_dim", None)
+    if tp == 1 or dim is None or mode == "duplicated":
+        return ns_cost(info, steps)
+    if mode == "blockwise":
+        shape = list(info.shape)
+        shape[dim] //= tp
+        return ns_cost(MuonParamInfo(tuple(shape), info.qkv_split), steps)
+    total = 0.0
+    for rows, cols in _blocks(info):
+        split, whole = (rows // tp, cols) if dim == 0 else (cols // tp, rows)
+        total += steps * (4 * split * whole**2 + 2 * whole**3)
+    return total
+
+
+def piece(slot: MatrixSlot, rank: int, shard_size: int) -> tuple[int, int]:
+    """The part of ``slot`` (bucket-relative range) that DP rank ``rank`` holds; may be empty."""
+    return max(slot.start, rank * shard_size), min(slot.end, (rank + 1) * shard_size)
+
+
+def _holders(slot: MatrixSlot, shard_size: int) -> range:
+    return range(slot.start // shard_size, (slot.end - 1) // shard_size + 1)
+
+
+def group_exchanges(buckets: list[BucketSlot], matrices, window: Optional[int]) -> list[Exchange]:
+    """Buckets -> exchanges: one per DP group, or (``window``) consecutive buckets of a group
+    holding at least ``window`` Muon elements each (``window=1``: one per bucket)."""
+    by_group: dict[int, list[int]] = {}
+    for b, bucket in enumerate(buckets):
+        if bucket.matrices:
+            by_group.setdefault(id(bucket.group), []).append(b)
+    out = []
+    for ids in by_group.values():
+        run, size = [], 0
+        for b in ids:
+            run.append(b)
+            size += sum(matrices[i].end - matrices[i].start for i in buckets[b].matrices)
+            if window is not None and size >= window:
+                out.append(run)
+                run, size = [], 0
+        if run:
+            out.append(run)
+    return [
+        Exchange(buckets[r[0]].group, r, [i for b in r for i in buckets[b].matrices]) for r in out
+    ]
+
+
+class MuonExchangePlan:
+    """Who orthogonalizes which matrix (or block) and what every rank sends where; built once,
+    used every step.
+
+    A pure function of the layout (no collectives): the optimizer builds it from DistOpt's range
+    maps, ``bench/projection.py`` from Megatron's bucket rule at any DP size. ``model`` (the NS
+    cost of whole matrices and gang members) lets matrices split over gangs (``muon_split``);
+    without it every matrix has one owner.
+    """
+
+    def __init__(
+        self,
+        buckets: list[BucketSlot],
+        matrices: list[MatrixSlot],
+        rank: int,
+        world: int,
+        window: Optional[int] = None,
+        model: Optional[NSCostModel] = None,
+        targets: tuple[float, ...] = TARGETS,
+    ):
+        self.buckets, self.matrices, self.rank, self.world = buckets, matrices, rank, world
+        self.model, self.targets = model, targets
+        self.exchanges = group_exchanges(buckets, matrices, window)
+        for ex in self.exchanges:
+            works = [self._work(matrices[i]) for i in ex.matrices]
+            units, gangs = assign_units(works, world, model, targets)
+            for i, matrix_units in zip(ex.matrices, units):
+                matrices[i].units = matrix_units
+            ex.gangs = [ex.matrices[j] for j in gangs]
+            ex.pieces = sorted(self._pieces(ex), key=lambda p: p.key)
+
+    def _work(self, slot: MatrixSlot) -> Work:
+        shard = self.buckets[slot.bucket].shard_size
+        held = {}
+        for r in _holders(slot, shard):
+            lo, hi = piece(slot, r, shard)
+            held[r] = (lo - slot.start, hi - lo)  # (first held element, elements held)
+        return Work(slot.info, slot.cost, slot.local_shape, held)
+
+    def _pieces(self, ex: Exchange):
+        for i in ex.matrices:
+            slot = self.matrices[i]
+            shard, cols = self.buckets[slot.bucket].shard_size, slot.local_shape[1]
+            for holder in _holders(slot, shard):
+                lo, hi = piece(slot, holder, shard)
+                for unit in slot.units:
+                    blo, bhi = unit.block.range_of(lo - slot.start, hi - slot.start, cols)
+                    if bhi > blo:
+                        yield Piece(i, holder, unit.owner, blo, bhi)
+
+    def with_window(self, window: Optional[int]) -> "MuonExchangePlan":
+        """The same layout under a former schedule: one owner per matrix (no gangs), one
+        exchange per ``window`` (see ``group_exchanges``; 1: bucket by bucket). Matrix indices
+        are kept, so ``ShardInfo``s stay valid."""
+        return self.rebuilt(window, None)
+
+    def rebuilt(self, window=None, model: Optional[NSCostModel] = None, targets=TARGETS):
+        """The same layout planned again: another window, ``model=None`` (no splits) or other
+        split targets (``muon_split.TARGETS``)."""
+        matrices = [dataclasses.replace(m, units=[]) for m in self.matrices]
+        args = (self.rank, self.world, window, model, targets)
+        return MuonExchangePlan(self.buckets, matrices, *args)
+
+    # ---------------------------------------------------------------- counted figures
+    def ns_flops(self, ex: Exchange) -> list[float]:
+        """NS FLOPs each rank executes between the two all-to-alls of ``ex``."""
+        flops = [0.0] * self.world
+        for i in ex.matrices:
+            for unit in self.matrices[i].units:
+                flops[unit.owner] += unit.cost
+        return flops
+
+    def ns_flops_per_rank(self) -> list[float]:
+        per_ex = [self.ns_flops(ex) for ex in self.exchanges]
+        return [sum(f[r] for f in per_ex) for r in range(self.world)]
+
+    def trace(self, rank: int) -> list[tuple]:
+        """What ``rank`` executes in a step: each collective as ``(matmul FLOPs before it,
+        members, elements)``: per exchange the forward all-to-all, its gangs' sums (gangs in
+        ``ex.gangs`` order), then its whole matrices and the return all-to-all."""
+        everyone, out = tuple(range(self.world)), []
+        for ex in self.exchanges:
+            out.append((0.0, everyone, 0))
+            flops = 0.0
+            for i in ex.gangs:
+                unit = self.matrices[i].unit_of(rank)
+                if unit is None:
+                    continue
+                for event in member_events(
+                    self.model, self.matrices[i].info, unit.axis, unit.lines
+                ):
+                    if isinstance(event, float):
+                        flops += event
+                    else:
+                        out.append((flops, unit.members, event))
+                        flops = 0.0
+            flops += sum(u.cost for u in self._whole_units(ex).get(rank, []))
+            out.append((flops, everyone, 0))
+        return out
+
+    def _whole_units(self, ex: Exchange) -> dict[int, list[Unit]]:
+        """{rank: its whole-matrix units in ``ex``}, computed once."""
+        cache = self.__dict__.setdefault("_whole_cache", {})
+        if id(ex) not in cache:
+            out: dict[int, list[Unit]] = {}
+            for i in ex.matrices:
+                for u in self.matrices[i].units:
+                    if not u.gang:
+                        out.setdefault(u.owner, []).append(u)
+            cache[id(ex)] = out
+        return cache[id(ex)]
+
+    def critical_path_flops(self) -> float:
+        """NS FLOPs on the step's critical path: the schedule of ``trace`` run by
+        ``muon_split.critical_path`` (without gangs: per exchange, the busiest rank)."""
+        if "_critical" not in self.__dict__:
+            self._critical = critical_path([self.trace(r) for r in range(self.world)])
+        return self._critical
+
+    def efficiency(self) -> float:
+        """Ideal (total / dp) over the critical path: 1.0 = perfect, 1/dp = one rank does all."""
+        total = sum(m.cost for m in self.matrices)
+        return total / self.world / self.critical_path_flops() if self.matrices else 1.0
+
+    def gang_sums(self, ex: Exchange) -> list[tuple[tuple[int, ...], int]]:
+        """(members, elements) of every sum the gangs of ``ex`` run."""
+        out = []
+        for i in ex.gangs:
+            unit = self.matrices[i].units[0]
+            events = member_events(self.model, self.matrices[i].info, unit.axis, unit.lines)
+            out += [(unit.members, e) for e in events if not isinstance(e, float)]
+        return out
+
+    def sync_points(self) -> int:
+        """Exchanges (DP-wide) plus gang sums (within a gang) per step."""
+        return len(self.exchanges) + sum(len(self.gang_sums(ex)) for ex in self.exchanges)
+
+    def traffic(self, ex: Exchange) -> tuple[list[int], list[int]]:
+        """Elements each rank sends and receives in the forward direction of ``ex`` (the return
+        direction swaps them), self-copies excluded."""
+        sent, received = [0] * self.world, [0] * self.world
+        for p in ex.pieces:
+            if p.holder != p.owner:
+                sent[p.holder] += p.size
+                received[p.owner] += p.size
+        return sent, received
+
+    def sum_traffic(self, ex: Exchange) -> list[float]:
+        """fp32 elements each rank sends (and as many receives) in the gang sums of ``ex``, as a
+        ring all-reduce moves them: ``2 (k - 1) / k`` of the summed tensor per member."""
+        out = [0.0] * self.world
+        for members, n in self.gang_sums(ex):
+            for m in members:
+                out[m] += 2 * (len(members) - 1) / len(members) * n
+        return out
+
+    def moved(self, ex: Exchange, rank: Optional[int] = None) -> int:
+        """Elements ``rank`` sends plus receives in one direction of ``ex``."""
+        rank = self.rank if rank is None else rank
+        sent, received = self.traffic(ex)
+        return sent[rank] + received[rank]
+
+    def bytes_per_step(self, forward_itemsize: int, return_itemsize: int, rank=None) -> int:
+        """Bytes ``rank`` sends plus receives per step in the all-to-alls, both directions,
+        self-copies excluded (gang sums: ``sum_bytes_per_step``)."""
+        moved = sum(self.moved(ex, rank) for ex in self.exchanges)
+        return moved * (forward_itemsize + return_itemsize)
+
+    def sum_bytes_per_step(self, rank=None) -> float:
+        """Bytes ``rank`` sends plus receives per step in its gang sums (fp32, ring model)."""
+        rank = self.rank if rank is None else rank
+        return 2 * 4 * sum(self.sum_traffic(ex)[rank] for ex in self.exchanges)
+
+    def transient_bytes(self, forward_itemsize, return_itemsize, working_set, rank=None) -> int:
+        """Upper bound of the exchange's transient memory on ``rank`` (module docstring):
+        the largest phase of one exchange, plus ``working_set(slot, unit)`` of its largest
+        owned unit (bytes NS holds while orthogonalizing it)."""
+        rank = self.rank if rank is None else rank
+        f, r = forward_itemsize, return_itemsize
+        worst = 0
+        for ex in self.exchanges:
+            held = sum(p.size for p in ex.sends(rank))
+            owned = sum(p.size for p in ex.receives(rank))
+            mine = [(self.matrices[i], self.matrices[i].unit_of(rank)) for i in ex.matrices]
+            work = max((working_set(m, u) for m, u in mine if u is not None), default=0)
+            results = 0 if f == r else owned * r  # else written over the received pieces
+            # Held parts of split matrices come back in pieces and are assembled into a copy.
+            split = sum(p.size for p in ex.sends(rank) if len(self.matrices[p.matrix].units) > 1)
+            # The communication library may keep the forward send buffer until its work is
+            # released (gloo and NCCL hold the tensors of a collective), so it counts throughout.
+            buffers = held * f + owned * f + results
+            worst = max(worst, buffers + max(work, (held + split) * r))  # NS, or the return
+        return worst
+
+
+def working_set_bytes(
+    slot: MatrixSlot, update_itemsize: int, ns_itemsize: int, tp: int, unit: Optional[Unit] = None
+) -> int:
+    """Bytes live while one owned matrix (or gang block, ``unit``) is orthogonalized: the
+    assembled block, its TP-global gather and result (update dtype), NS's input copy and two X
+    buffers (a gang block also an fp32 copy for its norm), Gram and polynomial (a gang sums the
+    Gram in fp32), plus the QKV path's block copies. An upper bound; measured in the tests."""
+    gang = unit is not None and bool(unit.gang)
+    local = math.prod(unit.block.shape) if gang else math.prod(slot.local_shape)
+    whole = math.prod(slot.info.shape) * local // math.prod(slot.local_shape)  # TP-gathered
+    gathered = whole if tp > 1 else 0
+    blocks = 2 * whole if slot.info.qkv_split is not None else 0
+    g = _gram_side(slot, unit) if gang else min(slot.info.shape)
+    return (
+        (local + gathered + whole + blocks) * update_itemsize
+        + 3 * whole * max(ns_itemsize, 4 if gang else 0)
+        + 2 * g * g * (ns_itemsize + (4 if gang else 0))
+    )
+
+
+def _gram_side(slot: MatrixSlot, unit: Unit) -> int:
+    """The largest Gram side of a gang block: columns of row blocks; rows of (the largest Q/K/V
+    block of) column blocks."""
+    rows, cols = slot.info.shape
+    if unit.axis == 0:
+        return cols
+    split = slot.info.qkv_split or (rows,)
+    return rows // sum(split) * max(split)

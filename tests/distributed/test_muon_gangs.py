@@ -1,0 +1,168 @@
+"""A matrix's Newton-Schulz split over a gang of DP ranks is still exact Muon, and its counted
+figures are what the step runs.
+
+Past DP ~ the number of matrices the plan cuts large matrices into row or column blocks, one per
+gang member, the Gram matrices summed over the gang inside every iteration (``muon_split.py``).
+The tiny GPT has too few FLOPs per matrix for DP=4 to need that, so the tests plan with low
+split targets (``plan.rebuilt(targets=...)``): every matrix above 0.05 x total/dp splits, which
+gives gangs of 2, 3 and 4 ranks, row blocks (fc1) and column blocks (QKV, fc2), gangs that share
+ranks. Reproduce by hand:
+
+    .venv/bin/python -m pytest tests/distributed/test_muon_gangs.py -q
+"""
+
+import functools
+
+from harness import run_distributed
+from parity import assert_close_runs, update_rel_error
+from test_muon_distopt import (
+    BUCKET,
+    LOSS_RTOL,
+    MUON,
+    TOL,
+    LiveBytes,
+    MatmulFlops,
+    distopts,
+    reference,
+    run_layout,
+)
+from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step
+
+from megatron.core.optimizer.muon_plan import working_set_bytes
+from megatron.core.optimizer.muon_split import critical_path
+
+# x total/dp: below the undivided 2 g^3 polynomial of every matrix, so each splits: fc1 (row
+# blocks) over 4 ranks, proj over 2, QKV and fc2 (column blocks) over 3.
+TARGETS = (0.05,)
+
+
+def _gang_sizes(plan) -> set[int]:
+    return {len(m.units) for m in plan.matrices if len(m.units) > 1}
+
+
+def _split(optimizer, broken_sum=False):
+    """Hook: plan with low targets (gangs of 2 to 4 at DP=4); ``broken_sum``: the negative
+    control, members skip the Gram sums (each iterates on its block's own Gram)."""
+    for distopt in distopts(optimizer):
+        ortho = distopt.optimizer.orthogonalizer
+        ortho.set_plan(ortho.plan.rebuilt(model=ortho.plan.model, targets=TARGETS))
+        distopt.muon_plan = ortho.plan
+        sizes = _gang_sizes(ortho.plan)
+        assert {2, ortho.plan.world} <= sizes, sizes  # same plan on every rank: all or none
+        if broken_sum:
+            ortho._gang_sum = functools.partial(_norm_sum_only, ortho._gang_sum)
+
+
+def _norm_sum_only(gang_sum, ex, members, t):
+    if t.numel() == 1:  # the squared norm; the Gram matrices stay partial
+        gang_sum(ex, members, t)
+
+
+def test_gangs_at_dp4_match_one_process():
+    """Tolerance as the DistOpt parity tests (1e-4 on the fp32 update): a gang sums fp32 Gram
+    partials, which only reorders fp32 sums (~1e-6)."""
+    got = run_layout("fp32", 4, hook=_split)
+    assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+
+
+def test_gangs_over_tp_duplicated_match_one_process():
+    """TP=2 x DP=2 (``duplicated``): gang blocks are TP-gathered before the iteration."""
+    got = run_layout("fp32", 4, tp=2, hook=_split)
+    assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+
+
+def test_negative_control_gangs_without_the_gram_sum_miss_the_reference():
+    initial, ref, _ = reference("fp32")
+    got = run_layout("fp32", 4, hook=functools.partial(_split, broken_sum=True))
+    errors = update_rel_error(initial, ref, got[0][1])
+    assert max(errors.values()) > 100 * TOL["fp32"]
+
+
+# ------------------------------------------------------------------------- counted figures
+
+
+def _counted_split_step():
+    """One real DP=4 step with gangs: matmul FLOPs between collectives, the collectives' members
+    and sizes, bytes and the peak of the exchange's allocations, next to the plan's."""
+    spec = TinyGPT()
+    model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON)
+    _split(optimizer)
+    (distopt,) = distopts(optimizer)
+    ortho, plan = distopt.optimizer.orthogonalizer, distopt.muon_plan
+    counter, trace, peaks = MatmulFlops(), [], []
+    everyone = tuple(range(plan.world))
+    _mark(ortho, "_all_to_all", lambda *a, **k: (everyone, 0), counter, trace)
+    _mark(ortho, "_gang_sum", lambda ex, members, t: (members, t.numel()), counter, trace)
+    run = ortho._run
+
+    def profiled(*args):
+        with LiveBytes() as tracker:
+            out = run(*args)
+        peaks.append(tracker.peak)
+        return out
+
+    ortho._run = profiled
+    step = optimizer.step
+
+    def counted_step():
+        with counter:
+            return step()
+
+    optimizer.step = counted_step
+    train_step(spec, model, optimizer, global_batches(spec, 1)[0])
+    return {
+        "trace": trace,
+        "after": counter.flops,
+        "plan_trace": plan.trace(plan.rank),
+        "critical": plan.critical_path_flops(),
+        "sync_points": plan.sync_points(),
+        "sizes": _gang_sizes(plan),
+        "bytes": (ortho.bytes_moved, plan.bytes_per_step(4, 4)),
+        "sum_bytes": (ortho.sum_bytes, plan.sum_bytes_per_step()),
+        "peak": max(peaks),
+        "bound": plan.transient_bytes(4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)),
+    }
+
+
+def _mark(ortho, name, describe, counter, trace):
+    """Wrap a collective of ``ortho``: record (FLOPs since the previous one, members, size)."""
+    call = getattr(ortho, name)
+
+    def marked(*args, **kwargs):
+        trace.append((counter.flops, *describe(*args, **kwargs)))
+        counter.flops = 0.0
+        return call(*args, **kwargs)
+
+    setattr(ortho, name, marked)
+
+
+@functools.cache
+def counted_split_runs():
+    return run_distributed(_counted_split_step, 4)
+
+
+def test_counted_step_with_gangs_is_the_plans_schedule():
+    """Per rank, the real step's matmul FLOPs between collectives, and who takes part in each
+    collective with how many elements, are the plan's trace; so the critical path run on the
+    counted traces is the plan's, and the sync points are the collectives counted."""
+    ranks = counted_split_runs()
+    for r in ranks:
+        assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
+    counted = [r["trace"] for r in ranks]
+    assert critical_path(counted) == ranks[0]["critical"]
+    exchanges = sum(1 for _, _, n in counted[0] if n == 0) // 2  # all-to-alls move 0 summed
+    gang_sums = sum(1 for r, t in enumerate(counted) for _, m, n in t if n and m[0] == r)
+    assert exchanges == 1 and gang_sums > 0
+    assert ranks[0]["sync_points"] == exchanges + gang_sums
+    assert {2, 4} <= ranks[0]["sizes"]
+
+
+def test_gang_bytes_and_transient_memory_are_the_plans():
+    """All-to-all bytes counted from the split sizes used equal the plan's; gang-sum bytes (ring
+    model) likewise; the measured peak of the exchange's allocations stays within the plan's
+    bound, which counts each gang block's working set (fp32 norm copy and Gram sums)."""
+    for r in counted_split_runs():
+        assert r["bytes"][0] == r["bytes"][1] > 0
+        assert r["sum_bytes"][0] == r["sum_bytes"][1] > 0
+        assert 0 < r["peak"] <= r["bound"], r
