@@ -168,13 +168,11 @@ def _model_flops(batch: int, seq: int = 16) -> float:
 
 
 def _check_muon_figures(stdout: str, scalars: dict) -> None:
-    from megatron.core.optimizer.muon_distopt import ns_cost
-
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import projection  # noqa: E402 (bench/ is not a package)
 
     params = projection.model_params(*LLAMA_SHAPE.values())
-    plan = projection.build_plan(params, 2, None, lambda info: ns_cost(info, 5))
+    plan = projection.build_plan(params, 2, None, projection.cost_model(1, "duplicated"))
     # default --muon-fp32-matmul-prec medium: bf16 Newton-Schulz, so bf16 goes out, fp32 back
     moved = max(plan.bytes_per_step(2, 4, rank=r) for r in range(2))
     flops = max(plan.ns_flops_per_rank())
