@@ -58,10 +58,23 @@ def _spec_options(args) -> dict:
     )
 
 
+def mtp_block_spec(args, config, spec, vp_stage=None):
+    """--mtp-num-layers: Multi-Token Prediction layers after the decoder (built on the last
+    pipeline stage only; None elsewhere and without the flag), as Megatron-LM's pretrain_gpt."""
+    if args.mtp_num_layers is None:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    te = args.transformer_impl == "transformer_engine"
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te, vp_stage=vp_stage)
+
+
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    spec = layer_spec(args, config)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, config),
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec(args, config, spec, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -92,7 +105,8 @@ def forward_step(args, data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = datasets.get_batch(
         data_iterator, args.micro_batch_size, args.seq_length, device=cpu_mode.device()
     )
-    output = model(tokens, position_ids, attention_mask, labels=labels)
+    # loss_mask: the MTP layers' losses skip the masked tokens too (unused without MTP)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 
 

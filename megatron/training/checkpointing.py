@@ -47,6 +47,7 @@ MODEL_SHAPE = (
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("add_bias_linear", "--disable-bias-linear"),
     ("num_experts", "--num-experts"),
+    ("mtp_num_layers", "--mtp-num-layers"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),

@@ -31,6 +31,7 @@ from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
 from .log import print_rank_0, print_rank_last, validation_block
+from .mtp_log import mtp_losses
 from .progress import ProgressLog
 from .schedule import get_scheduler
 from .timers import started, suspended
@@ -162,7 +163,9 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
     memory.empty_cache(args.empty_unused_memory_level, 2, _device())
     if ok:
         scheduler.step(increment=get_current_global_batch_size())
-    return reduce_losses(outputs), not ok, (grad_norm, num_zeros), max_logit
+    losses = reduce_losses(outputs)
+    losses.update(mtp_losses(get_num_microbatches()))  # --mtp-num-layers: mtp_<k> loss
+    return losses, not ok, (grad_norm, num_zeros), max_logit
 
 
 @torch.no_grad()

@@ -27,7 +27,8 @@ MUON = "--optimizer muon --muon-tp-mode duplicated --muon-momentum 0.95"
 # rampup batch (sample-based, as Megatron-LM requires for a rampup), bf16 and DistOpt; GPT-3-style
 # DP in fp16 (loss scaling; the 345M recipes' precision) with learned positions and GeLU; MoE with
 # expert parallelism in bf16 with bf16 gradient reduction and no DistOpt (Megatron's
-# mixed-precision optimizer, fp32 main grads: its clipping needs them).
+# mixed-precision optimizer, fp32 main grads: its clipping needs them) and one Multi-Token
+# Prediction layer (as upstream's MoE memory/speed recipe).
 RECIPES = [
     (
         "llama-tp2-pp2-vpp2-gqa-rope-swiglu-rampup",
@@ -64,6 +65,7 @@ RECIPES = [
         "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-ffn-hidden-size 32 "
         "--moe-shared-expert-intermediate-size 32 --moe-router-dtype fp32 "
         "--moe-z-loss-coeff 1e-3 --grad-reduce-in-bf16 --num-layers 2 --hidden-size 32 "
+        "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 "
         "--num-attention-heads 4 --position-embedding-type rope --swiglu --normalization RMSNorm "
         "--disable-bias-linear --micro-batch-size 1 --global-batch-size 4 --train-iters 4 "
         "--lr 3e-3 --lr-decay-style cosine --bf16",
@@ -84,3 +86,6 @@ def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
     # fp16 runs under Megatron's loss scaler (a 1.0 scale here meant none); bf16 needs none
     scales = set(re.findall(r"loss scale: (\S+) \|", proc.stdout))
     assert scales == ({"4096.0"} if "--fp16" in flags else {"1.0"}), scales
+    if "--mtp-num-layers" in flags:  # Multi-Token Prediction's loss, on every line
+        mtp = re.findall(r"\| mtp_1 loss: (\S+) \|", proc.stdout)
+        assert len(mtp) == total and all(0 < float(v) < 10 for v in mtp), proc.stdout[-2000:]
