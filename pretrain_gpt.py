@@ -26,6 +26,7 @@ warnings.filterwarnings("ignore", message="full scope is deprecated")
 import torch  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.utils import get_model_config  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import cpu_mode, data_check, datasets  # noqa: E402
@@ -35,6 +36,7 @@ from megatron.training.core_configs import transformer_config  # noqa: E402
 from megatron.training.exit_conditions import ExitConditions  # noqa: E402
 from megatron.training.failures import FailureBroadcast, TrainingError  # noqa: E402
 from megatron.training.initialize import initialize  # noqa: E402
+from megatron.training.timers import started  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 
@@ -102,9 +104,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(args, data_iterator, model):
+    # Megatron-LM's level-2 timer around reading the batch (none during evaluation)
+    timer = started(get_model_config(model).timers, "batch-generator", 2)
     tokens, labels, loss_mask, attention_mask, position_ids = datasets.get_batch(
         data_iterator, args.micro_batch_size, args.seq_length, device=cpu_mode.device()
     )
+    timer.stop()
     # loss_mask: the MTP layers' losses skip the masked tokens too (unused without MTP)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)

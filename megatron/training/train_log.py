@@ -38,6 +38,7 @@ LEVEL_1 = (
     "optimizer",
 )
 LEVEL_2 = (
+    "batch-generator",
     "forward-compute",
     "backward-compute",
     "forward-recv",

@@ -139,7 +139,7 @@ def _check_timers(stdout: str) -> None:
         timed.setdefault(name, []).append((float(low), float(high)))
     for name in ("forward-backward", "optimizer", "optimizer-inner-step", "forward-compute"):
         assert len(timed[name]) == 4, (name, stdout[-3000:])  # one report per log line
-    for name in ("muon-newton-schulz", "muon-dp-exchange", "params-all-gather"):
+    for name in ("muon-newton-schulz", "muon-dp-exchange", "params-all-gather", "batch-generator"):
         assert len(timed[name]) == 4 and all(0 < lo <= hi for lo, hi in timed[name]), name
 
 
