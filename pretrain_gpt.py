@@ -276,6 +276,7 @@ def train(args, exit_conditions) -> None:
         tiktoken_pattern=args.tiktoken_pattern,
         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
         tiktoken_special_tokens=args.tiktoken_special_tokens,
+        vocab_extra_ids=args.vocab_extra_ids,
     )
     args.padded_vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     config = transformer_config(args)

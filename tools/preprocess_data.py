@@ -10,7 +10,8 @@ Each jsonl line is one document; for every key of --json-keys (default: text) it
 {output-prefix}_{key}_document.bin/.idx through megatron-core's IndexedDatasetBuilder; train with
 --data-path {output-prefix}_{key}_document. Tokenizer types: ByteLevelTokenizer (ours, no files),
 GPT2BPETokenizer, HuggingFaceTokenizer (--tokenizer-model tokenizer.json), NullTokenizer
-(--vocab-size), GPTSentencePieceTokenizer and Llama2Tokenizer (--tokenizer-model x.model),
+(--vocab-size), GPTSentencePieceTokenizer, Llama2Tokenizer and SentencePieceTokenizer
+(--tokenizer-model x.model; --vocab-extra-ids),
 TikTokenizer (--tokenizer-model ranks.json --tiktoken-pattern v1|v2, optionally --vocab-size,
 --tiktoken-num-special-tokens, --tiktoken-special-tokens): the flags of pretrain_gpt.py, so that
 the ids written are the ones training embeds. Not supported from upstream: --split-sentences,
@@ -40,6 +41,7 @@ TOKENIZER_TYPES = (
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
     "TikTokenizer",
+    "SentencePieceTokenizer",
 )
 
 
@@ -59,6 +61,9 @@ def get_args(argv=None) -> argparse.Namespace:
     )
     group.add_argument(
         "--vocab-size", type=int, help="NullTokenizer: ids below this value; TikTokenizer: size"
+    )
+    group.add_argument(
+        "--vocab-extra-ids", type=int, default=0, help="SentencePieceTokenizer: <extra_id_k>"
     )
     group.add_argument("--tiktoken-pattern", help="TikTokenizer: v1 or v2 (required)")
     group.add_argument(
@@ -107,6 +112,7 @@ def build_tokenizer_from_args(args: argparse.Namespace):
         tiktoken_pattern=args.tiktoken_pattern,
         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
         tiktoken_special_tokens=args.tiktoken_special_tokens,
+        vocab_extra_ids=args.vocab_extra_ids,
     )
 
 

@@ -13,7 +13,8 @@ Types:
   package, imported lazily.
 - ``NullTokenizer``: ids written as space-separated integers; ``vocab_size`` ids plus one eod
   (Megatron-LM's tokenizer for mock data).
-- ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer`` (``sentencepiece_tokenizer.py``) and
+- ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``, ``SentencePieceTokenizer``
+  (``sentencepiece_tokenizer.py``) and
   ``TikTokenizer`` (``tiktokenizer.py``): Megatron-LM's, on the sentencepiece/tiktoken packages.
 """
 
@@ -35,6 +36,7 @@ TOKENIZER_TYPES = (
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
     "TikTokenizer",
+    "SentencePieceTokenizer",
 )
 
 # megatron-core's tokenizer libraries (``megatron.core.tokenizers``) and the --tokenizer-type
@@ -88,6 +90,7 @@ def build_tokenizer(
     tiktoken_pattern: str | None = None,
     tiktoken_num_special_tokens: int = 1000,
     tiktoken_special_tokens: list | None = None,
+    vocab_extra_ids: int = 0,
     **kwargs,
 ) -> MegatronLegacyTokenizer:
     """Build the tokenizer named by ``tokenizer_type``; a missing file or flag is a ValueError
@@ -111,6 +114,11 @@ def build_tokenizer(
 
         _require_file("--tokenizer-model", tokenizer_model, tokenizer_type)
         return getattr(sentencepiece_tokenizer, tokenizer_type)(tokenizer_model)
+    if tokenizer_type == "SentencePieceTokenizer":
+        from .sentencepiece_tokenizer import SentencePieceTokenizer
+
+        _require_file("--tokenizer-model", tokenizer_model, tokenizer_type)
+        return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids)
     if tokenizer_type == "TikTokenizer":
         from .tiktokenizer import TikTokenizer
 

@@ -345,6 +345,15 @@ RULES = (
         "--tokenizer-type TikTokenizer or drop them",
     ),
     (
+        lambda a: a.vocab_extra_ids and a.tokenizer_type != "SentencePieceTokenizer",
+        lambda a: "--vocab-extra-ids adds <extra_id_k> tokens to SentencePieceTokenizer only "
+        "(Megatron-LM's BERT tokenizers are not built here): drop it or use that tokenizer",
+    ),
+    (
+        lambda a: a.vocab_extra_ids < 0,
+        lambda a: f"--vocab-extra-ids must be >= 0, got {a.vocab_extra_ids}",
+    ),
+    (
         lambda a: a.tokenizer_type == "TikTokenizer" and a.tiktoken_pattern not in ("v1", "v2"),
         lambda a: f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got "
         f"{a.tiktoken_pattern}",
@@ -431,6 +440,7 @@ _NEEDS_TOKENIZER_MODEL = {
     "HuggingFaceTokenizer": "a tokenizer.json or its folder",
     "GPTSentencePieceTokenizer": "a sentencepiece .model file",
     "Llama2Tokenizer": "a sentencepiece .model file",
+    "SentencePieceTokenizer": "a sentencepiece .model file",
     "TikTokenizer": "Megatron-LM's JSON list of tiktoken ranks",
 }
 _TIKTOKEN_FLAGS = {

@@ -407,7 +407,7 @@ def test_train_iters_from_samples(extra, iters):
 
 REFUSED_NOW = [  # known Megatron-LM flags this stack does not run yet: refused with the reason
     ("--async-save", "checkpointing"),
-    ("--tokenizer-type SentencePieceTokenizer", "implemented: ByteLevelTokenizer"),
+    ("--tokenizer-type BertWordPieceCase", "implemented: ByteLevelTokenizer"),
     ("--dataloader-type external", "custom training script"),
 ]
 

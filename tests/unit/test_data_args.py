@@ -157,6 +157,8 @@ FLAG_ERRORS = [
     ("--mock-data --no-data-sharding", "--no-data-sharding changes the shuffled order of "
      "--dataloader-type cyclic only"),
     ("--mock-data --dataloader-type external", "--dataloader-type external is not supported"),
+    ("--mock-data --vocab-extra-ids 4", "--vocab-extra-ids adds <extra_id_k> tokens to "
+     "SentencePieceTokenizer only"),
 ]  # fmt: skip
 
 

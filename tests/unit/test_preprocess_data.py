@@ -33,6 +33,7 @@ DOCS = {
     "GPTSentencePieceTokenizer": ["hello world", "", "the lazy dog"],
     "Llama2Tokenizer": ["hello world", "", "the lazy dog"],
     "TikTokenizer": ["hello world", "", "HelloWorld\n"],
+    "SentencePieceTokenizer": ["hello<SEP>world", "", "the lazy dog<extra_id_1>"],
 }
 
 
@@ -61,6 +62,8 @@ def tokenizer_flags(tokenizer_type: str, files) -> list[str]:
         "NullTokenizer": ["--vocab-size", "10"],
         "GPTSentencePieceTokenizer": ["--tokenizer-model", f"{files}/sp.model"],
         "Llama2Tokenizer": ["--tokenizer-model", f"{files}/sp.model"],
+        "SentencePieceTokenizer": ["--tokenizer-model", f"{files}/sp.model",
+                                   "--vocab-extra-ids", "2"],
         "TikTokenizer": ["--tokenizer-model", f"{files}/ranks.json", "--tiktoken-pattern", "v1",
                          "--vocab-size", "270", "--tiktoken-num-special-tokens", "4",
                          "--tiktoken-special-tokens", "<unk>", "<s>", "</s>", "<pad>"],

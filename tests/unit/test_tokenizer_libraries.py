@@ -229,3 +229,23 @@ def test_missing_or_bad_model_file(tmp_path, tokenizer_type):
         junk.write_bytes(b"not a model")
         with pytest.raises(ValueError, match="is not a sentencepiece model"):
             tk.build_tokenizer(tokenizer_type, tokenizer_model=str(junk))
+
+
+def test_sentencepiece_tokenizer_adds_megatron_lms_special_tokens(sp_model):
+    tok = tk.build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model, vocab_extra_ids=2)
+    sp = _processor(sp_model)
+    n = sp.get_piece_size()  # 120; the model has <unk> <s> </s>, no pad
+    added = ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "<PAD>", "<extra_id_0>", "<extra_id_1>"]
+    assert [tok.inv_vocab[n + k] for k in range(len(added))] == added
+    assert (tok.cls, tok.sep, tok.eod, tok.mask, tok.pad) == (n, n + 1, n + 2, n + 3, n + 4)
+    assert (tok.bos, tok.eos, tok.vocab_size) == (1, 2, n + 7)  # the model's <s>, </s>
+    assert tok.additional_special_tokens_ids == [n + 5, n + 6]
+    # special tokens' text is cut out (the earliest first); the rest is sentencepiece's
+    text = "hello world<EOD>the dog<extra_id_1>"
+    assert tok.tokenize(text) == (
+        sp.encode("hello world") + [n + 2] + sp.encode("the dog") + [n + 6]
+    )
+    assert tok.tokenize("</s>x") == [2] + sp.encode("x")  # the model's own eos piece counts
+    assert tok.tokenize("hello moon") == sp.encode("hello moon")
+    # upstream's detokenize puts a space on each side of a special token
+    assert tok.detokenize(tok.tokenize("hello<SEP>moon")) == "hello <SEP> moon"
