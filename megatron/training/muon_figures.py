@@ -1,8 +1,10 @@
 """--log-muon-figures (ours): what Muon costs per step, on the log line and in TensorBoard.
 
-    muon NS time (ms)        Newton-Schulz (with the TP gathers of exact TP modes), per step
+    muon NS time (ms)        Newton-Schulz (with the TP gathers of exact TP modes and the
+                             Gram sums of a gang splitting a large matrix), per step
     muon exchange time (ms)  the DistributedOptimizer's two all-to-alls, per step (0 without)
-    muon exchange bytes      bytes a rank sent plus received in the last step's exchange
+    muon exchange bytes      bytes a rank sent plus received in the last step's all-to-alls
+                             (a gang's Gram sums are not in it: MuonExchangePlan.sum_bytes_per_step)
     muon NS GFLOP            Newton-Schulz matmul FLOPs a rank executes per step (/1e9)
 
 Each is the busiest rank's (max over the world). The exchange time is wall time in the
