@@ -16,6 +16,8 @@ Muon's figures (``muon_figures.py``).
 
 import math
 
+from megatron.core import parallel_state
+
 from . import log_figures, log_memory, muon_figures
 from .flops import flops_per_iteration
 from .log import IntervalStats, TensorBoard, print_rank_last, throughput, training_line
@@ -163,8 +165,6 @@ class TrainingLog:
 
     @staticmethod
     def _dp_rank_0() -> bool:
-        from megatron.core import parallel_state
-
         return parallel_state.get_data_parallel_rank() == 0
 
     def _tensorboard_interval(self, iteration, tflops, timed, muon) -> None:
