@@ -295,9 +295,18 @@ def train_step(spec: TinyGPT, model_chunks, optimizer, batch: torch.Tensor) -> d
         forward_only=False,
     )
     ok, grad_norm, _ = optimizer.step()
-    max_logit = clip_qk(model_chunks, optimizer=optimizer)  # None unless the config asks for it
+    max_logit = _clip_qk(model_chunks, optimizer)
     info = {"ok": ok, "grad_norm": grad_norm, "max_logit": max_logit}
     return {"loss": _dp_mean_loss(losses), **info}
+
+
+def _clip_qk(model_chunks, optimizer):
+    """clip_qk where the config asks for it, else None without calling it: upstream 0.16.1's
+    clip_qk has another signature, and these helpers also drive plain upstream (upstream_core)."""
+    config = model_chunks[0].module.config
+    if not (config.qk_clip or config.log_max_attention_logit):
+        return None
+    return clip_qk(model_chunks, optimizer=optimizer)
 
 
 def _dp_mean_loss(losses: list) -> float:

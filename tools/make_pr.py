@@ -27,6 +27,24 @@ OPT = "megatron/core/optimizer/"
 # (subject, body, our files, our patches), in the order a reviewer reads them
 SERIES = [
     (
+        "distrib_optimizer: the DistOpt shard layout in one module",
+        "distopt_layout.py: where DDP's buckets and DistOpt's shards put each model param, and\n"
+        "the model-space names checkpoints use; read by the Adam checkpoint repairs, the Muon\n"
+        "DistOpt exchange and the declared-state checkpoints alike.",
+        [OPT + "distopt_layout.py"],
+        [],
+    ),
+    (
+        "distrib_optimizer: torch Adam DistOpt checkpoints resume (upstream's format)",
+        "Without TE/Apex no DistOpt checkpoint of torch's Adam/AdamW resumes in 0.16.1: a fresh\n"
+        "optimizer's state_dict asserts, loading copies the per-param step (KeyError, or the\n"
+        "loader's own step), all params share one step tensor after load_state_dict, and\n"
+        "fully_reshardable saves shifted state with several buckets (NVIDIA/Megatron-LM#5077).\n"
+        "The format is unchanged: checkpoints of plain 0.16.1 load, and resume exactly.",
+        [OPT + "distopt_adam_checkpoint.py"],
+        ["0009-distopt-torch-adam-checkpoint-repairs.patch"],
+    ),
+    (
         "optimizer: Muon config vocabularies and defaults in one module",
         "muon_config.py holds the Muon vocabularies, the defaults OptimizerConfig's muon_* fields\n"
         "take (upstream's unchanged; new fields off) and their validation, run where Muon is\n"

@@ -1,13 +1,14 @@
 """DistributedOptimizer checkpoints for an inner optimizer that declares its state (Muon).
 
-Upstream's DistOpt checkpoint code assumes torch Adam: every param carries ``exp_avg`` and
+Upstream's DistOpt checkpoint code assumes Adam: every param carries ``exp_avg`` and
 ``exp_avg_sq`` and one ``step`` shared by all params. Muon params carry ``momentum_buffer``,
 AdamW params ``exp_avg``, ``exp_avg_sq`` and a per-param ``step``. When the inner optimizer
 offers ``state_keys(p)``, ``scalar_state_keys(p)`` and ``init_state(p)``, patch
 ``0011-distopt-declared-state-checkpoint.patch`` routes the DistOpt checkpoint methods here.
-torch's own ``Adam``/``AdamW`` (Megatron's choice without TE or Apex) get the same declaration
-from ``TorchAdamState``, so ``--optimizer adam`` resumes through this code too; fused TE/Apex
-optimizers keep upstream's code.
+Every other optimizer (torch's Adam/AdamW, TE/Apex fused Adam) keeps upstream's code and
+format, so checkpoints written by plain megatron-core load as before (torch Adam's resume
+defects are repaired apart, in ``distopt_adam_checkpoint.py``). The layout (which rank holds
+which elements of which param) comes from ``distopt_layout.py``, shared with the Muon exchange.
 
 Formats (all keyed by model param name, so none depends on the DP size or bucket padding):
 
@@ -27,41 +28,15 @@ This also fixes upstream's defects for our optimizer: no assert on a fresh optim
 (NVIDIA/Megatron-LM#5077), and copies into fp32 param views under ``no_grad``.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from .muon_distopt import param_name
+from .distopt_layout import ShardPiece, buckets, in_bucket, param_name, param_shapes, shard_pieces
 from .optimizer import param_group_identifier_keys
 
 FORMAT = "declared-state-distopt/1"
 MARK = "declared_state_checkpoint"  # key of the format marker in DistOpt.state_dict()
 GROUP_IDENTITY = (*param_group_identifier_keys, "use_muon")
-
-
-class TorchAdamState:
-    """torch.optim.Adam/AdamW's per-param state, declared the way Muon declares its own."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-
-    def state_keys(self, param: Tensor) -> tuple[str, ...]:
-        """Param-shaped state of torch's Adam/AdamW: the two moments."""
-        return ("exp_avg", "exp_avg_sq")
-
-    def scalar_state_keys(self, param: Tensor) -> tuple[str, ...]:
-        """Per-param scalar state of torch's Adam/AdamW: its own ``step`` per param."""
-        return ("step",)
-
-    def init_state(self, param: Tensor) -> dict:
-        """The state torch creates on a param's first step (a CPU float32 ``step``)."""
-        state = self.optimizer.state[param]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        return state
 
 
 def declared(distopt):
@@ -70,13 +45,11 @@ def declared(distopt):
         return None
     if hasattr(distopt.optimizer, "state_keys"):
         return distopt.optimizer
-    if type(distopt.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        return TorchAdamState(distopt.optimizer)
     return None
 
 
 def handles(distopt) -> bool:
-    """True when the inner optimizer's state is declared (Muon, torch Adam/AdamW)."""
+    """True when the inner optimizer declares its state (Muon); upstream's code serves the rest."""
     return declared(distopt) is not None
 
 
@@ -88,47 +61,12 @@ def is_ours(state_dict) -> bool:
 # ------------------------------------------------------------------ the pieces a rank holds
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A model param's elements that this DP rank holds, as one 1-D shard main param."""
-
-    name: str
-    model_param: Tensor
-    shard: Tensor  # the inner optimizer's param
-    local: tuple[int, int]  # range within this rank's shard of the bucket
-    param_range: tuple[int, int]  # range within the flattened model param
-    bucket: tuple[int, int]  # (buffer index, bucket index)
-
-
-def pieces(distopt) -> list[Piece]:
-    """This rank's shard pieces, one per (model param, shard main param), in bucket order."""
-    out = []
-    for gi, per_dtype in enumerate(distopt.gbuf_ranges):
-        for per_bucket in per_dtype.values():
-            for bi, bucket_map in enumerate(per_bucket):
-                for param, ranges in bucket_map["param_map"].items():
-                    group, order = distopt.model_param_group_index_map[param]
-                    shard = distopt.optimizer.param_groups[group]["params"][order]
-                    local, in_param = ranges["gbuf_local"], ranges["param"]
-                    out.append(
-                        Piece(
-                            param_name(distopt, param),
-                            param,
-                            shard,
-                            (local.start, local.end),
-                            (in_param.start, in_param.end),
-                            (gi, bi),
-                        )
-                    )
-    return out
-
-
 def keys_of(distopt, shard: Tensor) -> tuple[str, ...]:
     """The param-shaped tensors a checkpoint carries for a shard: main param plus state."""
     return ("param", *declared(distopt).state_keys(shard))
 
 
-def tensors_of(distopt, piece: Piece) -> dict[str, Tensor]:
+def tensors_of(distopt, piece: ShardPiece) -> dict[str, Tensor]:
     """The declared param-shaped state tensors of ``piece``'s shard (created if absent)."""
     state = declared(distopt).init_state(piece.shard)
     return {
@@ -137,7 +75,7 @@ def tensors_of(distopt, piece: Piece) -> dict[str, Tensor]:
     }
 
 
-def scalars_of(distopt, piece: Piece) -> dict[str, float]:
+def scalars_of(distopt, piece: ShardPiece) -> dict[str, float]:
     """The declared per-param scalar state of ``piece``'s shard, as floats."""
     state = declared(distopt).init_state(piece.shard)
     return {k: float(state[k]) for k in declared(distopt).scalar_state_keys(piece.shard)}
@@ -151,16 +89,7 @@ def local_meta(distopt) -> dict[str, dict]:
             "scalars": scalars_of(distopt, p),
             "shape": tuple(p.model_param.shape),
         }
-        for p in pieces(distopt)
-    }
-
-
-def all_names(distopt) -> dict[str, tuple]:
-    """{name: shape} of every model param of this DistOpt instance (held here or not)."""
-    return {
-        param_name(distopt, p): tuple(p.shape)
-        for buffer in distopt.buffers
-        for p in buffer.param_index_map
+        for p in shard_pieces(distopt)
     }
 
 
@@ -194,11 +123,11 @@ def broadcast_object(distopt, obj):
 def check_compatible(distopt, meta: dict) -> None:
     """ValueError on every rank (collectively) if the checkpoint's params or keys differ."""
     errors = []
-    names = all_names(distopt)
+    names = param_shapes(distopt)
     if set(meta) != set(names):
         missing, extra = sorted(set(names) - set(meta)), sorted(set(meta) - set(names))
         errors.append(f"params missing from the checkpoint: {missing[:5]}; unknown: {extra[:5]}")
-    for p in pieces(distopt):
+    for p in shard_pieces(distopt):
         saved = meta.get(p.name)
         if saved is None:
             continue
@@ -227,15 +156,9 @@ def _union(meta: dict) -> list[str]:
 
 def _by_bucket(distopt) -> dict:
     out = {}
-    for p in pieces(distopt):
+    for p in shard_pieces(distopt):
         out.setdefault(p.bucket, []).append(p)
     return out
-
-
-def _buckets(distopt):
-    for gi, buffer in enumerate(distopt.buffers):
-        for bi, bucket in enumerate(buffer.buckets):
-            yield (gi, bi), buffer, bucket
 
 
 # ------------------------------------------------------------------ dp-zero: gather and scatter
@@ -254,7 +177,7 @@ def gather_state(distopt, everywhere: bool = False):
     receiver = everywhere or group.rank() == 0
     out = {n: {"scalars": m["scalars"]} for n, m in meta.items()} if receiver else None
     held = _by_bucket(distopt)
-    for where, buffer, bucket in _buckets(distopt):
+    for where, buffer, bucket in buckets(distopt):
         for key in _union(meta):
             local = _local_bucket(distopt, bucket, held.get(where, []), key, group.size())
             world = _gather(local.to(device), group, everywhere)
@@ -286,8 +209,8 @@ def _cut(distopt, buffer, bucket, world: Tensor, key: str, meta: dict, out: dict
     for param in bucket.params_list:
         name = param_name(distopt, param)
         if key in meta[name]["keys"]:
-            start, end, _ = buffer.param_index_map[param]
-            out[name][key] = world[start - bucket.offset : end - bucket.offset].clone()
+            start, end = in_bucket(buffer, bucket, param)
+            out[name][key] = world[start:end].clone()
 
 
 def scatter_state(distopt, state) -> None:
@@ -300,13 +223,13 @@ def scatter_state(distopt, state) -> None:
         raise ValueError(meta)
     check_compatible(distopt, meta)
     held = _by_bucket(distopt)
-    for where, buffer, bucket in _buckets(distopt):
+    for where, buffer, bucket in buckets(distopt):
         for key in _union(meta):
             local = _scatter(distopt, buffer, bucket, state, key, group, device)
             for p in held.get(where, []):
                 if key in keys_of(distopt, p.shard):
                     set_piece_key(distopt, p, key, local[p.local[0] : p.local[1]])
-    for p in pieces(distopt):
+    for p in shard_pieces(distopt):
         set_scalars(distopt, p, meta[p.name]["scalars"])
 
 
@@ -342,8 +265,8 @@ def _scatter(distopt, buffer, bucket, state, key: str, group, device) -> Tensor:
         for param in bucket.params_list:
             tensors = state["params"][param_name(distopt, param)]
             if key in tensors:
-                start, end, _ = buffer.param_index_map[param]
-                world[start - bucket.offset : end - bucket.offset] = tensors[key]
+                start, end = in_bucket(buffer, bucket, param)
+                world[start:end] = tensors[key]
         parts = [t.to(device) for t in world.split(size)]
     src = torch.distributed.get_process_group_ranks(group)[0]
     torch.distributed.scatter(local, parts, src=src, group=group)
@@ -351,12 +274,12 @@ def _scatter(distopt, buffer, bucket, state, key: str, group, device) -> Tensor:
 
 
 @torch.no_grad()
-def set_piece_key(distopt, piece: Piece, key: str, value: Tensor) -> None:
+def set_piece_key(distopt, piece: ShardPiece, key: str, value: Tensor) -> None:
     """Copy ``value`` into state ``key`` of ``piece``'s shard."""
     tensors_of(distopt, piece)[key].copy_(value)
 
 
-def set_scalars(distopt, piece: Piece, scalars: dict) -> None:
+def set_scalars(distopt, piece: ShardPiece, scalars: dict) -> None:
     """Restore the declared scalar state of ``piece``'s shard (each param its own tensor)."""
     state = distopt.optimizer.state[piece.shard]
     for key in declared(distopt).scalar_state_keys(piece.shard):
@@ -382,7 +305,7 @@ def get_parameter_state_dp_zero(distopt, everywhere: bool = False):
     return {
         "format": FORMAT,
         "optimizer": type(distopt.optimizer).__name__,
-        "shapes": all_names(distopt),
+        "shapes": param_shapes(distopt),
         "params": params,
     }
 
@@ -414,8 +337,8 @@ def require_marker(distopt, state: dict) -> None:
     mark = state.get(MARK)
     ours = type(distopt.optimizer).__name__ if handles(distopt) else None
     if mark is None or mark.get("format") != FORMAT or ours is None or mark["optimizer"] != ours:
-        saved = mark["optimizer"] if mark else "an optimizer without declared state"
-        mine = ours or f"{type(distopt.optimizer).__name__} (without declared state)"
+        saved = mark["optimizer"] if mark else "Adam (upstream's format: no declared state)"
+        mine = ours or f"{type(distopt.optimizer).__name__} (upstream's format)"
         raise ValueError(
             f"DistributedOptimizer checkpoint was saved by {saved}; this optimizer is {mine}: "
             "their states differ (e.g. Muon's momentum_buffer vs Adam's exp_avg/exp_avg_sq)"

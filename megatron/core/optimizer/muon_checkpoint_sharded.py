@@ -13,17 +13,15 @@ import torch
 from ..dist_checkpointing.dict_utils import nested_values
 from ..dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from ..dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from .distopt_layout import param_name, param_shapes, shard_pieces
 from .muon_checkpoint import (
     GROUP_IDENTITY,
     all_gather_object,
-    all_names,
     check_compatible,
     declared,
     gather_state,
     group_identity,
     local_meta,
-    param_name,
-    pieces,
     require_marker,
     scatter_state,
     set_piece_key,
@@ -137,7 +135,7 @@ def sharded_fully_reshardable(distopt, model_sharded_state_dict, is_loading: boo
 def load_fully_reshardable(distopt, param_state) -> None:
     """Load a ``fully_reshardable`` param state into this rank's shards."""
     meta = _load_meta(distopt, param_state)
-    for p in pieces(distopt):
+    for p in shard_pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():
             set_piece_key(distopt, p, key, value.flatten()[p.param_range[0] : p.param_range[1]])
         set_scalars(distopt, p, meta[p.name]["scalars"])
@@ -152,9 +150,9 @@ def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, 
     The global tensor of a key is the whole flattened param, so full coverage holds without
     padding entries and a different DP size reads other ranges of the same tensors.
     """
-    names = all_names(distopt)
+    names = param_shapes(distopt)
     out = {}
-    for p in pieces(distopt):
+    for p in shard_pieces(distopt):
         numel = int(torch.Size(names[p.name]).numel())
         out[p.name] = {
             key: ShardedTensor(
@@ -178,7 +176,7 @@ def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, 
 def load_dp_reshardable(distopt, param_state) -> None:
     """Load a ``dp_reshardable`` param state into this rank's shards."""
     meta = _load_meta(distopt, param_state)
-    for p in pieces(distopt):
+    for p in shard_pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():
             set_piece_key(distopt, p, key, value)
         set_scalars(distopt, p, meta[p.name]["scalars"])

@@ -61,6 +61,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .distopt_layout import param_name
 from .muon_config import EXCHANGE_DTYPES
 from .muon_functional import (
     EXCHANGE_TIMER,
@@ -284,29 +285,6 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 # ------------------------------------------------------------------ building the plan from DistOpt
-
-
-def param_names(distopt) -> dict:
-    """{model param: name}, unique over the model chunks: upstream's names for one chunk (expert
-    indices global, as ``handle_experts_in_state_dict`` makes them); with virtual pipeline stages
-    the chunks share local names, so each chunk's names get a ``chunk{i}.`` prefix."""
-    if getattr(distopt, "muon_param_names", None) is None:
-        from ..transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
-
-        chunks = distopt.model_chunks
-        experts = chunks[0].config.num_moe_experts if chunks else None
-        names = {}
-        for i, chunk in enumerate(chunks):
-            named = handle_experts_in_state_dict(dict(chunk.named_parameters()), experts)
-            prefix = f"chunk{i}." if len(chunks) > 1 else ""
-            names.update({p: prefix + n for n, p in named.items()})
-        distopt.muon_param_names = names
-    return distopt.muon_param_names
-
-
-def param_name(distopt, param) -> str:
-    """The checkpoint name of a model param of ``distopt`` (see ``param_names``)."""
-    return param_names(distopt)[param]
 
 
 def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExchangePlan:

@@ -1,0 +1,110 @@
+"""Plain upstream megatron-core 0.16.1 as a reference: torch Adam + DistOpt runs on gloo ranks.
+
+The pristine archive's ``megatron/`` tree (fetched and hash-checked by ``tools/fork.py``) goes
+first on ``PYTHONPATH`` of a subprocess, so ``megatron.core`` there is upstream's, untouched;
+``megatron.training`` (our CPU shim) and the test helpers come from this checkout. The test
+process, which imports the fork, runs the other side. Run by hand:
+
+    .venv/bin/python tools/fork.py pristine /tmp/pristine
+    PYTHONPATH=/tmp/pristine:tests .venv/bin/python tests/upstream_core.py torch /tmp/ckpt out.pt
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+BEFORE, AFTER = 2, 2
+ADAM = dict(optimizer="adam")
+# (bucket size, overlap): ~12 buckets, so params straddle DP shards and buckets end in padding;
+# or DDP's single bucket per buffer.
+BUCKETS = {"many": (6000, True), "one": (None, False)}
+
+
+def pristine_tree(dest: Path) -> Path:
+    """The pinned archive's untouched ``megatron/`` tree, extracted into ``dest``."""
+    spec = importlib.util.spec_from_file_location("fork_for_tests", ROOT / "tools" / "fork.py")
+    fork = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork)
+    fork.extract(dest)
+    return dest
+
+
+def run_upstream(tree: Path, fmt: str, buckets: str, directory: Path, out: Path) -> None:
+    """Train, save in ``fmt`` and train on under plain upstream; results into ``out``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(TESTS)]))
+    cmd = [sys.executable, __file__, fmt, buckets, str(directory), str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise AssertionError(f"upstream run failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+
+
+def build(spec, buckets: str, seed: int = 0):
+    """A tiny GPT under DDP + DistOpt with torch's Adam (Megatron's Adam without TE/Apex)."""
+    from tiny_gpt import build_model, build_optimizer
+
+    size, overlap = BUCKETS[buckets]
+    model = build_model(
+        spec,
+        distopt=True,
+        bucket_size=size,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        seed=seed,
+    )
+    return model, build_optimizer(spec, model, use_distributed_optimizer=True, **ADAM)
+
+
+def steps(spec, model, optimizer, batches) -> tuple[dict, list]:
+    """Train on ``batches``; (whole params by name, losses)."""
+    from checkpoint_io import sync_params
+    from tiny_gpt import full_params, train_step
+
+    losses = [train_step(spec, model, optimizer, batch)["loss"] for batch in batches]
+    sync_params(model)
+    return full_params(model, spec), losses
+
+
+def save_and_continue(spec, fmt: str, buckets: str, directory: str):
+    """BEFORE steps, save, AFTER steps: the uninterrupted run a resume must reproduce."""
+    from checkpoint_io import save
+    from tiny_gpt import global_batches
+
+    import megatron.core
+
+    batches = global_batches(spec, BEFORE + AFTER)
+    model, optimizer = build(spec, buckets)
+    steps(spec, model, optimizer, batches[:BEFORE])
+    save(fmt, directory, model, optimizer)
+    return (*steps(spec, model, optimizer, batches[BEFORE:]), megatron.core.__path__[0])
+
+
+def load_and_continue(spec, fmt: str, buckets: str, directory: str):
+    """A fresh model (another init: only the checkpoint carries state) loads and trains on."""
+    from checkpoint_io import load
+    from tiny_gpt import global_batches
+
+    model, optimizer = build(spec, buckets, seed=1)
+    load(fmt, directory, model, optimizer)
+    return steps(spec, model, optimizer, global_batches(spec, BEFORE + AFTER)[BEFORE:])
+
+
+def main(fmt: str, buckets: str, directory: str, out: str) -> None:
+    import torch
+    from harness import run_distributed
+    from tiny_gpt import TinyGPT
+
+    from megatron.training import cpu_mode
+
+    cpu_mode.enable_if_needed()
+    results = run_distributed(
+        save_and_continue, 2, args=(TinyGPT(dtype="bf16"), fmt, buckets, directory), timeout=300
+    )
+    torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
