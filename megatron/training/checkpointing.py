@@ -6,11 +6,14 @@
 
 A checkpoint is written under ``iter_XXXXXXX.partial`` and renamed when every rank is done; the
 tracker file is then replaced atomically (temp file + os.replace). A crash mid-save therefore
-leaves the previous checkpoint as the latest one, loadable. On load, the model shape and the
+leaves the previous checkpoint as the latest one, loadable. With ``--async-save`` (torch_dist) the
+rename and the tracker wait until every rank's background write has finished (``dist_ckpt.py``,
+which also holds the other torch_dist options). On load, the model shape and the
 TP/PP/EP layout recorded in the checkpoint are compared with this run's first, so that a mismatch
 is reported by flag name rather than as a tensor-shape error deep in a loader.
 """
 
+import functools
 import os
 import random
 import shutil
@@ -18,6 +21,7 @@ import time
 
 import numpy
 import torch
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 # torch.distributed.checkpoint reports a failed read as a BaseException subclass.
@@ -26,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.training import cpu_mode
 
+from . import dist_ckpt
 from .log import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -59,8 +64,6 @@ OPTIMIZER_SHAPE = (
     ("bf16", "--bf16"),
     ("fp16", "--fp16"),
 )
-# DistOpt's sharded state layout; dp_reshardable is Megatron-LM 0.16's default.
-SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class CheckpointError(RuntimeError):
@@ -137,7 +140,8 @@ def _model_key(model, index: int) -> str:
 
 
 def save(args, model, optimizer, scheduler, state) -> None:
-    """Write a complete checkpoint of ``state.iteration``, then point the tracker at it."""
+    """Write a complete checkpoint of ``state.iteration``, then point the tracker at it (with
+    --async-save: once every rank's background write has finished, see ``_publish``)."""
     start = time.perf_counter()
     if args.overlap_param_gather:  # params updated by the last step are gathered lazily
         for chunk in model:
@@ -149,17 +153,34 @@ def save(args, model, optimizer, scheduler, state) -> None:
         os.makedirs(partial)
     _barrier()
     writer = _save_torch_dist if args.ckpt_format == "torch_dist" else _save_torch
-    writer(partial, args, model, optimizer, scheduler, state)
+    request = writer(partial, args, model, optimizer, scheduler, state)
+    finish = functools.partial(_publish, args, partial, final, state.iteration, start)
+    if request is not None:  # --async-save: the files are still being written
+        dist_ckpt.schedule_async(request, finish)
+        print_rank_0(f"  scheduled an async save of iteration {state.iteration:7d} to {final}")
+        return
     _barrier()
+    finish()
+    _barrier()
+
+
+def _publish(args, partial: str, final: str, iteration: int, start: float) -> None:
+    """Every rank's files are written: rank 0 gives the checkpoint its name and points the
+    tracker at it."""
     if _rank0():
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        write_tracker(args.save, state.iteration)
-    _barrier()
+        write_tracker(args.save, iteration)
     print_rank_0(
-        f"  successfully saved checkpoint from iteration {state.iteration:7d} to {final} "
-        f"[ {args.ckpt_format}, {time.perf_counter() - start:.1f} s ]"
+        f"  successfully saved checkpoint from iteration {iteration:7d} to {final} "
+        f"[ {args.ckpt_format}{', async' if args.async_save else ''}, "
+        f"{time.perf_counter() - start:.1f} s ]"
     )
+
+
+def finalize_async_saves(blocking: bool = False) -> None:
+    """Publish the async saves that finished (all, waiting, if ``blocking``); collective."""
+    dist_ckpt.finalize_async_saves(blocking)
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -171,16 +192,18 @@ def write_tracker(root: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(root, TRACKER))
 
 
-def _sharded_state(args, model, optimizer, scheduler, state, is_loading, with_optim, with_rng):
+def _sharded_state(args, model, optimizer, scheduler, state, *, sharding, loading, optim, rng):
+    """The sharded state dict of a save or a load; ``sharding``: the DistOpt layout (a save's,
+    or the one the loaded checkpoint has); ``optim``/``rng``: whether those parts are in it."""
     sd = _common_state(args, scheduler, state)
     for i, chunk in enumerate(model):
         sd[_model_key(model, i)] = chunk.module.sharded_state_dict()
-    if with_optim:
+    if optim:
         model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
         sd["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=SHARDING_METADATA
+            model_sd, is_loading=loading, metadata=sharding
         )
-    if with_rng:
+    if rng:
         sd["rng_state"] = ShardedObject(
             "rng_state",
             [rng_state()],
@@ -197,10 +220,22 @@ def _sharded_state(args, model, optimizer, scheduler, state, is_loading, with_op
     return sd
 
 
-def _save_torch_dist(folder, args, model, optimizer, scheduler, state) -> None:
-    with_optim, with_rng = not args.no_save_optim, not args.no_save_rng
-    sd = _sharded_state(args, model, optimizer, scheduler, state, False, with_optim, with_rng)
-    dist_checkpointing.save(sd, folder)
+def _save_torch_dist(folder, args, model, optimizer, scheduler, state):
+    """Write (or, with --async-save, start writing) ``folder``; the AsyncRequest or None."""
+    sharding = dist_ckpt.sharding_metadata(args)
+    parts = dict(optim=not args.no_save_optim, rng=not args.no_save_rng)
+    sd = _sharded_state(
+        args, model, optimizer, scheduler, state, sharding=sharding, loading=False, **parts
+    )
+    strategy, validate = dist_ckpt.save_strategy(args)
+    return dist_checkpointing.save(
+        sd,
+        folder,
+        sharded_strategy=strategy,
+        validate_access_integrity=validate,
+        async_sharded_save=args.async_save,
+        content_metadata=sharding,
+    )
 
 
 def torch_file(folder: str) -> str:
@@ -304,17 +339,7 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
         common = _read(lambda: dist_checkpointing.load_common_state_dict(folder), folder)
         check_compatible(args, common.get("args", {}), folder)
         check_saved_parts(args, common.get("saved_parts", {}), folder)
-        sd = _sharded_state(
-            args,
-            model,
-            optimizer,
-            scheduler,
-            state,
-            True,
-            not args.no_load_optim,
-            not args.no_load_rng,
-        )
-        return dist_checkpointing.load(sd, folder)
+        return _load_torch_dist(folder, common, args, model, optimizer, scheduler, state)
     path = torch_file(folder)
     if not os.path.isfile(path):
         raise CheckpointError(
@@ -326,6 +351,28 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
     check_saved_parts(args, loaded.get("saved_parts", {}), folder)
     loaded["_distrib_optim"] = os.path.join(os.path.dirname(path), "distrib_optim.pt")
     return loaded
+
+
+def _load_torch_dist(folder, common, args, model, optimizer, scheduler, state) -> dict:
+    """Load in the DistOpt layout the checkpoint has, with --dist-ckpt-strictness and
+    --ckpt-fully-parallel-load."""
+    sharding = dist_ckpt.loaded_sharding_metadata(common)
+    parts = dict(optim=not args.no_load_optim, rng=not args.no_load_rng)
+    sd = _sharded_state(
+        args, model, optimizer, scheduler, state, sharding=sharding, loading=True, **parts
+    )
+    strict = dist_ckpt.strictness(args)
+    strategy = dist_ckpt.load_strategy(args, folder)
+    try:
+        loaded = dist_checkpointing.load(sd, folder, sharded_strategy=strategy, strict=strict)
+    except CheckpointingException as err:
+        if "keys" not in str(err):  # not a key mismatch that the strictness refused
+            raise
+        raise CheckpointError(
+            f"checkpoint {folder} and what this run loads differ, refused by "
+            f"--dist-ckpt-strictness {strict.value}: {err}"
+        ) from err
+    return dist_ckpt.loaded_state(loaded, strict)
 
 
 def _why(err: BaseException) -> str:

@@ -232,6 +232,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
     reason = None
     saved_at = None
     while state.iteration < args.train_iters:
+        checkpointing.finalize_async_saves()  # publish --async-save checkpoints already written
         update_num_microbatches(state.consumed_train_samples, consistency_check=True)
         batch_size = get_current_global_batch_size()
         step = train_step(
@@ -257,6 +258,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
     if args.save and saved_at != state.iteration:
         checkpointing.save(args, model, optimizer, scheduler, state)
         log.saved(state)
+    checkpointing.finalize_async_saves(blocking=True)  # no async save outlives the run
     return reason
 
 

@@ -276,6 +276,11 @@ RULES = (
         lambda a: a.save_interval is not None and a.save is None,
         lambda a: "--save-interval needs --save",
     ),
+    (
+        lambda a: a.async_save and a.ckpt_format != "torch_dist",
+        lambda a: f"--async-save needs --ckpt-format torch_dist (got {a.ckpt_format}): the "
+        "torch format is written synchronously, as in Megatron-LM",
+    ),
     (lambda a: a.finetune and a.load is None, lambda a: "--finetune needs --load"),
     (
         lambda a: _tensorboard_only(a) and not a.tensorboard_dir,

@@ -1,18 +1,25 @@
 """Checkpoint options through the real CLI: --no-save-optim / --no-save-rng,
---auto-detect-ckpt-format, --use-checkpoint-args.
+--auto-detect-ckpt-format, --use-checkpoint-args; the torch_dist options --async-save,
+--dist-ckpt-optim-fully-reshardable, --dist-ckpt-strictness, --ckpt-assume-constant-structure,
+--ckpt-fully-parallel-load and --no-ckpt-fully-parallel-save.
 
 .venv/bin/python -m pytest -q tests/e2e/test_checkpoint_options.py
 """
 
 import os
+import shutil
+import threading
+import time
 
 import torch
 
+from megatron.core import dist_checkpointing
 from megatron.training import checkpoint_args
 
-from .cli import TINY, losses, run
+from .cli import TINY, losses, run, start
 
 ARGS = TINY + "--optimizer muon --ckpt-format torch".split()
+MUON_FLAGS = ["--optimizer", "muon", "--lr-decay-style", "constant"]
 
 
 def test_no_save_optim_and_rng_leave_them_out_and_loading_needs_no_load(tmp_path):
@@ -74,3 +81,82 @@ def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path)
     assert "setting swiglu to False from checkpoint" in resumed.stdout
     wider = run(base + ["--load", save, "--use-checkpoint-args", "--hidden-size", 64])
     assert wider.returncode == 1 and "--hidden-size: checkpoint 32, this run 64" in wider.stderr
+
+
+# DP=2 with the DistributedOptimizer, whose state each DistOpt layout shards differently. No
+# dropout: the strictness launches resume without the RNG state and must still match.
+DIST = TINY + MUON_FLAGS + ["--use-distributed-optimizer", "--train-iters", 4]
+DIST += ["--ckpt-format", "torch_dist", "--hidden-dropout", 0, "--attention-dropout", 0]
+
+
+def _only(save: str, iteration: int, into: str) -> str:
+    """A --load folder holding only ``iteration`` of ``save``."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(save, name), os.path.join(into, name))
+    with open(os.path.join(into, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return into
+
+
+def _layout(save: str, iteration: int) -> str:
+    common = dist_checkpointing.load_common_state_dict(os.path.join(save, f"iter_{iteration:07d}"))
+    return dist_checkpointing.load_content_metadata(preloaded_state_dict=common)[
+        "distrib_optim_sharding_type"
+    ]
+
+
+def _run_watching_tracker(args, save: str):
+    """Launch; while it runs, every tracker value seen must name a complete checkpoint (renamed
+    from .partial, with dist_checkpointing's metadata.json). Returns (process, values seen)."""
+    proc, output, seen = start(args, nproc=2), [], set()
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()))
+    reader.start()
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    while proc.poll() is None:
+        if os.path.isfile(tracker):
+            text = open(tracker).read().strip()
+            if text:
+                folder = os.path.join(save, f"iter_{int(text):07d}")
+                assert os.path.isfile(os.path.join(folder, "metadata.json")), f"{text}: partial"
+                seen.add(int(text))
+        time.sleep(0.01)
+    reader.join()
+    proc.stdout = output[0]
+    proc.stderr = ""
+    return proc, seen
+
+
+def test_torch_dist_options_save_and_resume_exactly(tmp_path):
+    """One sync and one async run save at 2 and 4 with different options; resumes from their
+    iteration-2 checkpoints (other load options) print the sync run's losses for 3 and 4."""
+    sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
+    sync_opts = ["--dist-ckpt-optim-fully-reshardable", "--no-ckpt-fully-parallel-save"]
+    full = losses(run(DIST + ["--save", sync_dir, "--save-interval", 2] + sync_opts, nproc=2))
+    assert _layout(sync_dir, 2) == "fully_reshardable"
+
+    async_opts = ["--async-save", "--ckpt-assume-constant-structure"]
+    proc, seen = _run_watching_tracker(
+        DIST + ["--save", async_dir, "--save-interval", 2] + async_opts, async_dir
+    )
+    assert losses(proc) == full  # saving does not touch training
+    assert seen and seen <= {2, 4} and _layout(async_dir, 4) == "dp_reshardable"
+    out = proc.stdout
+    scheduled = out.index("scheduled an async save of iteration       2")
+    assert scheduled < out.index("successfully saved checkpoint from iteration       2")
+    assert sorted(os.listdir(async_dir)) == sorted(
+        ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    )
+
+    load = _only(async_dir, 2, str(tmp_path / "from_async"))
+    strict = ["--dist-ckpt-strictness", "raise_all", "--ckpt-fully-parallel-load"]
+    assert losses(run(DIST + ["--load", load] + strict, nproc=2)) == {3: full[3], 4: full[4]}
+
+    # the layout the checkpoint records is the one loaded (this run does not give the flag);
+    # without --no-load-rng's rng_state, log_all reports the key the load leaves unread
+    load = _only(sync_dir, 2, str(tmp_path / "from_sync"))
+    logged = run(DIST + ["--load", load, "--no-load-rng", "--dist-ckpt-strictness", "log_all"], 2)
+    assert losses(logged) == {3: full[3], 4: full[4]}
+    assert "Missing keys (for all ranks): {'rng_state'}" in logged.stdout + logged.stderr
+    refused = run(DIST + ["--load", load, "--no-load-rng", "--dist-ckpt-strictness", "raise_all"])
+    assert refused.returncode == 1 and "rng_state" in refused.stderr
+    assert "refused by --dist-ckpt-strictness raise_all" in refused.stderr

@@ -71,10 +71,12 @@ def test_train_save_resume_reproduces_losses(tmp_path, name, nproc, flags, fmt):
 )
 def test_data_parallel_distributed_optimizer_resume(tmp_path, optimizer, fmt, loader):
     """DP=2 with the DistributedOptimizer trains, saves, and a resumed launch prints the same
-    losses. Upstream 0.16.1 fails every DistOpt resume on CPU (design.md section 6); the fork's
-    declared-state checkpoint code (muon_checkpoint.py) covers Muon and torch's AdamW. The adam
-    case reads with --dataloader-type cyclic: its random sampler resumes from the consumed-sample
-    count alone (the 16 mock samples are one shuffled epoch; a restart at sample 0 would differ)."""
+    losses. Upstream 0.16.1 fails every DistOpt resume on CPU (design.md section 6): the fork's
+    declared-state checkpoint code (muon_checkpoint.py) covers Muon, and torch's AdamW keeps
+    upstream's format with its defects repaired (distopt_adam_checkpoint.py, patch 0009). The
+    adam case reads with --dataloader-type cyclic: its random sampler resumes from the
+    consumed-sample count alone (the 16 mock samples are one shuffled epoch; a restart at sample 0
+    would differ)."""
     save = str(tmp_path / "save")
     chosen = MUON.split() if optimizer == "muon" else ["--optimizer", optimizer]
     args = TINY + chosen + ["--use-distributed-optimizer", "--train-iters", 4]

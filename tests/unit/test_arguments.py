@@ -309,6 +309,7 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
         1,
         ["--tokenizer-library huggingface and --tokenizer-type NullTokenizer disagree"],
     ),
+    ("--async-save --ckpt-format torch", 1, ["--async-save needs --ckpt-format torch_dist"]),
 ]
 
 
@@ -406,7 +407,7 @@ def test_train_iters_from_samples(extra, iters):
 
 
 REFUSED_NOW = [  # known Megatron-LM flags this stack does not run yet: refused with the reason
-    ("--async-save", "checkpointing"),
+    ("--ckpt-step 3", "not implemented"),
     ("--tokenizer-type BertWordPieceCase", "implemented: ByteLevelTokenizer"),
     ("--dataloader-type external", "custom training script"),
 ]
