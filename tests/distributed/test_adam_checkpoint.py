@@ -26,7 +26,7 @@ from upstream_core import (
     steps,
 )
 
-from megatron.core.optimizer import distopt_adam_checkpoint
+from megatron.core.optimizer import distopt_adam_checkpoint, distopt_layout
 
 SPEC = TinyGPT(dtype="bf16")
 
@@ -45,7 +45,14 @@ def _assert_same(reference, resumed) -> None:
 
 # fully_reshardable from plain 0.16.1 with one bucket per buffer: with several, 0.16.1 saves
 # the state of every param after the first bucket shifted (defect 4 in distopt_adam_checkpoint).
-UPSTREAM = [("torch", "many"), ("dp_reshardable", "many"), ("fully_reshardable", "one")]
+# dp_zero_gather_scatter: deprecated upstream, still written when asked for. (0.16.1 cannot save
+# its default, fully_sharded_model_space: "ShardedTensor.flattened_range is not supported".)
+UPSTREAM = [
+    ("torch", "many"),
+    ("dp_reshardable", "many"),
+    ("fully_reshardable", "one"),
+    ("dp_zero_gather_scatter", "many"),
+]
 
 
 @pytest.mark.parametrize("fmt,buckets", UPSTREAM)
@@ -73,6 +80,21 @@ def test_shared_step_after_load_breaks_the_resume(tmp_path, pristine):
         load_without_repair, 2, args=(SPEC, "torch", "many", str(tmp_path / "ckpt"))
     )
     assert losses2[0] == losses[0]  # the first step after the load sees the restored params
+    assert any(not torch.equal(params2[n], t) for n, t in params.items())
+
+
+def save_padded_offsets_then_resume(spec, directory):
+    """Negative control: fully_reshardable saved at param_index_map offsets (defect 4)."""
+    distopt_layout.unpadded_index_map = lambda buffer: buffer.param_index_map
+    return save_then_resume(spec, "fully_reshardable", directory)
+
+
+def test_padded_offsets_break_a_fully_reshardable_resume(tmp_path):
+    (uninterrupted, resumed), *_ = run_distributed(
+        save_padded_offsets_then_resume, 2, args=(SPEC, str(tmp_path))
+    )
+    (params, losses), (params2, losses2) = uninterrupted, resumed
+    assert losses2[0] == losses[0]  # the model params load right; the main params do not
     assert any(not torch.equal(params2[n], t) for n, t in params.items())
 
 

@@ -85,8 +85,9 @@ def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path)
 
 # DP=2 with the DistributedOptimizer, whose state each DistOpt layout shards differently. No
 # dropout: the strictness launches resume without the RNG state and must still match.
-DIST = TINY + MUON_FLAGS + ["--use-distributed-optimizer", "--train-iters", 4]
-DIST += ["--ckpt-format", "torch_dist", "--hidden-dropout", 0, "--attention-dropout", 0]
+DIST = TINY + MUON_FLAGS + ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+DIST += ["--hidden-dropout", 0, "--attention-dropout", 0]
+FOUR = DIST + ["--train-iters", 4]
 
 
 def _only(save: str, iteration: int, into: str) -> str:
@@ -127,36 +128,36 @@ def _run_watching_tracker(args, save: str):
 
 
 def test_torch_dist_options_save_and_resume_exactly(tmp_path):
-    """One sync and one async run save at 2 and 4 with different options; resumes from their
-    iteration-2 checkpoints (other load options) print the sync run's losses for 3 and 4."""
+    """A sync run saves at 2 and 4, an async one (2 steps) at 1 and 2, with different options;
+    resumes from their iteration-2 checkpoints (other load options) print the sync run's losses
+    for 3 and 4. The async run's second save is the one the cached structure wrote."""
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
     sync_opts = ["--dist-ckpt-optim-fully-reshardable", "--no-ckpt-fully-parallel-save"]
-    full = losses(run(DIST + ["--save", sync_dir, "--save-interval", 2] + sync_opts, nproc=2))
+    full = losses(run(FOUR + ["--save", sync_dir, "--save-interval", 2] + sync_opts, nproc=2))
     assert _layout(sync_dir, 2) == "fully_reshardable"
 
     async_opts = ["--async-save", "--ckpt-assume-constant-structure"]
-    proc, seen = _run_watching_tracker(
-        DIST + ["--save", async_dir, "--save-interval", 2] + async_opts, async_dir
-    )
-    assert losses(proc) == full  # saving does not touch training
-    assert seen and seen <= {2, 4} and _layout(async_dir, 4) == "dp_reshardable"
+    two_steps = ["--train-iters", 2, "--save", async_dir, "--save-interval", 1]
+    proc, seen = _run_watching_tracker(DIST + two_steps + async_opts, async_dir)
+    assert losses(proc) == {1: full[1], 2: full[2]}  # saving does not touch training
+    assert seen and seen <= {1, 2} and _layout(async_dir, 2) == "dp_reshardable"
     out = proc.stdout
     scheduled = out.index("scheduled an async save of iteration       2")
     assert scheduled < out.index("successfully saved checkpoint from iteration       2")
     assert sorted(os.listdir(async_dir)) == sorted(
-        ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+        ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
     )
 
     load = _only(async_dir, 2, str(tmp_path / "from_async"))
     strict = ["--dist-ckpt-strictness", "raise_all", "--ckpt-fully-parallel-load"]
-    assert losses(run(DIST + ["--load", load] + strict, nproc=2)) == {3: full[3], 4: full[4]}
+    assert losses(run(FOUR + ["--load", load] + strict, nproc=2)) == {3: full[3], 4: full[4]}
 
     # the layout the checkpoint records is the one loaded (this run does not give the flag);
     # without --no-load-rng's rng_state, log_all reports the key the load leaves unread
     load = _only(sync_dir, 2, str(tmp_path / "from_sync"))
-    logged = run(DIST + ["--load", load, "--no-load-rng", "--dist-ckpt-strictness", "log_all"], 2)
+    logged = run(FOUR + ["--load", load, "--no-load-rng", "--dist-ckpt-strictness", "log_all"], 2)
     assert losses(logged) == {3: full[3], 4: full[4]}
     assert "Missing keys (for all ranks): {'rng_state'}" in logged.stdout + logged.stderr
-    refused = run(DIST + ["--load", load, "--no-load-rng", "--dist-ckpt-strictness", "raise_all"])
+    refused = run(FOUR + ["--load", load, "--no-load-rng", "--dist-ckpt-strictness", "raise_all"])
     assert refused.returncode == 1 and "rng_state" in refused.stderr
     assert "refused by --dist-ckpt-strictness raise_all" in refused.stderr

@@ -336,6 +336,12 @@ def require_marker(distopt, state: dict) -> None:
     """ValueError unless ``state`` was saved by an optimizer of this one's kind."""
     mark = state.get(MARK)
     ours = type(distopt.optimizer).__name__ if handles(distopt) else None
+    if mark is not None and ours is None and mark.get("optimizer") in ("Adam", "AdamW"):
+        raise ValueError(
+            f"DistributedOptimizer checkpoint of {mark['optimizer']} in this fork's earlier "
+            f"declared-state format ({mark.get('format')}); torch Adam checkpoints now keep "
+            "upstream's format (patch 0009): resume it with the fork version that wrote it"
+        )
     if mark is None or mark.get("format") != FORMAT or ours is None or mark["optimizer"] != ours:
         saved = mark["optimizer"] if mark else "Adam (upstream's format: no declared state)"
         mine = ours or f"{type(distopt.optimizer).__name__} (upstream's format)"

@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .distopt_layout import param_name
+from .distopt_layout import in_bucket, param_name
 from .muon_config import EXCHANGE_DTYPES
 from .muon_functional import (
     EXCHANGE_TIMER,
@@ -304,14 +304,14 @@ def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExch
                 info = tp_info_of(param)
                 if info is None:
                     continue
-                start, end, _ = buffer.param_index_map[param]
+                start, end = in_bucket(buffer, bucket, param)
                 slot.matrices.append(len(matrices))
                 matrices.append(
                     MatrixSlot(
                         name=param_name(distopt, param),
                         bucket=len(buckets),
-                        start=start - bucket.offset,
-                        end=end - bucket.offset,
+                        start=start,
+                        end=end,
                         local_shape=tuple(param.shape),
                         info=info,
                         cost=model.whole(info),
