@@ -118,6 +118,14 @@ SERIES = [
         ["0003-moe-router-without-te.patch"],
     ),
     (
+        "jit: torch.compile a fusion on its first call",
+        "jit_fuser defers torch.compile to the first call: what is compiled, and when, is\n"
+        "unchanged, but importing megatron.core no longer imports torch._inductor (~2.5 s of CPU\n"
+        "per process, for fusions a run may never call).",
+        ["megatron/core/lazy_compile.py"],
+        ["0020-jit-compile-on-first-call.patch"],
+    ),
+    (
         "tests, docs: Muon unit tests and an API guide page",
         "Single-process unit tests (GPU or CPU) and docs/source/api-guide/muon.md.",
         ["tests/unit_tests/test_muon_core.py", "docs/source/api-guide/muon.md"],
