@@ -139,9 +139,9 @@ def _model_key(model, index: int) -> str:
 # ----------------------------------------------------------------------------------- save
 
 
-def save(args, model, optimizer, scheduler, state) -> None:
-    """Write a complete checkpoint of ``state.iteration``, then point the tracker at it (with
-    --async-save: once every rank's background write has finished, see ``_publish``)."""
+def save(args, model, optimizer, scheduler, state, on_saved=None) -> None:
+    """Write a complete checkpoint of ``state.iteration``, then point the tracker at it and call
+    ``on_saved()`` (with --async-save: once every rank's background write has finished)."""
     start = time.perf_counter()
     if args.overlap_param_gather:  # params updated by the last step are gathered lazily
         for chunk in model:
@@ -154,7 +154,7 @@ def save(args, model, optimizer, scheduler, state) -> None:
     _barrier()
     writer = _save_torch_dist if args.ckpt_format == "torch_dist" else _save_torch
     request = writer(partial, args, model, optimizer, scheduler, state)
-    finish = functools.partial(_publish, args, partial, final, state.iteration, start)
+    finish = functools.partial(_publish, args, partial, final, (state.iteration, start), on_saved)
     if request is not None:  # --async-save: the files are still being written
         dist_ckpt.schedule_async(request, finish)
         print_rank_0(f"  scheduled an async save of iteration {state.iteration:7d} to {final}")
@@ -164,9 +164,10 @@ def save(args, model, optimizer, scheduler, state) -> None:
     _barrier()
 
 
-def _publish(args, partial: str, final: str, iteration: int, start: float) -> None:
+def _publish(args, partial: str, final: str, when: tuple, on_saved) -> None:
     """Every rank's files are written: rank 0 gives the checkpoint its name and points the
-    tracker at it."""
+    tracker at it. ``when``: (iteration, perf_counter at the save's start)."""
+    iteration, start = when
     if _rank0():
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -176,6 +177,8 @@ def _publish(args, partial: str, final: str, iteration: int, start: float) -> No
         f"[ {args.ckpt_format}{', async' if args.async_save else ''}, "
         f"{time.perf_counter() - start:.1f} s ]"
     )
+    if on_saved is not None:
+        on_saved()
 
 
 def finalize_async_saves(blocking: bool = False) -> None:

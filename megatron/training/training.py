@@ -9,6 +9,8 @@ OptimizerParamScheduler; gradient accumulation to the global batch by the micro-
 interleaved with virtual stages); evaluation, checkpoints, Megatron-LM log lines.
 """
 
+import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -247,8 +249,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
             _evaluate_and_print(args, forward_step, valid_iter, model, state, log)
             collector.after_eval()
         if args.save_interval and state.iteration % args.save_interval == 0:
-            checkpointing.save(args, model, optimizer, scheduler, state)
-            log.saved(state)
+            _save(args, model, optimizer, scheduler, state, log)
             saved_at = state.iteration
         log.pause(time.perf_counter() - paused)
         reason = stop.check(state.iteration, _device())
@@ -256,10 +257,16 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
             break
         collector.after_step(state.iteration)  # Megatron-LM: last in the iteration
     if args.save and saved_at != state.iteration:
-        checkpointing.save(args, model, optimizer, scheduler, state)
-        log.saved(state)
+        _save(args, model, optimizer, scheduler, state, log)
     checkpointing.finalize_async_saves(blocking=True)  # no async save outlives the run
     return reason
+
+
+def _save(args, model, optimizer, scheduler, state, log) -> None:
+    """Save; --log-progress's line once the checkpoint is complete (an async one later: it gets
+    the state as it was at the save)."""
+    on_saved = functools.partial(log.saved, dataclasses.replace(state))
+    checkpointing.save(args, model, optimizer, scheduler, state, on_saved=on_saved)
 
 
 def _evaluate_and_print(args, forward_step, valid_iter, model, state, log) -> None:

@@ -136,7 +136,7 @@ def test_torch_dist_options_save_and_resume_exactly(tmp_path):
     full = losses(run(FOUR + ["--save", sync_dir, "--save-interval", 2] + sync_opts, nproc=2))
     assert _layout(sync_dir, 2) == "fully_reshardable"
 
-    async_opts = ["--async-save", "--ckpt-assume-constant-structure"]
+    async_opts = ["--async-save", "--ckpt-assume-constant-structure", "--log-progress"]
     two_steps = ["--train-iters", 2, "--save", async_dir, "--save-interval", 1]
     proc, seen = _run_watching_tracker(DIST + two_steps + async_opts, async_dir)
     assert losses(proc) == {1: full[1], 2: full[2]}  # saving does not touch training
@@ -145,8 +145,10 @@ def test_torch_dist_options_save_and_resume_exactly(tmp_path):
     scheduled = out.index("scheduled an async save of iteration       2")
     assert scheduled < out.index("successfully saved checkpoint from iteration       2")
     assert sorted(os.listdir(async_dir)) == sorted(
-        ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+        ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt", "progress.txt"]
     )
+    progress = open(os.path.join(async_dir, "progress.txt")).read()  # written when complete
+    assert [line.split("Iteration: ")[1][:1] for line in progress.splitlines()[1:]] == ["1", "2"]
 
     load = _only(async_dir, 2, str(tmp_path / "from_async"))
     strict = ["--dist-ckpt-strictness", "raise_all", "--ckpt-fully-parallel-load"]
