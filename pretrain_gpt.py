@@ -247,10 +247,15 @@ def main(argv=None) -> int:
     except data_check.DataError as err:  # each rank checks its own view of the files
         print(f"{_where()}: error: {err}", file=sys.stderr, flush=True)
         return 1
+    try:
+        tokenizer = tokenizer_from_args(args)  # its files read before any process group
+    except (ValueError, NotImplementedError, ImportError) as err:
+        print(f"{_where()}: error: {err}", file=sys.stderr, flush=True)
+        return 1
     initialize(args)
     guard = FailureBroadcast("pretrain_gpt.py").start()
     try:
-        train(args, exit_conditions)
+        train(args, exit_conditions, tokenizer)
     except Exception as err:  # every failing rank says why, the others stop naming it
         label, code = _classify(err)
         guard.fail_with(err, label, expected=code is not None)
@@ -266,7 +271,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def train(args, exit_conditions) -> None:
+def tokenizer_from_args(args):
+    """The tokenizer of the tokenizer flags; a bad file or value is a ValueError naming it. A
+    tokenizer that cannot end documents (no eod) is refused too: GPTDataset needs one."""
     tokenizer = build_tokenizer(
         args.tokenizer_type,
         args.vocab_file,
@@ -278,6 +285,11 @@ def train(args, exit_conditions) -> None:
         tiktoken_special_tokens=args.tiktoken_special_tokens,
         vocab_extra_ids=args.vocab_extra_ids,
     )
+    tokenizer.eod  # noqa: B018 -- NotImplementedError naming what is missing
+    return tokenizer
+
+
+def train(args, exit_conditions, tokenizer) -> None:
     args.padded_vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     config = transformer_config(args)
     pretrain(

@@ -93,6 +93,23 @@ def data(kind: str):
     return setup
 
 
+def tokenizer_file(kind: str):
+    """A setup(tmp): a good dataset {tmp}/d and a tokenizer file {tmp}/tok of ``kind``."""
+
+    def setup(tmp):
+        from tests.tokenizer_files import write_tiktoken_ranks
+
+        data("ok")(tmp)
+        path = os.path.join(tmp, "tok")
+        if kind == "ranks":
+            write_tiktoken_ranks(path)
+        else:
+            with open(path, "wb") as f:
+                f.write(b"not a sentencepiece model")
+
+    return setup
+
+
 def a_file_named(name: str):
     def setup(tmp):
         with open(os.path.join(tmp, name), "w") as f:
@@ -379,6 +396,28 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
     ("bin_truncated", "cli", (D, data("short_bin")), 1, "/d.bin: truncated (4 bytes"),
     ("dataset_empty", "cli", (D, data("empty")), 1, "the dataset is empty (no documents"),
     ("blend_second_missing", "cli", (f"{D} {{tmp}}/e", data("ok")), 1, "/e.idx does not exist"),
+    # -- command line: tokenizer files (read before any process group)
+    (
+        "tiktoken_too_few_ranks",
+        "cli",
+        (
+            f"{D} --tokenizer-type TikTokenizer --tokenizer-model {{tmp}}/tok "
+            "--tiktoken-pattern v2",
+            tokenizer_file("ranks"),
+        ),
+        1,
+        "has 266 ranks, but --vocab-size (131072) - --tiktoken-num-special-tokens (1000) = 130072",
+    ),
+    (
+        "sentencepiece_not_a_model",
+        "cli",
+        (
+            f"{D} --tokenizer-type Llama2Tokenizer --tokenizer-model {{tmp}}/tok",
+            tokenizer_file("junk"),
+        ),
+        1,
+        "is not a sentencepiece model",
+    ),
     # -- command line: output
     (
         "save_under_a_file",
