@@ -48,8 +48,7 @@ def _split(optimizer, broken_sum=False):
     control, members skip the Gram sums (each iterates on its block's own Gram)."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
-        ortho.set_plan(ortho.plan.rebuilt(model=ortho.plan.model, targets=TARGETS))
-        distopt.muon_plan = ortho.plan
+        ortho.plan = distopt.muon_plan = ortho.plan.rebuilt(model=ortho.plan.model, targets=TARGETS)
         sizes = _gang_sizes(ortho.plan)
         assert {2, ortho.plan.world} <= sizes, sizes  # same plan on every rank: all or none
         if broken_sum:

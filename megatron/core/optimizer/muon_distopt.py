@@ -46,7 +46,7 @@ direction) its own shard plus what it owns, ~``4 M/dp`` elements in all, against
 all-gather plus reduce-scatter; gangs add ``steps`` fp32 Gram sums of ``g x g`` (``g`` the short
 side) per block (``plan.sum_bytes_per_step``). Nothing here does arithmetic on the matrices;
 ``Muon`` hands the math in as ``matrix_fn``; the only collectives are in ``_all_to_all`` and
-``_gang_sum`` (and, once, the gangs' process groups in ``set_plan``).
+``_gang_sum`` (point to point inside the DP group: a gang needs no process group).
 
 Per-shard metadata (e.g. for QK-clip): ``muon.param_info[shard]`` is a ``ShardInfo``: ``matrix``
 indexes ``distopt.muon_plan.matrices`` (a ``MatrixSlot``: name, TP-local shape, TP-global info)
@@ -60,6 +60,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.distributed import P2POp
 
 from .distopt_layout import in_bucket, param_name
 from .muon_config import EXCHANGE_DTYPES
@@ -80,7 +81,7 @@ from .muon_plan import (
     ns_cost,
     tp_ns_cost,
 )
-from .muon_split import NSCostModel, Unit, block_views
+from .muon_split import NSCostModel, Unit, block_views, cut
 from .muon_tp import TPOrthogonalizer, ortho_spec_of
 from .newton_schulz import compute_dtype
 
@@ -119,8 +120,6 @@ class DistributedMuonOrthogonalizer:
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
         self.timers = getattr(inner, "timers", None)  # Megatron's: times the all-to-alls
         self.sum_bytes = 0.0  # of the last step's gang sums (ring model)
-        self._gangs: dict[tuple, object] = {}  # global ranks of a gang: its process group
-        self._dp_ranks: dict[int, list[int]] = {}  # id(DP group): its global ranks
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,33 +215,11 @@ class DistributedMuonOrthogonalizer:
             return self.inner([block], [slot.info], gang_fn)[0]
         return gang_fn([block], [slot.info])[0]
 
-    def set_plan(self, plan: MuonExchangePlan) -> None:
-        """Run ``plan`` from now on. Collective over the WORLD (every rank, in the same order):
-        the gangs' process groups are made here, by every rank, for the gangs of every DP group
-        (a gang's ranks alone cannot make a group safely: torch names such a group after how many
-        groups each rank has made, which differs between ranks)."""
-        self.plan = plan
-        groups = {id(ex.group): ex.group for ex in plan.exchanges}
-        ranks = {k: torch.distributed.get_process_group_ranks(g) for k, g in groups.items()}
-        planned = {
-            tuple(ranks[id(ex.group)][m] for m in unit.members)
-            for ex in plan.exchanges
-            for i in ex.gangs
-            for unit in plan.matrices[i].units[:1]
-        }
-        everyone: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, sorted(planned))
-        self._gangs, me = {}, torch.distributed.get_rank()
-        for members in sorted({tuple(m) for gangs in everyone for m in gangs}):
-            group = torch.distributed.new_group(list(members))
-            if me in members:
-                self._gangs[members] = group
-        self._dp_ranks = ranks
-
     def _gang_sum(self, ex: Exchange, members: tuple[int, ...], t: Tensor) -> None:
-        """The only collective of a gang: ``t`` summed in place over its members."""
-        ranks = self._dp_ranks[id(ex.group)]
-        torch.distributed.all_reduce(t, group=self._gangs[tuple(ranks[m] for m in members)])
+        """The only collective of a gang: ``t`` summed in place over its members, by a ring of
+        point-to-point messages inside the DP group (``ring_all_reduce``), so a gang needs no
+        process group of its own (making one is a collective over the whole world)."""
+        ring_all_reduce(t.view(-1), members, self.plan.rank, ex.group)
         k = len(members)
         self.sum_bytes += 2 * 2 * (k - 1) / k * t.numel() * t.element_size()
 
@@ -263,6 +240,37 @@ class DistributedMuonOrthogonalizer:
         rank = self.plan.rank  # counted from the split sizes used, self-copies excluded
         self.bytes_moved += (sum(send) + sum(recv) - send[rank] - recv[rank]) * _itemsize(dtype)
         return out
+
+
+def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) -> None:
+    """Sum ``flat`` in place over ``members`` (ranks of ``group``, sorted) with a ring: k - 1
+    steps of reduce-scatter, then k - 1 of all-gather, each a send to the next member and a
+    receive from the previous one. Every chunk is summed once, on one member, in ring order, and
+    copied to the others: all members end with the same bits. Only the members take part (torch
+    allows point-to-point within a subset of a group once the group has run a collective: the
+    DP group has, the all-to-all just before)."""
+    k, p = len(members), members.index(rank)
+    nxt, prev = members[(p + 1) % k], members[(p - 1) % k]
+    chunks = [flat[a:b] for a, b in cut(flat.numel(), k)]
+    scratch = flat.new_empty(-(-flat.numel() // k))  # the largest chunk
+    for s in range(k - 1):  # reduce-scatter: afterwards chunk p + 1 is summed here
+        send, recv = chunks[(p - s) % k], chunks[(p - s - 1) % k]
+        _exchange(send, scratch[: recv.numel()], nxt, prev, group)
+        recv.add_(scratch[: recv.numel()])
+    for s in range(k - 1):  # all-gather of the summed chunks
+        _exchange(chunks[(p + 1 - s) % k], chunks[(p - s) % k], nxt, prev, group)
+
+
+def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
+    """Send to one peer while receiving from another; an empty chunk is not sent (its receiver
+    sees the same empty chunk: both cut the same tensor the same way)."""
+    ops = []
+    if send.numel():
+        ops.append(P2POp(torch.distributed.isend, send, group=group, group_peer=to))
+    if recv.numel():
+        ops.append(P2POp(torch.distributed.irecv, recv, group=group, group_peer=frm))
+    for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
+        work.wait()
 
 
 def _gang_blocks(updates, infos, spec, axis: int, reduce) -> list[Tensor]:
@@ -382,7 +390,6 @@ def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = 
     muon.orthogonalizer = DistributedMuonOrthogonalizer(
         plan, muon.orthogonalizer, exchange_dtype, ns_dtype, device=device
     )
-    muon.orthogonalizer.set_plan(plan)  # collective: every rank builds its DistOpts in one order
     # A per-rank raise on a non-finite grad would leave the other DP ranks waiting in the
     # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.
     muon.on_nonfinite_grad = "ignore"
