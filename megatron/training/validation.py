@@ -261,6 +261,11 @@ RULES = (
         f"--expert-model-parallel-size ({a.expert_model_parallel_size})",
     ),
     (
+        lambda a: a.moe_pad_expert_input_to_capacity and a.moe_expert_capacity_factor is None,
+        lambda a: "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the "
+        "capacity it pads to), as Megatron-LM",
+    ),
+    (
         lambda a: a.expert_model_parallel_size > 1 and a.num_experts is None,
         lambda a: "--expert-model-parallel-size > 1 needs --num-experts",
     ),

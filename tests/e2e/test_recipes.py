@@ -27,8 +27,8 @@ MUON = "--optimizer muon --muon-tp-mode duplicated --muon-momentum 0.95"
 # rampup batch (sample-based, as Megatron-LM requires for a rampup), bf16 and DistOpt; GPT-3-style
 # DP in fp16 (loss scaling; the 345M recipes' precision) with learned positions and GeLU; MoE with
 # expert parallelism in bf16 with bf16 gradient reduction and no DistOpt (Megatron's
-# mixed-precision optimizer, fp32 main grads: its clipping needs them) and one Multi-Token
-# Prediction layer (as upstream's MoE memory/speed recipe).
+# mixed-precision optimizer, fp32 main grads: its clipping needs them), one Multi-Token
+# Prediction layer (as upstream's MoE memory/speed recipe) and experts padded to capacity.
 RECIPES = [
     (
         "llama-tp2-pp2-vpp2-gqa-rope-swiglu-rampup",
@@ -66,6 +66,7 @@ RECIPES = [
         "--moe-shared-expert-intermediate-size 32 --moe-router-dtype fp32 "
         "--moe-z-loss-coeff 1e-3 --grad-reduce-in-bf16 --num-layers 2 --hidden-size 32 "
         "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 "
+        "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity "
         "--num-attention-heads 4 --position-embedding-type rope --swiglu --normalization RMSNorm "
         "--disable-bias-linear --micro-batch-size 1 --global-batch-size 4 --train-iters 4 "
         "--lr 3e-3 --lr-decay-style cosine --bf16",

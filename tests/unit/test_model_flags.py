@@ -346,3 +346,31 @@ def test_no_rope_freq_needs_rope():
 
     with pytest.raises(ArgumentsError, match="--no-rope-freq picks layers that skip RoPE"):
         parse_args(BASE + ["--no-rope-freq", "2"], world_size=1)
+
+
+def _tokens_per_expert(flags: str) -> list:
+    """How many tokens the first MoE layer's router sends to each expert (64 tokens, top-2)."""
+    import torch
+
+    _, model = _build("--num-experts 4 --moe-router-topk 2 " + flags)
+    router = model.decoder.layers[0].mlp.router
+    x = torch.randn(16, 4, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, routing_map = router(x)
+    return routing_map.sum(0).tolist()
+
+
+def test_moe_pad_expert_input_to_capacity_fills_every_expert():
+    capacity = "--moe-expert-capacity-factor 1.0"
+    padded = _one_rank(_tokens_per_expert, capacity + " --moe-pad-expert-input-to-capacity")
+    dropped = _one_rank(_tokens_per_expert, capacity)
+    # capacity = 64 tokens x top-2 / 4 experts x factor 1.0 = 32: padded up to it everywhere;
+    # without padding only dropped down to it, so some expert gets fewer (the negative control)
+    assert padded == [32] * 4 and max(dropped) <= 32 and min(dropped) < 32
+
+
+def test_moe_pad_expert_input_to_capacity_needs_a_capacity():
+    from megatron.training.arguments import ArgumentsError, parse_args
+
+    with pytest.raises(ArgumentsError, match="needs --moe-expert-capacity-factor"):
+        parse_args(BASE + "--num-experts 4 --moe-pad-expert-input-to-capacity".split(), 1)
