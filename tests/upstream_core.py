@@ -6,7 +6,7 @@ first on ``PYTHONPATH`` of a subprocess, so ``megatron.core`` there is upstream'
 process, which imports the fork, runs the other side. Run by hand:
 
     .venv/bin/python tools/fork.py pristine /tmp/pristine
-    PYTHONPATH=/tmp/pristine:tests .venv/bin/python tests/upstream_core.py torch /tmp/ckpt out.pt
+    PYTHONPATH=/tmp/pristine:tests .venv/bin/python tests/upstream_core.py /tmp/ckpts torch:many
 """
 
 import importlib.util
@@ -33,11 +33,17 @@ def pristine_tree(dest: Path) -> Path:
     return dest
 
 
-def run_upstream(tree: Path, fmt: str, buckets: str, directory: Path, out: Path) -> None:
-    """Train, save in ``fmt`` and train on under plain upstream; results into ``out``."""
+def case_dir(root: Path, fmt: str, buckets: str) -> Path:
+    """Where a case's checkpoint (``ckpt``) and upstream's results (``upstream.pt``) go."""
+    return Path(root) / f"{fmt}-{buckets}"
+
+
+def run_upstream(tree: Path, root: Path, cases: list) -> None:
+    """For each (format, buckets): train, save and train on under plain upstream, in one
+    subprocess (one import of upstream); each case's files under ``case_dir``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(TESTS)]))
-    cmd = [sys.executable, __file__, fmt, buckets, str(directory), str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, __file__, str(root), *(f"{fmt}:{buckets}" for fmt, buckets in cases)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise AssertionError(f"upstream run failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
 
@@ -92,7 +98,7 @@ def load_and_continue(spec, fmt: str, buckets: str, directory: str):
     return steps(spec, model, optimizer, global_batches(spec, BEFORE + AFTER)[BEFORE:])
 
 
-def main(fmt: str, buckets: str, directory: str, out: str) -> None:
+def main(root: str, *cases: str) -> None:
     import torch
     from harness import run_distributed
     from tiny_gpt import TinyGPT
@@ -100,10 +106,12 @@ def main(fmt: str, buckets: str, directory: str, out: str) -> None:
     from megatron.training import cpu_mode
 
     cpu_mode.enable_if_needed()
-    results = run_distributed(
-        save_and_continue, 2, args=(TinyGPT(dtype="bf16"), fmt, buckets, directory), timeout=300
-    )
-    torch.save(results, out)
+    for case in cases:
+        fmt, buckets = case.split(":")
+        where = case_dir(root, fmt, buckets)
+        args = (TinyGPT(dtype="bf16"), fmt, buckets, str(where / "ckpt"))
+        results = run_distributed(save_and_continue, 2, args=args, timeout=300)
+        torch.save(results, where / "upstream.pt")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from upstream_core import (
     AFTER,
     BEFORE,
     build,
+    case_dir,
     load_and_continue,
     pristine_tree,
     run_upstream,
@@ -32,8 +33,19 @@ SPEC = TinyGPT(dtype="bf16")
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    return pristine_tree(tmp_path_factory.mktemp("pristine"))
+def upstream(tmp_path_factory):
+    """{(format, buckets): (checkpoint dir, upstream's results per rank)} of every UPSTREAM case,
+    written by plain upstream 0.16.1 in one subprocess."""
+    tree = pristine_tree(tmp_path_factory.mktemp("pristine"))
+    root = tmp_path_factory.mktemp("upstream")
+    run_upstream(tree, root, UPSTREAM)
+    out = {}
+    for fmt, buckets in UPSTREAM:
+        where = case_dir(root, fmt, buckets)
+        results = torch.load(where / "upstream.pt", weights_only=False)
+        assert all(core.startswith(str(tree)) for *_, core in results), "not upstream's core"
+        out[fmt, buckets] = (str(where / "ckpt"), results)
+    return out
 
 
 def _assert_same(reference, resumed) -> None:
@@ -56,14 +68,10 @@ UPSTREAM = [
 
 
 @pytest.mark.parametrize("fmt,buckets", UPSTREAM)
-def test_checkpoint_of_plain_upstream_resumes_exactly(tmp_path, pristine, fmt, buckets):
-    run_upstream(pristine, fmt, buckets, tmp_path / "ckpt", tmp_path / "upstream.pt")
-    upstream = torch.load(tmp_path / "upstream.pt", weights_only=False)
-    assert all(core.startswith(str(pristine)) for *_, core in upstream), "not upstream's core"
-    resumed = run_distributed(
-        load_and_continue, 2, args=(SPEC, fmt, buckets, str(tmp_path / "ckpt"))
-    )
-    for (params, losses, _), mine in zip(upstream, resumed):
+def test_checkpoint_of_plain_upstream_resumes_exactly(upstream, fmt, buckets):
+    directory, results = upstream[fmt, buckets]
+    resumed = run_distributed(load_and_continue, 2, args=(SPEC, fmt, buckets, directory))
+    for (params, losses, _), mine in zip(results, resumed):
         _assert_same((params, losses), mine)
 
 
@@ -73,11 +81,10 @@ def load_without_repair(spec, fmt, buckets, directory):
     return load_and_continue(spec, fmt, buckets, directory)
 
 
-def test_shared_step_after_load_breaks_the_resume(tmp_path, pristine):
-    run_upstream(pristine, "torch", "many", tmp_path / "ckpt", tmp_path / "upstream.pt")
-    (params, losses, _), *_ = torch.load(tmp_path / "upstream.pt", weights_only=False)
+def test_shared_step_after_load_breaks_the_resume(upstream):
+    directory, ((params, losses, _), *_) = upstream["torch", "many"]
     (params2, losses2), *_ = run_distributed(
-        load_without_repair, 2, args=(SPEC, "torch", "many", str(tmp_path / "ckpt"))
+        load_without_repair, 2, args=(SPEC, "torch", "many", directory)
     )
     assert losses2[0] == losses[0]  # the first step after the load sees the restored params
     assert any(not torch.equal(params2[n], t) for n, t in params.items())
