@@ -82,7 +82,9 @@ def _zygote_run(cmd, argv, nproc, env, timeout) -> subprocess.CompletedProcess:
         ready, _, _ = select.select([server.stdout], [], [], timeout + 30)
         reply = json.loads(server.stdout.readline() or "{}") if ready else {}
         stdout, stderr = _read(out), _read(err)
-    if "code" not in reply:  # the server's own deadline passed (or it died): start afresh
+    if not reply and server.poll() is not None:
+        raise RuntimeError(f"the e2e launcher (tests/e2e/zygote.py) exited ({server.returncode})")
+    if "code" not in reply:  # the server's own deadline passed (or it hangs): start afresh
         if not reply.get("timeout"):
             server.kill()
             _ZYGOTE.clear()

@@ -118,7 +118,12 @@ def serve() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # nothing of the server's own reaches a launch's output
     sys.path.insert(0, os.getcwd())
+    import torch
+
     import pretrain_gpt  # noqa: F401  (the one import every launch reuses)
+
+    if torch.cuda.is_initialized():  # forked ranks could not use the device
+        raise RuntimeError("zygote: importing pretrain_gpt initialized CUDA; use E2E_REAL_LAUNCH=1")
 
     for line in sys.stdin:
         request = json.loads(line)
