@@ -1,5 +1,7 @@
 """Newton-Schulz: against a float64 polynomial reference, singular-value bands, API contracts."""
 
+import threading
+
 import pytest
 import torch
 
@@ -7,6 +9,8 @@ from megatron.core.optimizer.newton_schulz import (
     COEFFICIENT_SETS,
     POLAR_EXPRESS_PUBLISHED,
     newton_schulz,
+    reassociates,
+    sharded_newton_schulz,
 )
 
 SHAPES = [(64, 96), (96, 64), (80, 80), (4, 48, 32), (2, 3, 24, 40)]  # wide, tall, square, batched
@@ -134,3 +138,43 @@ def test_invalid_arguments_raise(kwargs, match):
 def test_vector_input_raises():
     with pytest.raises(ValueError, match=r"\(\.\.\., m, n\) tensor, got shape \(8,\)"):
         newton_schulz(torch.ones(8))
+
+
+def _sharded(x, dim, cuts, reassociate):
+    """``sharded_newton_schulz`` on the shards of ``x`` (cut along ``dim`` at ``cuts``), one
+    thread per shard, ``reduce`` a sum over the threads: a gang without processes."""
+    shards = list(torch.tensor_split(x, cuts, dim=dim))
+    barrier, parts = threading.Barrier(len(shards)), {}
+
+    def reduce(t):
+        parts[threading.get_ident()] = t.clone()
+        barrier.wait()
+        total = sum(parts.values())  # every thread sums in the same (insertion) order
+        barrier.wait()
+        t.copy_(total)
+
+    out = [None] * len(shards)
+
+    def run(i):
+        out[i] = sharded_newton_schulz(
+            shards[i], dim, reduce, 5, "quintic", "fp32", 1e-7, reassociate
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shards))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return torch.cat(out, dim=dim)
+
+
+@pytest.mark.parametrize("reassociate", [False, True])
+@pytest.mark.parametrize("shape, dim, cuts", [((40, 96), 1, [10, 60]), ((96, 40), 0, [10, 60])])
+def test_sharded_forms_match_float64_reference(shape, dim, cuts, reassociate):
+    """Shards of 10, 50 and 36 lines against a 40 x 40 Gram: with ``reassociate`` the first and
+    last run ``a X + G (b X + c G X)``, the middle one the polynomial; either way each is its
+    share of the whole matrix's Newton-Schulz (fp32 tolerance as above)."""
+    assert [reassociates(40, n) for n in (10, 50, 36)] == [True, False, True]
+    x = _randn(shape)
+    got = _sharded(x, dim, cuts, reassociate)
+    torch.testing.assert_close(got.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-5)

@@ -274,8 +274,12 @@ def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
 
 
 def _gang_blocks(updates, infos, spec, axis: int, reduce) -> list[Tensor]:
-    """``matrix_fn`` of a gang member: its blocks' share of ``s * NS`` (pure math, a sum in)."""
-    return [orthogonalize_sharded(u, info, spec, axis, reduce) for u, info in zip(updates, infos)]
+    """``matrix_fn`` of a gang member: its blocks' share of ``s * NS`` (pure math, a sum in),
+    reassociated where the block is narrower than its Gram (``muon_split.NSCostModel.member``)."""
+    return [
+        orthogonalize_sharded(u, info, spec, axis, reduce, reassociate=True)
+        for u, info in zip(updates, infos)
+    ]
 
 
 def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int]]]:

@@ -230,16 +230,22 @@ def orthogonalize(
 
 
 def orthogonalize_sharded(
-    u: Tensor, info: MuonParamInfo, spec: OrthoSpec, dim: int, reduce: Callable[[Tensor], object]
+    u: Tensor,
+    info: MuonParamInfo,
+    spec: OrthoSpec,
+    dim: int,
+    reduce: Callable[[Tensor], object],
+    reassociate: bool = False,
 ) -> Tensor:
     """``s * NS_k(U)`` of this shard (along ``dim``) of a matrix sharded over several places;
-    ``reduce(t)`` sums ``t`` in place over the shards (``newton_schulz.sharded_newton_schulz``).
+    ``reduce(t)`` sums ``t`` in place over the shards (``newton_schulz.sharded_newton_schulz``;
+    ``reassociate``: its cheaper form for shards narrower than their Gram, as DP gangs run).
 
     Q/K/V blocks and the scale as ``orthogonalize``: a QKV shard holds whole query groups
     (``dim=0``) or all rows of some columns (``dim=1``)."""
 
     def ns_blocks(blocks: list[Tensor]) -> list[Tensor]:
-        ns = (spec.steps, spec.coefficients, spec.precision, spec.eps)
+        ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
         return [sharded_newton_schulz(b, dim, reduce, *ns) for b in blocks]
 
     return orthogonalize(u, info, spec, ns_blocks)

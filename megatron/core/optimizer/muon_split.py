@@ -7,9 +7,10 @@ and of a fused QKV weight, whose Q/K/V blocks are wide or square), one block per
 *gang* of ``k`` DP ranks. Each member iterates on its block; only the squared norm and one Gram
 matrix per step, ``g x g`` with ``g`` the short side, are summed over the gang
 (``muon_functional.orthogonalize_sharded``, the math the ``distributed`` TP mode runs over TP).
-A member of a block of ``r`` lines executes ``steps * (4 g^2 r + 2 g^3)`` matmul FLOPs: the
-``2 g^3`` polynomial is not divided, so a gang only pays for itself on long, narrow matrices
-or where ranks would idle anyway.
+A member of a block of ``r`` lines executes ``steps * (4 g^2 r + 2 g^3)`` matmul FLOPs in the
+Gram form, whose ``2 g^3`` polynomial is not divided; where ``r < g`` it runs the reassociated
+form instead (``newton_schulz.reassociates``: ``steps * 6 g^2 r``, no ``g^3`` term), so a
+member's work falls with its block down to one line.
 
 Schedule on every rank, between the two all-to-alls of an exchange: first its gangs, in the
 plan's gang order (the same total order on every rank, so no two gangs wait on each other in a
@@ -18,8 +19,8 @@ collective ends when its last participant arrives; the step's NS critical path i
 return all-to-all can start.
 
 Choice, per exchange, deterministic (same inputs -> same plan on every rank): for a few targets
-(multiples of total / dp) each matrix above the target gets the smallest ``k`` whose member
-work is <= the target (``split_count``); gangs are placed largest first on the least-loaded
+(multiples of total / dp) each matrix above the target gets the smallest ``k`` whose busiest
+member's work is <= the target (``split_count``); gangs are placed largest first on the least-loaded
 ranks, then whole matrices by longest-processing-time greedy; ties go to the rank that already
 holds most of the matrix (fewer bytes moved). The choice with the shortest critical path wins,
 "no splits" included, so splitting never lengthens it.
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from torch import Tensor
+
+from .newton_schulz import reassociates
 
 # Targets tried, in multiples of total / dp (math.inf: no split).
 TARGETS = (1.0, 1.25, 1.5, 2.0, 3.0, math.inf)
@@ -139,35 +142,47 @@ class NSCostModel:
         ]
 
     def member(self, info, axis: int, lines: int) -> float:
-        return float(
-            sum(self.steps * (4 * g * g * lines + 2 * g**3) for g in self.grams(info, axis))
-        )
+        """Matmul FLOPs of a member with ``lines`` lines: nondecreasing in ``lines``."""
+        per_step = (2.0 * g * g * lines + sum(_after_sum(g, lines)) for g in self.grams(info, axis))
+        return self.steps * sum(per_step)
+
+
+def _after_sum(g: int, lines: int) -> tuple[float, ...]:
+    """Matmul FLOPs of one step after the Gram sum: reassociated ``G X`` and ``G (b X + c G X)``,
+    or the polynomial ``G^2`` and ``p(G) X`` (``sharded_newton_schulz``)."""
+    if reassociates(g, lines):
+        return (4.0 * g * g * lines,)
+    return (2.0 * g**3 + 2.0 * g * g * lines,)
 
 
 def member_events(model: NSCostModel, info, axis: int, lines: int) -> list:
     """What a gang member runs, in order: matmul FLOPs (floats) and gang reductions (ints: the
     elements summed); ``orthogonalize_sharded`` per NS block: norm, then per step Gram, sum,
-    polynomial and update."""
+    and the update (``_after_sum``)."""
     out: list = []
     for g in model.grams(info, axis):
         out.append(1)  # the squared norm
         for _ in range(model.steps):
-            out += [2.0 * g * g * lines, g * g, 2.0 * g**3 + 2.0 * g * g * lines]
+            out += [2.0 * g * g * lines, g * g, *_after_sum(g, lines)]
     return out
 
 
 def split_count(model: NSCostModel, w: "Work", target: float, world: int) -> tuple[int, int]:
     """(members, axis) for matrix ``w``: 1 at or under ``target``, else the fewest members whose
-    work is <= target (or, where the undivided polynomial alone exceeds the target, the fewest
-    that bring the divided part down to it), at most ``world`` and one line each."""
+    busiest (``ceil(lines / k)`` lines) works <= target, at most ``world`` and one line each
+    (that many where none fits). A binary search: member work is nondecreasing in lines."""
     axis = model.axis(w.info) if w.cost > target and world > 1 else None
     if axis is None:
         return 1, None
     local = w.local_shape[axis]
-    fixed = model.member(w.info, axis, 0)
-    divided = model.member(w.info, axis, model.lines(w.info, local, axis)) - fixed
-    k = math.ceil(divided / (target - fixed) if target > fixed else divided / max(fixed, 1.0))
-    return max(1, min(k, world, local)), axis
+    lo, hi = 1, max(1, min(world, local))
+    while lo < hi:
+        k = (lo + hi) // 2
+        if model.member(w.info, axis, model.lines(w.info, -(-local // k), axis)) <= target:
+            hi = k
+        else:
+            lo = k + 1
+    return lo, axis
 
 
 def cut(n: int, k: int) -> list[tuple[int, int]]:
