@@ -426,12 +426,33 @@ def check_compatible(args, saved: dict, folder: str) -> None:
         raise CheckpointError(f"checkpoint {folder} does not match this run: " + "; ".join(diffs))
 
 
+def _group_lrs(optimizer) -> list:
+    """Each param group's lr bounds as this run built them (--lr, --min-lr, --decoupled-lr):
+    loading the optimizer restores the saved ones, which the scheduler reads per group."""
+    return [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
+
+
+def _load_scheduler(scheduler, saved: dict) -> None:
+    """Megatron-LM's rule: without --use-checkpoint-opt_param-scheduler or
+    --override-opt_param-scheduler the saved schedule must equal the command line's. Every rank
+    holds the same schedule and arguments, so every rank raises here, none waits in a collective."""
+    try:
+        scheduler.load_state_dict(saved)
+    except AssertionError as err:
+        raise CheckpointError(
+            f"the learning-rate schedule differs from the checkpoint's ({err}): give "
+            "--use-checkpoint-opt_param-scheduler to continue the saved schedule, or "
+            "--override-opt_param-scheduler to take this command line's"
+        ) from None
+
+
 def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[_model_key(model, i)], strict=True)
     if args.finetune:
         return  # weights only: iteration 0, fresh optimizer, scheduler and data position
     if not args.no_load_optim:
+        fresh = _group_lrs(optimizer) if args.override_opt_param_scheduler else None
         optimizer.load_state_dict(loaded["optimizer"])
         if "_distrib_optim" in loaded and args.use_distributed_optimizer:
             # DP rank 0 reads the file inside upstream's call: say which file on failure
@@ -439,7 +460,10 @@ def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
                 lambda: optimizer.load_parameter_state(loaded["_distrib_optim"]),
                 loaded["_distrib_optim"],
             )
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if fresh is not None:  # the groups' own lr bounds are part of the schedule replaced
+            for group, lrs in zip(optimizer.param_groups, fresh, strict=True):
+                group.update(lrs)
+        _load_scheduler(scheduler, loaded["opt_param_scheduler"])
     if not args.no_load_rng:
         saved = loaded["rng_state"]
         # Applied by the caller once the data iterators exist: creating a DataLoader iterator

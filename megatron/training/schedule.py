@@ -77,6 +77,9 @@ def get_scheduler(args, optimizer) -> OptimizerParamScheduler:
         wd_incr_style=args.weight_decay_incr_style,
         wsd_decay_steps=steps["wsd_decay_steps"],
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        # Megatron-LM's CLI: by default a resumed schedule must equal the command line's
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
 
 

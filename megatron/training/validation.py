@@ -130,6 +130,11 @@ RULES = (
         "(not deterministic; Megatron-LM refuses the combination too)",
     ),
     (
+        lambda a: a.use_checkpoint_opt_param_scheduler and a.override_opt_param_scheduler,
+        lambda a: "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are "
+        "exclusive: take the lr/wd schedule from the checkpoint, or from the command line",
+    ),
+    (
         lambda a: a.squared_relu and a.swiglu,
         lambda a: "--squared-relu and --swiglu are exclusive: pick one activation",
     ),

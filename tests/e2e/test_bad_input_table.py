@@ -334,7 +334,8 @@ def launch_truncated_tp_rank_1(tmp):
     assert saved.returncode == 0, saved.stderr[-3000:]
     _truncate(os.path.join(save, "iter_0000002", "mp_rank_01", "model_optim_rng.pt"), 1000)
     # torchrun's own way of stopping the other rank is part of what users see: the real one
-    proc = run(tp2 + ["--train-iters", 4, "--load", save], nproc=2, timeout=120, torchrun=True)
+    resume = ["--train-iters", 4, "--load", save, "--use-checkpoint-opt_param-scheduler"]
+    proc = run(tp2 + resume, nproc=2, timeout=120, torchrun=True)
     assert "rank 1: checkpoint error: checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert "Connection closed by peer" not in proc.stderr, proc.stderr[-3000:]
     return proc.returncode, proc.stderr

@@ -1,5 +1,6 @@
 """Checkpoint options through the real CLI: --no-save-optim / --no-save-rng,
---auto-detect-ckpt-format, --use-checkpoint-args; the torch_dist options --async-save,
+--auto-detect-ckpt-format, --use-checkpoint-args, --use-checkpoint-opt_param-scheduler /
+--override-opt_param-scheduler; the torch_dist options --async-save,
 --dist-ckpt-optim-fully-reshardable, --dist-ckpt-strictness, --ckpt-assume-constant-structure,
 --ckpt-fully-parallel-load and --no-ckpt-fully-parallel-save.
 
@@ -47,12 +48,23 @@ def test_auto_detect_ckpt_format_loads_either_format_and_saves_in_ckpt_format(tm
     refused = run(base + ["--train-iters", 3, "--ckpt-format", "torch", "--load", first])
     assert refused.returncode == 1
     assert "torch_dist format" in refused.stderr and "--auto-detect-ckpt-format" in refused.stderr
-    to_torch = ["--ckpt-format", "torch", "--auto-detect-ckpt-format"]
+    # resumed with more --train-iters: the saved lr/wd schedule continues (as Megatron-LM asks)
+    to_torch = [
+        "--ckpt-format",
+        "torch",
+        "--auto-detect-ckpt-format",
+        "--use-checkpoint-opt_param-scheduler",
+    ]
     got.update(
         losses(run(base + ["--train-iters", 3, "--load", first, "--save", second] + to_torch))
     )
     assert os.path.isfile(os.path.join(second, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
-    to_dist = ["--ckpt-format", "torch_dist", "--auto-detect-ckpt-format"]
+    to_dist = [
+        "--ckpt-format",
+        "torch_dist",
+        "--auto-detect-ckpt-format",
+        "--use-checkpoint-opt_param-scheduler",
+    ]
     got.update(
         losses(run(base + ["--train-iters", 4, "--load", second, "--save", third] + to_dist))
     )
@@ -60,6 +72,27 @@ def test_auto_detect_ckpt_format_loads_either_format_and_saves_in_ckpt_format(tm
     assert got == full
     for root in (second, third):  # --use-checkpoint-args reads either format (no process group)
         assert checkpoint_args.saved_args(root)[1]["hidden_size"] == 32
+
+
+def test_resumed_lr_schedule_follows_megatron_lms_scheduler_flags(tmp_path):
+    """Megatron-LM's rule: a resumed lr/wd schedule must equal the command line's, unless
+    --use-checkpoint-opt_param-scheduler (the saved schedule continues) or
+    --override-opt_param-scheduler (the command line's replaces it) is given."""
+    save = str(tmp_path / "save")
+    i = TINY.index("--lr")
+    base = TINY[:i] + TINY[i + 2 :] + MUON_FLAGS + ["--ckpt-format", "torch"]
+    full = losses(run(base + ["--lr", 1e-2, "--train-iters", 3]))
+    losses(run(base + ["--lr", 1e-2, "--train-iters", 2, "--save", save]))
+    higher = base + ["--lr", 2e-2, "--train-iters", 3, "--load", save]
+    refused = run(higher)
+    assert refused.returncode == 1, refused.stdout[-2000:]
+    assert "for learning rate" in refused.stderr
+    assert "--use-checkpoint-opt_param-scheduler" in refused.stderr
+    kept = run(higher + ["--use-checkpoint-opt_param-scheduler"])
+    assert losses(kept) == {3: full[3]}  # the saved schedule, exactly
+    assert "learning rate: 1.000000E-02" in kept.stdout
+    replaced = run(higher + ["--override-opt_param-scheduler"])
+    assert "learning rate: 2.000000E-02" in replaced.stdout  # the group lr the step uses
 
 
 SHAPE = "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split()
@@ -152,6 +185,7 @@ def test_torch_dist_options_save_and_resume_exactly(tmp_path):
 
     load = _only(async_dir, 2, str(tmp_path / "from_async"))
     strict = ["--dist-ckpt-strictness", "raise_all", "--ckpt-fully-parallel-load"]
+    strict += ["--use-checkpoint-opt_param-scheduler"]  # saved by a 2-step run
     assert losses(run(FOUR + ["--load", load] + strict, nproc=2)) == {3: full[3], 4: full[4]}
 
     # the layout the checkpoint records is the one loaded (this run does not give the flag);

@@ -268,6 +268,11 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--sequence-parallel", 1, ["--sequence-parallel"]),
     ("--attention-backend flash", 1, ["--attention-backend"]),
     ("--bf16 --fp16", 1, ["--bf16 and --fp16"]),
+    (
+        "--use-checkpoint-opt_param-scheduler --override-opt_param-scheduler",
+        1,
+        ["--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler", "exclusive"],
+    ),
     ("--global-batch-size 6", 2, ["--global-batch-size (6)", "--micro-batch-size (2)"]),
     ("--tensor-model-parallel-size 3", 4, ["--tensor-model-parallel-size (3)", "world size (4)"]),
     ("--tensor-model-parallel-size 8", 8, ["--num-attention-heads (4)"]),
