@@ -35,21 +35,17 @@ def load_processor(model_file: str):
         ) from None
 
 
-class GPTSentencePieceTokenizer(MegatronLegacyTokenizer):
-    """Megatron-LM's GPTSentencePieceTokenizer: plain sentencepiece ids, eod = ``</s>``."""
+class _PieceVocab(MegatronLegacyTokenizer):
+    """The vocabulary tables both sentencepiece tokenizers keep: the model's pieces by id (and
+    the special tokens SentencePieceTokenizer appends)."""
 
-    def __init__(self, model_file: str):
-        super().__init__(model_file, vocab_extra_ids=0)
+    def _read_pieces(self, model_file: str) -> int:
+        """Load the model; returns its piece count."""
         self.tokenizer = load_processor(model_file)
         size = self.tokenizer.get_piece_size()
         self._inv_vocab = {i: self.tokenizer.id_to_piece(i) for i in range(size)}
         self._vocab = {piece: i for i, piece in self._inv_vocab.items()}
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode_as_ids(text)
-
-    def detokenize(self, ids) -> str:
-        return self.tokenizer.decode_ids([int(i) for i in ids])
+        return size
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +58,20 @@ class GPTSentencePieceTokenizer(MegatronLegacyTokenizer):
     @property
     def inv_vocab(self) -> dict:
         return self._inv_vocab
+
+
+class GPTSentencePieceTokenizer(_PieceVocab):
+    """Megatron-LM's GPTSentencePieceTokenizer: plain sentencepiece ids, eod = ``</s>``."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file, vocab_extra_ids=0)
+        self._read_pieces(model_file)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode_as_ids(text)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode_ids([int(i) for i in ids])
 
     @property
     def bos(self) -> int:
@@ -108,7 +118,7 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
         return bos
 
 
-class SentencePieceTokenizer(MegatronLegacyTokenizer):
+class SentencePieceTokenizer(_PieceVocab):
     """Megatron-LM's SentencePieceTokenizer: the model's pieces, then the special tokens
     ``<CLS> <SEP> <EOD> <MASK>``, the model's pad, bos and eos pieces (``<PAD>``, ``<BOS>``,
     ``<EOS>`` where the model has none) and ``<extra_id_0..n-1>`` (--vocab-extra-ids), each
@@ -117,10 +127,7 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
 
     def __init__(self, model_file: str, vocab_extra_ids: int = 0):
         super().__init__(model_file, vocab_extra_ids=vocab_extra_ids)
-        self.tokenizer = load_processor(model_file)
-        size = self.tokenizer.get_piece_size()
-        self._inv_vocab = {i: self.tokenizer.id_to_piece(i) for i in range(size)}
-        self._vocab = {piece: i for i, piece in self._inv_vocab.items()}
+        size = self._read_pieces(model_file)
         self._special: dict = {}
         for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
             self._add_special(token)
@@ -160,18 +167,6 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
                 text += self._inv_special[token_id] + " "
                 last = i + 1
         return text + self.tokenizer.decode_ids(ids[last:])
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict:
-        return self._inv_vocab
 
     @property
     def cls(self) -> int:
