@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -73,7 +74,17 @@ def _run_rank(request: dict, env: dict) -> None:
         os._exit(code or 0)
 
 
+def _threads() -> int:
+    """Threads of this process, native ones (OpenMP, tokenizer pools) included where Linux
+    lists them."""
+    task = "/proc/self/task"
+    return len(os.listdir(task)) if os.path.isdir(task) else threading.active_count()
+
+
 def _start(request: dict, reply) -> list:
+    threads = _threads()
+    if threads != 1:  # a fork copies only the forking thread: others' locks would stay held
+        raise RuntimeError(f"zygote: {threads - 1} more threads alive at fork time")
     port = _free_port()
     pids = []
     for rank in range(request["nproc"]):
