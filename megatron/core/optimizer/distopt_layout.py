@@ -37,7 +37,15 @@ def param_names(distopt) -> dict:
 
 
 def param_name(distopt, param) -> str:
-    """The checkpoint name of a model param of ``distopt`` (see ``param_names``)."""
+    """The checkpoint name of a model param of ``distopt`` (see ``param_names``).
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose model chunks hold ``param``.
+        param: a model param (not its fp32 main copy).
+
+    Returns:
+        The model-space name, ``chunk{i}.`` prefixed when there are several model chunks.
+    """
     return param_names(distopt)[param]
 
 
@@ -58,7 +66,16 @@ def buckets(distopt):
 
 
 def in_bucket(buffer, bucket, param) -> tuple[int, int]:
-    """(start, end) of ``param`` within its bucket's flat (padded) tensor."""
+    """(start, end) of ``param`` within its bucket's flat (padded) tensor.
+
+    Args:
+        buffer: the DDP ``_ParamAndGradBuffer`` holding ``param``.
+        bucket: the bucket of ``buffer`` that holds ``param``.
+        param: a model param.
+
+    Returns:
+        Element offsets into the bucket's flat tensor, end exclusive.
+    """
     start, end, _ = buffer.param_index_map[param]
     return start - bucket.offset, end - bucket.offset
 

@@ -62,12 +62,28 @@ def is_ours(state_dict) -> bool:
 
 
 def keys_of(distopt, shard: Tensor) -> tuple[str, ...]:
-    """The param-shaped tensors a checkpoint carries for a shard: main param plus state."""
+    """The param-shaped tensors a checkpoint carries for a shard: main param plus state.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
+        shard: one of its 1-D shard main params.
+
+    Returns:
+        ``("param", *declared state keys)``.
+    """
     return ("param", *declared(distopt).state_keys(shard))
 
 
 def tensors_of(distopt, piece: ShardPiece) -> dict[str, Tensor]:
-    """The declared param-shaped state tensors of ``piece``'s shard (created if absent)."""
+    """The declared param-shaped state tensors of ``piece``'s shard (created if absent).
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
+        piece: the shard piece (``distopt_layout.shard_pieces``).
+
+    Returns:
+        {key: tensor}, the shard itself under "param"; the live tensors, not copies.
+    """
     state = declared(distopt).init_state(piece.shard)
     return {
         "param": piece.shard,
@@ -76,7 +92,15 @@ def tensors_of(distopt, piece: ShardPiece) -> dict[str, Tensor]:
 
 
 def scalars_of(distopt, piece: ShardPiece) -> dict[str, float]:
-    """The declared per-param scalar state of ``piece``'s shard, as floats."""
+    """The declared per-param scalar state of ``piece``'s shard, as floats.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
+        piece: the shard piece.
+
+    Returns:
+        {key: value}, e.g. {"step": 3.0} for AdamW params.
+    """
     state = declared(distopt).init_state(piece.shard)
     return {k: float(state[k]) for k in declared(distopt).scalar_state_keys(piece.shard)}
 
@@ -104,7 +128,15 @@ def _comm(distopt):
 
 
 def all_gather_object(distopt, obj) -> list:
-    """``obj`` from every rank of the DP group (gloo group where the DistOpt has one)."""
+    """``obj`` from every rank of the DP group (gloo group where the DistOpt has one).
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose DP group gathers.
+        obj: a picklable object; every DP rank must call this.
+
+    Returns:
+        The objects in DP-rank order.
+    """
     group, _ = _comm(distopt)
     out = [None] * group.size()
     torch.distributed.all_gather_object(out, obj, group=group)
@@ -112,7 +144,15 @@ def all_gather_object(distopt, obj) -> list:
 
 
 def broadcast_object(distopt, obj):
-    """``obj`` of DP rank 0, on every rank of the DP group."""
+    """``obj`` of DP rank 0, on every rank of the DP group.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose DP group broadcasts.
+        obj: a picklable object on DP rank 0 (ignored elsewhere); every DP rank must call this.
+
+    Returns:
+        DP rank 0's ``obj``.
+    """
     group, _ = _comm(distopt)
     box = [obj]
     src = torch.distributed.get_process_group_ranks(group)[0]
@@ -121,7 +161,12 @@ def broadcast_object(distopt, obj):
 
 
 def check_compatible(distopt, meta: dict) -> None:
-    """ValueError on every rank (collectively) if the checkpoint's params or keys differ."""
+    """ValueError on every rank (collectively) if the checkpoint's params or keys differ.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` being loaded into.
+        meta: the checkpoint's {param name: {"keys", "scalars", "shape"}}, the same on every rank.
+    """
     errors = []
     names = param_shapes(distopt)
     if set(meta) != set(names):
@@ -169,6 +214,13 @@ def gather_state(distopt, everywhere: bool = False):
 
     Per bucket and key, ranks send their contiguous piece (zeros where a param lacks the key)
     and the receiver cuts params out of the *padded* bucket, at ``param_index_map`` offsets.
+
+    Args:
+        distopt: the ``DistributedOptimizer``; every DP rank must call this.
+        everywhere: gather on every DP rank (all-gather) instead of DP rank 0 only.
+
+    Returns:
+        The whole state on the receivers; None on the other ranks.
     """
     group, device = _comm(distopt)
     meta = {}
@@ -214,7 +266,12 @@ def _cut(distopt, buffer, bucket, world: Tensor, key: str, meta: dict, out: dict
 
 
 def scatter_state(distopt, state) -> None:
-    """Inverse of ``gather_state``: ``state`` on DP rank 0 (None elsewhere)."""
+    """Inverse of ``gather_state``: ``state`` on DP rank 0 (None elsewhere).
+
+    Args:
+        distopt: the ``DistributedOptimizer`` loaded into; every DP rank must call this.
+        state: what ``get_parameter_state_dp_zero`` wrote, on DP rank 0; ignored elsewhere.
+    """
     group, device = _comm(distopt)
     # DP rank 0 alone reads the file: its verdict travels with the broadcast, so that a file
     # of another format raises on every rank instead of leaving the others in a collective.
@@ -275,12 +332,25 @@ def _scatter(distopt, buffer, bucket, state, key: str, group, device) -> Tensor:
 
 @torch.no_grad()
 def set_piece_key(distopt, piece: ShardPiece, key: str, value: Tensor) -> None:
-    """Copy ``value`` into state ``key`` of ``piece``'s shard."""
+    """Copy ``value`` into state ``key`` of ``piece``'s shard.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
+        piece: the shard piece.
+        key: "param" or a declared state key.
+        value: 1-D, the piece's elements.
+    """
     tensors_of(distopt, piece)[key].copy_(value)
 
 
 def set_scalars(distopt, piece: ShardPiece, scalars: dict) -> None:
-    """Restore the declared scalar state of ``piece``'s shard (each param its own tensor)."""
+    """Restore the declared scalar state of ``piece``'s shard (each param its own tensor).
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
+        piece: the shard piece.
+        scalars: {key: value} as ``scalars_of`` saved them.
+    """
     state = distopt.optimizer.state[piece.shard]
     for key in declared(distopt).scalar_state_keys(piece.shard):
         # one tensor per param: torch-style optimizers increment ``step`` in place
@@ -298,7 +368,15 @@ def _require_ours(state, what: str) -> None:
 
 
 def get_parameter_state_dp_zero(distopt, everywhere: bool = False):
-    """What ``save_parameter_state`` writes (DP rank 0; None elsewhere unless everywhere)."""
+    """What ``save_parameter_state`` writes (DP rank 0; None elsewhere unless everywhere).
+
+    Args:
+        distopt: the ``DistributedOptimizer``; every DP rank must call this.
+        everywhere: build it on every DP rank, not only DP rank 0.
+
+    Returns:
+        {"format", "optimizer", "shapes", "params"} on the receivers; None elsewhere.
+    """
     params = gather_state(distopt, everywhere)
     if params is None:
         return None
@@ -333,7 +411,12 @@ def group_identity(group: dict) -> tuple:
 
 
 def require_marker(distopt, state: dict) -> None:
-    """ValueError unless ``state`` was saved by an optimizer of this one's kind."""
+    """ValueError unless ``state`` was saved by an optimizer of this one's kind.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` being loaded into.
+        state: the loaded common state dict (``state_dict``'s output or upstream's).
+    """
     mark = state.get(MARK)
     ours = type(distopt.optimizer).__name__ if handles(distopt) else None
     if mark is not None and ours is None and mark.get("optimizer") in ("Adam", "AdamW"):
@@ -352,7 +435,12 @@ def require_marker(distopt, state: dict) -> None:
 
 
 def unsupported_format(distopt, name: str):
-    """NotImplementedError naming the format and the ones that are supported."""
+    """NotImplementedError naming the format and the ones that are supported.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` (its inner optimizer is named).
+        name: the requested format, e.g. a sharding_type.
+    """
     raise NotImplementedError(
         f"DistributedOptimizer {name} is not implemented for {type(distopt.optimizer).__name__}; "
         "use sharding_type 'fully_reshardable' or 'dp_reshardable', or the torch format"

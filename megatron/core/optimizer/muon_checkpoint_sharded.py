@@ -112,6 +112,15 @@ def sharded_fully_reshardable(distopt, model_sharded_state_dict, is_loading: boo
 
     Saving gathers whole params on every rank (the model's replica ids pick DP rank 0 as the
     writer); loading requests only the params this rank holds a piece of.
+
+    Args:
+        distopt: the ``DistributedOptimizer``; every DP rank must call this.
+        model_sharded_state_dict: the model's sharded state dict (keys and replica ids).
+        is_loading: build empty tensors to load into instead of the state to save.
+        metadata: upstream's sharded_state_dict metadata; unused, part of its signature.
+
+    Returns:
+        {"tensors": {param name: {key: sharded tensor}}, "meta": the scalars and keys object}.
     """
     model = _model_metadata(distopt, model_sharded_state_dict)
     if is_loading:
@@ -133,7 +142,12 @@ def sharded_fully_reshardable(distopt, model_sharded_state_dict, is_loading: boo
 
 
 def load_fully_reshardable(distopt, param_state) -> None:
-    """Load a ``fully_reshardable`` param state into this rank's shards."""
+    """Load a ``fully_reshardable`` param state into this rank's shards.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` loaded into.
+        param_state: what the matching ``sharded_*`` built, filled by the load.
+    """
     meta = _load_meta(distopt, param_state)
     for p in shard_pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():
@@ -149,6 +163,15 @@ def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, 
 
     The global tensor of a key is the whole flattened param, so full coverage holds without
     padding entries and a different DP size reads other ranges of the same tensors.
+
+    Args:
+        distopt: the ``DistributedOptimizer``; every DP rank must call this.
+        model_sharded_state_dict: the model's sharded state dict (keys and replica ids).
+        is_loading: build empty tensors to load into instead of the state to save.
+        metadata: upstream's sharded_state_dict metadata; unused, part of its signature.
+
+    Returns:
+        {"tensors": {param name: {key: sharded tensor}}, "meta": the scalars and keys object}.
     """
     names = param_shapes(distopt)
     out = {}
@@ -174,7 +197,12 @@ def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, 
 
 
 def load_dp_reshardable(distopt, param_state) -> None:
-    """Load a ``dp_reshardable`` param state into this rank's shards."""
+    """Load a ``dp_reshardable`` param state into this rank's shards.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` loaded into.
+        param_state: what the matching ``sharded_*`` built, filled by the load.
+    """
     meta = _load_meta(distopt, param_state)
     for p in shard_pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():

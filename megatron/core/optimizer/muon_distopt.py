@@ -248,7 +248,14 @@ def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) ->
     receive from the previous one. Every chunk is summed once, on one member, in ring order, and
     copied to the others: all members end with the same bits. Only the members take part (torch
     allows point-to-point within a subset of a group once the group has run a collective: the
-    DP group has, the all-to-all just before)."""
+    DP group has, the all-to-all just before).
+
+    Args:
+        flat: the 1-D fp32 tensor to sum, same size on every member; summed in place.
+        members: the gang's ranks within ``group``, sorted.
+        rank: this process's rank within ``group`` (one of ``members``).
+        group: the DP process group the members belong to.
+    """
     k, p = len(members), members.index(rank)
     nxt, prev = members[(p + 1) % k], members[(p - 1) % k]
     chunks = [flat[a:b] for a, b in cut(flat.numel(), k)]
@@ -306,6 +313,15 @@ def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExch
     None for AdamW params; ``model`` the NS FLOPs of owners and gang members. Every rank builds
     the same plan: bucket layouts are identical across the DP group (and across TP ranks), and
     owners are a pure function of them.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` (its buffers, buckets and param names).
+        tp_info_of: model param -> TP-global ``MuonParamInfo``, or None for AdamW params.
+        model: the Newton-Schulz cost model (whole matrices and gang members).
+        window: Muon elements per exchange; None: one exchange per DP group.
+
+    Returns:
+        This DP rank's ``MuonExchangePlan``.
     """
     buckets, matrices = [], []
     for buffer in distopt.buffers:
@@ -337,7 +353,16 @@ def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExch
 
 
 def shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
-    """{shard main param: ShardInfo} for the Muon params among DistOpt's shards."""
+    """{shard main param: ShardInfo} for the Muon params among DistOpt's shards.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose inner optimizer holds the shards.
+        plan: the exchange plan built from the same ``distopt``.
+        muon_params: the model params Muon steps.
+
+    Returns:
+        {1-D shard main param: its ``ShardInfo`` (global shape, QKV split, matrix, offset)}.
+    """
     index = {slot.name: i for i, slot in enumerate(plan.matrices)}
     out = {}
     for param, (gi, order) in distopt.model_param_group_index_map.items():
@@ -353,13 +378,29 @@ def shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
 
 def shard_location(distopt, shard) -> tuple[MatrixSlot, int]:
     """(the matrix, the shard's first element within the flattened TP-local matrix) of a Muon
-    shard main param of ``distopt``: what e.g. QK-clip needs to find its rows."""
+    shard main param of ``distopt``: what e.g. QK-clip needs to find its rows.
+
+    Args:
+        distopt: a ``DistributedOptimizer`` with Muon attached (``attach``).
+        shard: one of its 1-D Muon shard main params.
+
+    Returns:
+        (matrix slot, element offset).
+    """
     info = distopt.optimizer.param_info[shard]
     return distopt.muon_plan.matrices[info.matrix], info.offset
 
 
 def cost_model(inner, steps: int) -> NSCostModel:
-    """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode."""
+    """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
+
+    Args:
+        inner: Muon's orthogonalizer before ``attach`` wraps it (local or ``TPOrthogonalizer``).
+        steps: Newton-Schulz iterations.
+
+    Returns:
+        The ``NSCostModel`` the planner splits matrices with.
+    """
     if not isinstance(inner, TPOrthogonalizer):
         return NSCostModel(steps, lambda info: ns_cost(info, steps), lambda info: 1)
 
@@ -378,6 +419,12 @@ def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = 
     params by 1-D shard main params. ``muon.param_info`` still maps the *model* params to their
     TP-global infos; afterwards it maps the shards to ``ShardInfo``s, and ``muon.orthogonalizer``
     routes whole matrices to their owners around the tensor-parallel orthogonalizer it had.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` being built.
+        muon: its inner Muon optimizer; modified in place.
+        exchange_dtype: dtype of the forward exchange, in ``EXCHANGE_DTYPES`` ("fp32", "bf16").
+        window: Muon elements per exchange; None: one exchange per DP group.
     """
     specs = muon.ortho_specs()
     if len(specs) > 1:

@@ -68,7 +68,15 @@ class MuonParamInfo:
 
     @classmethod
     def of(cls, param: Tensor, qkv_split: Optional[Sequence[int]] = None) -> "MuonParamInfo":
-        """Info for a parameter that is its whole matrix (no sharding)."""
+        """Info for a parameter that is its whole matrix (no sharding).
+
+        Args:
+            param: a 2-D parameter (rows = outputs, cols = inputs).
+            qkv_split: row counts of one query group's Q/K/V blocks for a fused QKV weight.
+
+        Returns:
+            The ``MuonParamInfo`` of ``param``; ValueError for a param that is not 2-D.
+        """
         if param.ndim != 2:
             raise ValueError(
                 f"Muon only takes 2-D parameters, got shape {tuple(param.shape)}; put it in an "
@@ -90,7 +98,15 @@ class OrthoSpec:
     scale_factor: float
 
     def scale(self, rows: int, cols: int) -> float:
-        """The update scale ``s`` of a (block of) global shape ``rows x cols``."""
+        """The update scale ``s`` of a (block of) global shape ``rows x cols``.
+
+        Args:
+            rows: global row count (outputs) of the matrix or Q/K/V block.
+            cols: global column count (inputs).
+
+        Returns:
+            ``SCALE_FNS[scale_mode](rows, cols) * scale_factor``.
+        """
         return SCALE_FNS[self.scale_mode](rows, cols) * self.scale_factor
 
 
@@ -104,7 +120,19 @@ def muon_momentum_(
     nesterov: bool,
     l2_weight_decay: float = 0.0,
 ) -> list[Tensor]:
-    """Update momentum buffers in place; return the Newton-Schulz inputs U (elementwise)."""
+    """Update momentum buffers in place; return the Newton-Schulz inputs U (elementwise).
+
+    Args:
+        params: the params (or this rank's shards of them), for L2 weight decay and the dtype.
+        grads: their gradients, same shapes.
+        bufs: their momentum buffers, same shapes, any state dtype; updated in place.
+        momentum: the momentum coefficient beta.
+        nesterov: whether U is ``g + beta * buf`` (Nesterov) rather than ``buf``.
+        l2_weight_decay: coefficient of ``p`` added to the gradient (0: off).
+
+    Returns:
+        U per param, in the param's dtype.
+    """
     updates = []
     for p, g, buf in zip(params, grads, bufs):
         if l2_weight_decay:
@@ -144,7 +172,12 @@ TIMER_LOG_LEVEL = 2  # finer than Megatron's level-1 "optimizer-inner-step" they
 
 @contextlib.contextmanager
 def timed(timers: Optional[Callable], name: str):
-    """Time the block with ``timers(name)`` when timers are given; nothing otherwise."""
+    """Time the block with ``timers(name)`` when timers are given; nothing otherwise.
+
+    Args:
+        timers: Megatron's ``timers(name, log_level)`` callable, or None.
+        name: the timer's name, e.g. ``NS_TIMER``.
+    """
     if timers is None:
         yield
         return
@@ -242,7 +275,19 @@ def orthogonalize_sharded(
     ``reassociate``: its cheaper form for shards narrower than their Gram, as DP gangs run).
 
     Q/K/V blocks and the scale as ``orthogonalize``: a QKV shard holds whole query groups
-    (``dim=0``) or all rows of some columns (``dim=1``)."""
+    (``dim=0``) or all rows of some columns (``dim=1``).
+
+    Args:
+        u: this place's shard of the Newton-Schulz input U.
+        info: the whole matrix's global shape and Q/K/V split.
+        spec: the param group's Newton-Schulz settings and scale rule.
+        dim: the dimension U is sharded along (0: rows, 1: columns).
+        reduce: sums a tensor in place over all shards (a collective over their group).
+        reassociate: use the reassociated step where it is cheaper.
+
+    Returns:
+        This shard of ``s * NS_k(U)``, laid out like ``u``.
+    """
 
     def ns_blocks(blocks: list[Tensor]) -> list[Tensor]:
         ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
@@ -269,7 +314,14 @@ def _scale_(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
 def muon_apply_(
     params: list[Tensor], updates: list[Tensor], *, lr: float, weight_decay: float
 ) -> None:
-    """``W = W (1 - lr wd) - lr O`` in place (elementwise; O already carries the scale)."""
+    """``W = W (1 - lr wd) - lr O`` in place (elementwise; O already carries the scale).
+
+    Args:
+        params: the params (or shards) W, updated in place.
+        updates: the orthogonalized, scaled updates O, laid out like ``params``.
+        lr: learning rate.
+        weight_decay: decoupled weight decay coefficient (0: off).
+    """
     for p, o in zip(params, updates):
         if weight_decay:
             p.mul_(1 - lr * weight_decay)
@@ -293,6 +345,18 @@ def adamw_(
     """torch.optim.AdamW's single-tensor update, op for op (bit-exact on CPU), any state dtype.
 
     State narrower than the param is widened for the arithmetic and rounded back once.
+
+    Args:
+        params: the params (or shards), updated in place.
+        grads: their gradients.
+        exp_avgs: first moments, any state dtype; updated in place.
+        exp_avg_sqs: second moments, any state dtype; updated in place.
+        steps: per-param step counts (scalar tensors), incremented in place.
+        lr: learning rate.
+        beta1: first-moment decay.
+        beta2: second-moment decay.
+        eps: added to the bias-corrected sqrt of the second moment.
+        weight_decay: decoupled weight decay coefficient (0: off).
     """
     for p, g, m_state, v_state, step_t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         step_t += 1

@@ -72,6 +72,14 @@ def agree_across(local_ok: bool, groups: dict, device=None) -> bool:
 
     Both groups of size > 1 and different: one all-reduce over all ranks (Megatron steps every
     rank's optimizer together), so that no chain of overlapping groups can disagree.
+
+    Args:
+        local_ok: this rank's verdict.
+        groups: {expert?: TP process group} (``tp_groups``); None or size-1 groups are skipped.
+        device: where the flag tensor lives (the NCCL device on GPU); None: the default.
+
+    Returns:
+        The same verdict on every rank: True only if every rank's ``local_ok`` is.
     """
     active = [g for g in {id(g): g for g in groups.values() if g is not None}.values()]
     active = [g for g in active if torch.distributed.get_world_size(g) > 1]
@@ -86,7 +94,16 @@ def agree_across(local_ok: bool, groups: dict, device=None) -> bool:
 def param_info(
     param: Tensor, tp_size: int, qkv_split: Optional[Sequence[int]]
 ) -> MegatronMuonParamInfo:
-    """Global info of a (possibly TP-sharded) 2-D param: the local shape times TP on its dim."""
+    """Global info of a (possibly TP-sharded) 2-D param: the local shape times TP on its dim.
+
+    Args:
+        param: a 2-D model param, with Megatron's ``partition_dim`` attributes where TP-sharded.
+        tp_size: the size of its TP group (the expert TP group for an expert param).
+        qkv_split: row counts of one query group's Q/K/V blocks, or None.
+
+    Returns:
+        Its ``MegatronMuonParamInfo`` (TP-global shape, partition_dim, expert).
+    """
     if param.ndim != 2:
         raise ValueError(
             f"Muon only takes 2-D parameters, got shape {tuple(param.shape)}; give it to an "
@@ -118,6 +135,14 @@ def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
     TP splits its rows by whole query groups, so the global matrix is the row concatenation of
     the shards in TP-rank order: exact TP modes see the TP=1 layout. (Each Q block spans all
     query groups, hence all TP ranks: splitting does not make the exchange unnecessary.)
+
+    Args:
+        config: the ``OptimizerConfig`` (``muon_split_qkv``).
+        model_chunks: the model chunks (one per virtual pipeline stage).
+        pg_collection: the process groups, or None for ``parallel_state``'s.
+
+    Returns:
+        {model param: its ``MegatronMuonParamInfo``}.
     """
     groups = tp_groups(pg_collection)
     sizes = {k: torch.distributed.get_world_size(g) if g else 1 for k, g in groups.items()}
@@ -196,7 +221,18 @@ def muon_kwargs(config) -> dict:
 
 
 def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=None):
-    """(inner optimizer, init_state_fn) for upstream's wrappers; called by the patched factory."""
+    """(inner optimizer, init_state_fn) for upstream's wrappers; called by the patched factory.
+
+    Args:
+        config: the ``OptimizerConfig`` (Muon and Adam settings).
+        model_chunks: the model chunks whose params the groups hold.
+        param_groups: Megatron's param groups (``_get_param_groups``), split here into Muon and
+            AdamW halves.
+        pg_collection: the process groups, or None for ``parallel_state``'s.
+
+    Returns:
+        (``MegatronMuon``, ``init_muon_state``).
+    """
     infos = muon_param_infos(config, model_chunks, pg_collection)
     optimizer = MegatronMuon(
         split_param_groups(param_groups),
@@ -211,7 +247,12 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
 
 
 def init_muon_state(optimizer, config=None) -> None:
-    """Megatron's ``init_state_fn``: create every param's state (checkpoint loading needs it)."""
+    """Megatron's ``init_state_fn``: create every param's state (checkpoint loading needs it).
+
+    Args:
+        optimizer: the inner ``MegatronMuon``.
+        config: the ``OptimizerConfig``; unused, part of upstream's signature.
+    """
     for group in optimizer.param_groups:
         for param in group["params"]:
             optimizer.init_state(param)

@@ -56,6 +56,7 @@ class MatrixSlot:
         return self.units[0].owner if len(self.units) == 1 else -1
 
     def unit_of(self, rank: int) -> Optional[Unit]:
+        """The unit DP rank ``rank`` orthogonalizes of this matrix; None if it owns none."""
         return next((u for u in self.units if u.owner == rank), None)
 
 
@@ -99,13 +100,23 @@ class Exchange:
     gangs: list[int] = field(default_factory=list)  # split matrices, in the order all run them
 
     def sends(self, rank: int) -> list[Piece]:
+        """The pieces DP rank ``rank`` holds (sends to their owners, self-copies included)."""
         return [p for p in self.pieces if p.holder == rank]
 
     def receives(self, rank: int) -> list[Piece]:
+        """The pieces DP rank ``rank`` owns (receives from their holders, its own included)."""
         return [p for p in self.pieces if p.owner == rank]
 
     def split_sizes(self, rank: int, world: int) -> tuple[list[int], list[int]]:
-        """Forward (send, receive) elements per peer; the return exchange swaps them."""
+        """Forward (send, receive) elements per peer; the return exchange swaps them.
+
+        Args:
+            rank: this rank's index in the exchange's DP group.
+            world: the DP group's size.
+
+        Returns:
+            (send, receive): ``world`` element counts each, as ``all_to_all`` split sizes.
+        """
         send, recv = [0] * world, [0] * world
         for p in self.pieces:
             if p.holder == rank:
@@ -120,6 +131,13 @@ def ns_cost(info: MuonParamInfo, steps: int) -> float:
 
     Per step ``X X^T`` (2 s^2 l), ``A A`` (2 s^3) and ``B X`` (2 s^2 l), s = min(m, n),
     l = max(m, n); elementwise work is left out.
+
+    Args:
+        info: the matrix's global shape and QKV split.
+        steps: Newton-Schulz iterations.
+
+    Returns:
+        Matmul FLOPs of all steps.
     """
     return float(sum(steps * (4 * min(b) ** 2 * max(b) + 2 * min(b) ** 3) for b in _blocks(info)))
 
@@ -137,6 +155,15 @@ def tp_ns_cost(info: MuonParamInfo, steps: int, mode: str, tp: int) -> float:
 
     duplicated: the whole matrix on every TP rank; blockwise: the TP-local slice; distributed:
     the own row (column) shard with the n x n (m x m) Gram matrix, ``4 r n^2 + 2 n^3`` per step.
+
+    Args:
+        info: the matrix's TP-global info (``partition_dim`` where TP-sharded).
+        steps: Newton-Schulz iterations.
+        mode: the TP mode, "duplicated", "blockwise" or "distributed".
+        tp: the tensor-parallel size.
+
+    Returns:
+        Matmul FLOPs of all steps on one TP rank.
     """
     dim = getattr(info, "partition_dim", None)
     if tp == 1 or dim is None or mode == "duplicated":
@@ -153,7 +180,16 @@ def tp_ns_cost(info: MuonParamInfo, steps: int, mode: str, tp: int) -> float:
 
 
 def piece(slot: MatrixSlot, rank: int, shard_size: int) -> tuple[int, int]:
-    """The part of ``slot`` (bucket-relative range) that DP rank ``rank`` holds; may be empty."""
+    """The part of ``slot`` (bucket-relative range) that DP rank ``rank`` holds; may be empty.
+
+    Args:
+        slot: the matrix.
+        rank: a DP rank of the bucket's group.
+        shard_size: elements of the bucket each DP rank holds.
+
+    Returns:
+        (lo, hi) bucket-relative, end exclusive; ``hi <= lo`` when empty.
+    """
     return max(slot.start, rank * shard_size), min(slot.end, (rank + 1) * shard_size)
 
 
@@ -163,7 +199,16 @@ def _holders(slot: MatrixSlot, shard_size: int) -> range:
 
 def group_exchanges(buckets: list[BucketSlot], matrices, window: Optional[int]) -> list[Exchange]:
     """Buckets -> exchanges: one per DP group, or (``window``) consecutive buckets of a group
-    holding at least ``window`` Muon elements each (``window=1``: one per bucket)."""
+    holding at least ``window`` Muon elements each (``window=1``: one per bucket).
+
+    Args:
+        buckets: every DP-sharded bucket, in buffer order.
+        matrices: the Muon ``MatrixSlot``s the buckets' ``matrices`` index.
+        window: Muon elements per exchange, or None for one exchange per DP group.
+
+    Returns:
+        The exchanges (pieces and gangs not yet filled), in bucket order.
+    """
     by_group: dict[int, list[int]] = {}
     for b, bucket in enumerate(buckets):
         if bucket.matrices:
@@ -242,7 +287,16 @@ class MuonExchangePlan:
 
     def rebuilt(self, window=None, model: Optional[NSCostModel] = None, targets=TARGETS):
         """The same layout planned again: another window, ``model=None`` (no splits) or other
-        split targets (``muon_split.TARGETS``)."""
+        split targets (``muon_split.TARGETS``).
+
+        Args:
+            window: Muon elements per exchange (see ``group_exchanges``); None: one per group.
+            model: the Newton-Schulz cost model; None: no splits.
+            targets: per-rank FLOP targets to try, as fractions of the mean load.
+
+        Returns:
+            A new plan; this one is left unchanged.
+        """
         matrices = [dataclasses.replace(m, units=[]) for m in self.matrices]
         args = (self.rank, self.world, window, model, targets)
         return MuonExchangePlan(self.buckets, matrices, *args)
@@ -257,6 +311,7 @@ class MuonExchangePlan:
         return flops
 
     def ns_flops_per_rank(self) -> list[float]:
+        """NS FLOPs each DP rank executes per step, summed over the exchanges."""
         per_ex = [self.ns_flops(ex) for ex in self.exchanges]
         return [sum(f[r] for f in per_ex) for r in range(self.world)]
 
@@ -341,14 +396,31 @@ class MuonExchangePlan:
         return out
 
     def moved(self, ex: Exchange, rank: Optional[int] = None) -> int:
-        """Elements ``rank`` sends plus receives in one direction of ``ex``."""
+        """Elements ``rank`` sends plus receives in one direction of ``ex``.
+
+        Args:
+            ex: one of this plan's exchanges.
+            rank: a DP rank; None: this plan's rank.
+
+        Returns:
+            Elements, self-copies excluded.
+        """
         rank = self.rank if rank is None else rank
         sent, received = self.traffic(ex)
         return sent[rank] + received[rank]
 
     def bytes_per_step(self, forward_itemsize: int, return_itemsize: int, rank=None) -> int:
         """Bytes ``rank`` sends plus receives per step in the all-to-alls, both directions,
-        self-copies excluded (gang sums: ``sum_bytes_per_step``)."""
+        self-copies excluded (gang sums: ``sum_bytes_per_step``).
+
+        Args:
+            forward_itemsize: bytes per element of the forward exchange (update dtype).
+            return_itemsize: bytes per element of the return exchange (result dtype).
+            rank: a DP rank; None: this plan's rank.
+
+        Returns:
+            Bytes per optimizer step.
+        """
         moved = sum(self.moved(ex, rank) for ex in self.exchanges)
         return moved * (forward_itemsize + return_itemsize)
 
@@ -360,7 +432,17 @@ class MuonExchangePlan:
     def transient_bytes(self, forward_itemsize, return_itemsize, working_set, rank=None) -> int:
         """Upper bound of the exchange's transient memory on ``rank`` (module docstring):
         the largest phase of one exchange, plus ``working_set(slot, unit)`` of its largest
-        owned unit (bytes NS holds while orthogonalizing it)."""
+        owned unit (bytes NS holds while orthogonalizing it).
+
+        Args:
+            forward_itemsize: bytes per element of the forward exchange.
+            return_itemsize: bytes per element of the return exchange.
+            working_set: ``(slot, unit) -> bytes``, e.g. ``working_set_bytes`` bound to dtypes.
+            rank: a DP rank; None: this plan's rank.
+
+        Returns:
+            Bytes, an upper bound over the step's exchanges.
+        """
         rank = self.rank if rank is None else rank
         f, r = forward_itemsize, return_itemsize
         worst = 0
@@ -385,7 +467,18 @@ def working_set_bytes(
     """Bytes live while one owned matrix (or gang block, ``unit``) is orthogonalized: the
     assembled block, its TP-global gather and result (update dtype), NS's input copy and two X
     buffers (a gang block also an fp32 copy for its norm), Gram and polynomial (a gang sums the
-    Gram in fp32), plus the QKV path's block copies. An upper bound; measured in the tests."""
+    Gram in fp32), plus the QKV path's block copies. An upper bound; measured in the tests.
+
+    Args:
+        slot: the matrix.
+        update_itemsize: bytes per element of the update (exchange) dtype.
+        ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
+        tp: the tensor-parallel size (> 1: the block is TP-gathered first).
+        unit: the gang block owned, or None for the whole matrix.
+
+    Returns:
+        Bytes.
+    """
     gang = unit is not None and bool(unit.gang)
     local = math.prod(unit.block.shape) if gang else math.prod(slot.local_shape)
     whole = math.prod(slot.info.shape) * local // math.prod(slot.local_shape)  # TP-gathered

@@ -53,7 +53,15 @@ class Block:
         return (self.r1 - self.r0, self.c1 - self.c0)
 
     def count_before(self, x: int, cols: int) -> int:
-        """Elements of the block at flat positions < ``x`` of the matrix."""
+        """Elements of the block at flat positions < ``x`` of the matrix.
+
+        Args:
+            x: a flat (row-major) element position in the TP-local matrix.
+            cols: the matrix's column count.
+
+        Returns:
+            How many of the block's elements lie before ``x``.
+        """
         row, col = divmod(x, cols)
         full = min(max(row, self.r0), self.r1) - self.r0
         partial = min(max(col, self.c0), self.c1) - self.c0 if self.r0 <= row < self.r1 else 0
@@ -61,13 +69,32 @@ class Block:
 
     def range_of(self, lo: int, hi: int, cols: int) -> tuple[int, int]:
         """The block's elements among flat positions ``[lo, hi)``, as a range of the block's own
-        row-major order: contiguous, since a flat range cuts the block's rows only at its ends."""
+        row-major order: contiguous, since a flat range cuts the block's rows only at its ends.
+
+        Args:
+            lo: first flat position of the range (e.g. a DistOpt shard's start).
+            hi: end of the range, exclusive.
+            cols: the matrix's column count.
+
+        Returns:
+            (start, end) in the block's own row-major element order.
+        """
         return self.count_before(lo, cols), self.count_before(hi, cols)
 
 
 def block_views(flat: Tensor, start: int, cols: int, block: Block) -> list[Tensor]:
     """Views of ``flat`` (flat positions ``[start, start + len)`` of a matrix with ``cols``
-    columns) covering the block's elements there, in the block's row-major order."""
+    columns) covering the block's elements there, in the block's row-major order.
+
+    Args:
+        flat: a 1-D piece of the matrix (e.g. this rank's DistOpt shard of it).
+        start: the flat position of ``flat[0]`` in the matrix.
+        cols: the matrix's column count.
+        block: the block whose elements are wanted.
+
+    Returns:
+        Views (no copies) of ``flat``; empty where the piece holds none of the block.
+    """
     end = start + flat.numel()
     if (block.c0, block.c1) == (0, cols):  # whole rows: one contiguous slice
         lo, hi = max(start, block.r0 * cols), min(end, block.r1 * cols)
@@ -120,6 +147,7 @@ class NSCostModel:
     mode: str = "duplicated"
 
     def axis(self, info) -> Optional[int]:
+        """The axis a matrix splits along over DP (0: rows, 1: columns), None where it cannot."""
         if self.tp_of(info) > 1 and self.mode != "duplicated":
             return None
         if info.qkv_split is not None:
@@ -128,11 +156,28 @@ class NSCostModel:
         return 0 if rows >= cols else 1
 
     def lines(self, info, local: int, axis: int) -> int:
-        """Lines (rows or columns) of the TP-gathered block, from the TP-local block's."""
+        """Lines (rows or columns) of the TP-gathered block, from the TP-local block's.
+
+        Args:
+            info: the matrix's TP-global ``MuonParamInfo`` (with ``partition_dim``).
+            local: lines of the TP-local block.
+            axis: the split axis (0: rows, 1: columns).
+
+        Returns:
+            ``local`` times the TP size where TP shards along ``axis``, else ``local``.
+        """
         return local * (self.tp_of(info) if info.partition_dim == axis else 1)
 
     def grams(self, info, axis: int) -> list[int]:
-        """Gram side of each block NS runs on, in ``muon_functional.orthogonalize``'s order."""
+        """Gram side of each block NS runs on, in ``muon_functional.orthogonalize``'s order.
+
+        Args:
+            info: the matrix's TP-global ``MuonParamInfo``.
+            axis: the split axis (0: rows, 1: columns).
+
+        Returns:
+            One Gram side (elements) per Newton-Schulz block.
+        """
         if axis == 0:
             return [info.shape[1]]
         split = info.qkv_split or (info.shape[0],)
@@ -142,7 +187,16 @@ class NSCostModel:
         ]
 
     def member(self, info, axis: int, lines: int) -> float:
-        """Matmul FLOPs of a member with ``lines`` lines: nondecreasing in ``lines``."""
+        """Matmul FLOPs of a member with ``lines`` lines: nondecreasing in ``lines``.
+
+        Args:
+            info: the matrix's TP-global ``MuonParamInfo``.
+            axis: the split axis (0: rows, 1: columns).
+            lines: the member's lines of the TP-gathered block.
+
+        Returns:
+            Matmul FLOPs over all ``steps``.
+        """
         per_step = (2.0 * g * g * lines + sum(_after_sum(g, lines)) for g in self.grams(info, axis))
         return self.steps * sum(per_step)
 
@@ -158,7 +212,17 @@ def _after_sum(g: int, lines: int) -> tuple[float, ...]:
 def member_events(model: NSCostModel, info, axis: int, lines: int) -> list:
     """What a gang member runs, in order: matmul FLOPs (floats) and gang reductions (ints: the
     elements summed); ``orthogonalize_sharded`` per NS block: norm, then per step Gram, sum,
-    and the update (``_after_sum``)."""
+    and the update (``_after_sum``).
+
+    Args:
+        model: the cost model (its ``steps`` and Gram sides).
+        info: the matrix's TP-global ``MuonParamInfo``.
+        axis: the split axis (0: rows, 1: columns).
+        lines: the member's lines of the TP-gathered block.
+
+    Returns:
+        The member's events in execution order: floats are FLOPs, ints reduced elements.
+    """
     out: list = []
     for g in model.grams(info, axis):
         out.append(1)  # the squared norm
@@ -170,7 +234,17 @@ def member_events(model: NSCostModel, info, axis: int, lines: int) -> list:
 def split_count(model: NSCostModel, w: "Work", target: float, world: int) -> tuple[int, int]:
     """(members, axis) for matrix ``w``: 1 at or under ``target``, else the fewest members whose
     busiest (``ceil(lines / k)`` lines) works <= target, at most ``world`` and one line each
-    (that many where none fits). A binary search: member work is nondecreasing in lines."""
+    (that many where none fits). A binary search: member work is nondecreasing in lines.
+
+    Args:
+        model: the Newton-Schulz cost model.
+        w: the matrix.
+        target: the most FLOPs one rank should spend on it.
+        world: the DP ranks available (the most members a gang can have).
+
+    Returns:
+        (members, axis); axis is None when the matrix stays whole.
+    """
     axis = model.axis(w.info) if w.cost > target and world > 1 else None
     if axis is None:
         return 1, None
@@ -186,7 +260,15 @@ def split_count(model: NSCostModel, w: "Work", target: float, world: int) -> tup
 
 
 def cut(n: int, k: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in ``k`` near-equal consecutive ranges."""
+    """``[0, n)`` in ``k`` near-equal consecutive ranges.
+
+    Args:
+        n: the length to cut.
+        k: the number of ranges, >= 1.
+
+    Returns:
+        ``k`` (start, end) pairs, end exclusive, covering ``[0, n)``.
+    """
     return [(j * n // k, (j + 1) * n // k) for j in range(k)]
 
 
@@ -198,7 +280,16 @@ def critical_path(
     """When the last collective of a schedule ends. ``traces[r]``: rank r's collectives in order,
     each ``(flops before it, members, elements)``; a collective starts when its last member
     arrives (after ``work(flops)``) and lasts ``sync(members, elements)``. The k-th collective
-    of a member set on one rank is the k-th on every member (they run one order)."""
+    of a member set on one rank is the k-th on every member (they run one order).
+
+    Args:
+        traces: per rank, its collectives as (flops before it, members tuple, elements).
+        work: seconds (or any time unit) that a count of FLOPs takes.
+        sync: time a collective over ``members`` of ``elements`` elements takes.
+
+    Returns:
+        The time the last rank finishes its last collective.
+    """
     clock, at = [0.0] * len(traces), [0] * len(traces)
     seen: list[dict] = [{} for _ in traces]
     arrived: dict[tuple, dict[int, float]] = {}
@@ -232,7 +323,17 @@ class Work:
 
 def assign_units(works: list[Work], world: int, model: Optional[NSCostModel], targets=TARGETS):
     """Units of each matrix and the gang order (matrix indices) of the best choice; no model:
-    no splits."""
+    no splits.
+
+    Args:
+        works: the Muon matrices of one exchange, as the planner sees them.
+        world: the DP group's size (ranks that can own units).
+        model: the Newton-Schulz cost model, or None for whole matrices only.
+        targets: per-rank FLOP targets to try, as fractions of the mean load.
+
+    Returns:
+        (units, gangs): per matrix its ``Unit`` list, and the split matrices' indices in order.
+    """
     targets = targets if model is not None else (math.inf,)
     total = sum(w.cost for w in works)
     best = None

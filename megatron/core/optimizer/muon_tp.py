@@ -98,13 +98,23 @@ def _local_qkv(info, u: Tensor):
 
 
 def all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
-    """The TP shards of ``x`` concatenated along ``dim`` in rank order."""
+    """The TP shards of ``x`` concatenated along ``dim`` in rank order.
+
+    Args:
+        x: this rank's shard; every rank of ``group`` holds one of the same shape.
+        dim: the dimension the matrix is sharded along (its TP partition_dim).
+        group: the tensor-parallel process group the shards are spread over.
+
+    Returns:
+        The whole matrix, on every rank of ``group``.
+    """
     shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, x.contiguous(), group=group)
     return torch.cat(shards, dim=dim)
 
 
 def ortho_spec_of(matrix_fn) -> OrthoSpec:
+    """The ``OrthoSpec`` a ``functools.partial(orthogonalize_matrices, spec=...)`` carries."""
     # Muon hands us functools.partial(orthogonalize_matrices, spec=...): the distributed mode
     # runs its own iteration, so it needs the group's settings rather than the local function.
     ok = isinstance(matrix_fn, functools.partial) and matrix_fn.func is orthogonalize_matrices
@@ -117,6 +127,15 @@ def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor
 
     The math (``muon_functional.orthogonalize_sharded``) gets a sum over ``group``, never the
     group. A fused QKV weight is split by rows.
+
+    Args:
+        u: this TP rank's shard of the Newton-Schulz input U.
+        info: the whole matrix's ``MegatronMuonParamInfo`` (global shape, partition_dim, QKV split).
+        spec: the param group's Newton-Schulz settings and scale rule.
+        group: the tensor-parallel process group holding the other shards.
+
+    Returns:
+        This rank's shard of ``s * NS(U)``, laid out like ``u``.
     """
     dim = info.partition_dim
     assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"

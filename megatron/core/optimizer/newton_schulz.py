@@ -223,6 +223,19 @@ def sharded_newton_schulz(
     ``g`` (``reassociates``), the step is applied as ``X_j <- a X_j + G (b X_j + c G X_j)`` (rows:
     ``X_i <- a X_i + (b X_i + c X_i G) G``): two ``g x g`` by ``g x l`` products instead of
     forming ``G^2`` (``2 g^3``), so a shard's work falls with its size; same sum, no extra one.
+
+    Args:
+        x: this place's shard of the 2-D matrix X, in any float dtype (the result keeps it).
+        dim: the dimension X is sharded along: 0 for row shards, 1 for column shards.
+        reduce: sums a tensor in place over all shards (e.g. an all-reduce over the TP group).
+        steps: iterations k >= 1.
+        coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
+        precision: a name in ``PRECISIONS``: the dtype of the matmuls.
+        eps: added to the Frobenius norm before dividing by it.
+        reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
+
+    Returns:
+        This shard of ``NS_k(X)``, same shape and dtype as ``x``.
     """
     dtype = compute_dtype(precision)
     buf = x.to(dtype, copy=True)
@@ -246,7 +259,15 @@ def sharded_newton_schulz(
 
 def reassociates(gram_side: int, lines: int) -> bool:
     """Whether a shard of ``lines`` lines with a ``gram_side`` Gram is cheaper reassociated:
-    ``6 g^2 l`` matmul FLOPs per step against ``4 g^2 l + 2 g^3`` (``sharded_newton_schulz``)."""
+    ``6 g^2 l`` matmul FLOPs per step against ``4 g^2 l + 2 g^3`` (``sharded_newton_schulz``).
+
+    Args:
+        gram_side: g, the side of the reduced Gram matrix (the unsharded dimension's size).
+        lines: l, the shard's size along its sharded dimension.
+
+    Returns:
+        True where the reassociated step does fewer FLOPs.
+    """
     return lines < gram_side
 
 

@@ -43,7 +43,17 @@ from megatron.core import parallel_state
 def head_scales(max_logits: torch.Tensor, num_groups: int, threshold: float, alpha: float):
     """(query scale per head [np], key scale per key head [ng]) from the per-head maxima [np]
     (heads ordered group by group, as Megatron lays them out). A non-finite max (an fp16
-    overflow, whose step the loss scaler skips) leaves its head alone rather than zeroing it."""
+    overflow, whose step the loss scaler skips) leaves its head alone rather than zeroing it.
+
+    Args:
+        max_logits: [np] max pre-softmax attention logit per query head (this TP rank's).
+        num_groups: ng, the query groups among those heads (GQA; ng == np for MHA).
+        threshold: tau: heads whose max exceeds it are clipped to it.
+        alpha: the share of the clip put on the query side (the key side gets ``1 - alpha``).
+
+    Returns:
+        (query scale [np], key scale [ng]), each 1 where nothing is clipped.
+    """
     clip = (max_logits > threshold) & torch.isfinite(max_logits)
     eta = torch.where(clip, threshold / max_logits, torch.ones_like(max_logits))
     group_eta = eta.view(num_groups, -1).amin(dim=1)
@@ -51,7 +61,16 @@ def head_scales(max_logits: torch.Tensor, num_groups: int, threshold: float, alp
 
 
 def qkv_row_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """One scale per output row of Megatron's fused QKV: per group [q heads, k, v] x head_dim."""
+    """One scale per output row of Megatron's fused QKV: per group [q heads, k, v] x head_dim.
+
+    Args:
+        q_scale: [np] per query head (``head_scales``).
+        k_scale: [ng] per key head.
+        head_dim: rows per head (kv_channels).
+
+    Returns:
+        [ng * (np / ng + 2) * head_dim] row scales; the V rows get 1.
+    """
     groups = k_scale.numel()
     q = q_scale.view(groups, -1).repeat_interleave(head_dim, dim=1)
     k = k_scale.view(groups, 1).expand(groups, head_dim)
@@ -62,7 +81,14 @@ def qkv_row_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) 
 def scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, row_len: int, start: int) -> None:
     """Scale in place the elements ``flat`` holds of a row-major matrix (``row_len`` elements per
     row) flattened, ``flat`` starting at element ``start``: each by its row's scale. Three slices
-    (the end of a cut first row, whole rows, the start of a cut last row), no index tensor."""
+    (the end of a cut first row, whole rows, the start of a cut last row), no index tensor.
+
+    Args:
+        flat: 1-D piece of the flattened matrix (the whole param, or a DistOpt shard of it).
+        row_scale: one scale per row of the whole (TP-local) matrix.
+        row_len: elements per row.
+        start: the flat position of ``flat[0]`` in the matrix.
+    """
     row_scale = row_scale.to(flat.device)
     row, offset, n = start // row_len, start % row_len, flat.numel()
     lead = min(n, (row_len - offset) % row_len)
@@ -89,6 +115,14 @@ def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float
     ``model`` is the list of model chunks; ``optimizer`` (Megatron's, chained or not) is needed
     with the DistributedOptimizer to place the 16-bit params' fp32 main shards. Collective over
     the whole world: call it on every rank.
+
+    Args:
+        model: the list of model chunks.
+        log_max_only: only measure (and return) the max, clip nothing.
+        optimizer: Megatron's optimizer; needed with the DistributedOptimizer.
+
+    Returns:
+        The model-wide max attention logit, or None when both settings are off.
     """
     config = get_model_config(model[0])
     if not (config.qk_clip or config.log_max_attention_logit):
@@ -173,7 +207,15 @@ def _scale_param(param, rows: torch.Tensor, optimizer) -> None:
 
 def shard_start(optimizer, param) -> int:
     """Where this rank's DistributedOptimizer main shard of ``param`` starts in the flattened
-    param (the DistOpt's own per-param range, ``param_range_map['param']``)."""
+    param (the DistOpt's own per-param range, ``param_range_map['param']``).
+
+    Args:
+        optimizer: Megatron's optimizer, chained or not, holding a DistributedOptimizer.
+        param: a model param whose main param is a DistOpt shard.
+
+    Returns:
+        The element offset of this rank's shard in the flattened param.
+    """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if param in getattr(opt, "model_param_gbuf_map", {}):
             return opt._get_model_param_range_map(param)["param"].start

@@ -15,7 +15,14 @@ from megatron.core.transformer.utils import get_sliding_window_causal_mask
 
 
 def record_max_attention_logit(core_attention, scores: torch.Tensor, attention_mask) -> None:
-    """Fold this micro-batch's per-head max of ``scores`` [b, np, sq, sk] into the running max."""
+    """Fold this micro-batch's per-head max of ``scores`` [b, np, sq, sk] into the running max.
+
+    Args:
+        core_attention: the ``DotProductAttention`` module; its ``current_max_attn_logits``
+            ([np] fp32, this TP rank's heads) holds the running max.
+        scores: pre-softmax attention scores [b, np, sq, sk], before the softmax's scaling.
+        attention_mask: the mask passed to the softmax, or None.
+    """
     config = core_attention.config
     if not (config.qk_clip or config.log_max_attention_logit) or not core_attention.training:
         return

@@ -17,11 +17,13 @@ class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
     """LayerNorm whose ``weight`` is gamma: the scale applied is ``1 + weight``."""
 
     def reset_parameters(self) -> None:
+        """Initialize gamma to 0 (scale 1), so the module equals plain LayerNorm at init."""
         super().reset_parameters()
         if self.elementwise_affine:
             torch.nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm of ``x`` over ``normalized_shape`` with scale ``1 + weight``."""
         return torch.nn.functional.layer_norm(
             x, self.normalized_shape, self.weight + 1, self.bias, self.eps
         )
@@ -31,11 +33,13 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
     """RMSNorm whose ``weight`` is gamma: the scale applied is ``1 + weight``."""
 
     def reset_parameters(self) -> None:
+        """Initialize gamma to 0 (scale 1), so the module equals plain RMSNorm at init."""
         super().reset_parameters()
         if self.elementwise_affine:
             torch.nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of ``x`` over ``normalized_shape`` with scale ``1 + weight``."""
         return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
@@ -44,7 +48,16 @@ ZERO_CENTERED_NORMS = {"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenter
 
 def zero_centered_norm(normalization: str, hidden_size: int, eps: float) -> torch.nn.Module:
     """The zero-centered module for ``config.normalization``; ValueError for one without a
-    learned scale to center (L2Norm)."""
+    learned scale to center (L2Norm).
+
+    Args:
+        normalization: ``TransformerConfig.normalization``, "LayerNorm" or "RMSNorm".
+        hidden_size: size of the normalized (last) dimension.
+        eps: added to the variance for numerical stability.
+
+    Returns:
+        A ``ZeroCenteredLayerNorm`` or ``ZeroCenteredRMSNorm``.
+    """
     if normalization not in ZERO_CENTERED_NORMS:
         raise ValueError(
             f"layernorm_zero_centered_gamma needs normalization LayerNorm or RMSNorm, "
