@@ -272,6 +272,11 @@ def _check_sampler_args(total, consumed, micro_batch_size, dp_rank, dp_size) -> 
         raise ValueError(f"total_samples must be > 0, got {total} (is the split empty?)")
     if not 0 <= consumed < total:
         raise ValueError(f"consumed_samples must be in [0, {total}), got {consumed}")
+    check_batch_layout(micro_batch_size, dp_rank, dp_size)
+
+
+def check_batch_layout(micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    """The micro-batch size and data-parallel coordinates every sampler needs."""
     if micro_batch_size <= 0:
         raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
     if dp_size <= 0 or not 0 <= dp_rank < dp_size:

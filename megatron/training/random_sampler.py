@@ -18,6 +18,8 @@ its last whole global batch on every rank. With sharding the two agree.
 
 import torch
 
+from .datasets import check_batch_layout
+
 
 class MegatronPretrainingRandomSampler:
     """Yields this rank's micro-batches of sample indices from ``consumed_samples`` on."""
@@ -37,16 +39,9 @@ class MegatronPretrainingRandomSampler:
                 f"--dataloader-type cyclic needs at least one global micro-batch of samples "
                 f"({global_batch}), the dataset has {total_samples}"
             )
-        if consumed_samples < 0 or micro_batch_size < 1:
-            raise ValueError(
-                f"need consumed_samples >= 0 ({consumed_samples}) and micro_batch_size >= 1 "
-                f"({micro_batch_size})"
-            )
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(
-                f"need 0 <= data_parallel_rank ({data_parallel_rank}) < data_parallel_size "
-                f"({data_parallel_size})"
-            )
+        if consumed_samples < 0:  # past the dataset is fine: the next epochs
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        check_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
