@@ -207,6 +207,17 @@ class MatmulFlops(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def count_optimizer_step(optimizer, counter: MatmulFlops) -> None:
+    """Count the matmuls of ``optimizer.step`` only (not forward/backward) from now on."""
+    step = optimizer.step
+
+    def counted_step():
+        with counter:
+            return step()
+
+    optimizer.step = counted_step
+
+
 def _counted_step(window):
     """One real DP step: matmul FLOPs this rank runs between consecutive Muon collectives."""
     model = build_model(
@@ -225,13 +236,7 @@ def _counted_step(window):
         return exchange(*args, **kwargs)
 
     ortho._all_to_all = marked
-    step = optimizer.step
-
-    def counted_step():
-        with counter:
-            return step()
-
-    optimizer.step = counted_step
+    count_optimizer_step(optimizer, counter)
     train_step(COUNT_SPEC, model, optimizer, global_batches(COUNT_SPEC, 1)[0])
     plan = distopt.muon_plan
     return {

@@ -26,6 +26,7 @@ from test_muon_distopt import (
     TOL,
     LiveBytes,
     MatmulFlops,
+    count_optimizer_step,
     distopts,
     reference,
     run_layout,
@@ -108,13 +109,7 @@ def _counted_split_step():
         return out
 
     ortho._run = profiled
-    step = optimizer.step
-
-    def counted_step():
-        with counter:
-            return step()
-
-    optimizer.step = counted_step
+    count_optimizer_step(optimizer, counter)
     train_step(spec, model, optimizer, global_batches(spec, 1)[0])
     return {
         "trace": trace,
