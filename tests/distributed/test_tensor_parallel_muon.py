@@ -62,3 +62,37 @@ def test_blockwise_is_not_the_exact_result():
     (ref,) = run_distributed(_run, 1, args=("duplicated",))
     got = run_distributed(_run, 2, tp=2, args=("blockwise",))[0]
     assert max((a - b).abs().max().item() for a, b in zip(got, ref)) > 100 * TOL
+
+
+def _counted(broken_gather: bool = False) -> float:
+    """Matmul FLOPs of one ``distributed``-mode step on this rank (``broken_gather``: the
+    negative control below, the other rank's polynomial rows never arrive)."""
+    from test_muon_distopt import MatmulFlops
+
+    from megatron.core.optimizer import muon_tp
+
+    if broken_gather:
+        muon_tp.gather_rows = lambda poly, p, k, group: None
+    counter = MatmulFlops()
+    with counter:
+        result = _run("distributed")
+    return counter.flops / STEPS, result
+
+
+def test_distributed_mode_splits_the_polynomial_and_runs_the_counted_flops():
+    """Each TP rank computes half of every polynomial ``p(G)`` (``muon_tp.gather_rows``): the
+    matmul FLOPs a rank runs per step are ``tp_ns_cost``'s (``4 r n^2 + 2 n^2 ceil(n / tp)``),
+    below the ``2 n^3`` of the whole polynomial; without the gather the result is wrong."""
+    from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
+    from megatron.core.optimizer.muon_plan import tp_ns_cost
+
+    infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in MATRICES]
+    # 64 x 32 row shards: 32 lines, Gram 32^2; 32 x 48 column shards: 24 lines, Gram 32^2;
+    # each rank computes 16 of the 32 polynomial rows; 5 Newton-Schulz steps.
+    want = 5 * (4 * 32 * 32**2 + 2 * 32**2 * 16) + 5 * (4 * 24 * 32**2 + 2 * 32**2 * 16)
+    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want
+    for flops, _ in run_distributed(_counted, 2, tp=2):
+        assert flops == want
+    (ref,) = run_distributed(_run, 1, args=("distributed",))
+    got = run_distributed(_counted, 2, tp=2, args=(True,))[0][1]
+    assert not any(torch.allclose(a, b, rtol=0, atol=100 * TOL) for a, b in zip(got, ref))

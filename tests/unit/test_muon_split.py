@@ -4,6 +4,7 @@ path, and plans at projection scale that cover every element once and never leng
     .venv/bin/python -m pytest tests/unit/test_muon_split.py -q
 """
 
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.core.optimizer import muon_split
 from megatron.core.optimizer.muon_split import Block, block_views, critical_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -103,3 +105,51 @@ def test_gangs_shorten_the_critical_path_and_the_plan_is_deterministic(plan_1b_d
         p.key + (p.lo, p.hi) for p in plan.exchanges[0].pieces
     ]
     assert plan.sync_points() > plan.rebuilt(model=None).sync_points() == len(plan.exchanges)
+
+
+@pytest.fixture(scope="module")
+def flops_only_1b_dp256(plan_1b_dp256):
+    """The plan a planner blind to the link chooses (``link_flops_per_byte=0``)."""
+    free = dataclasses.replace(plan_1b_dp256.model, link_flops_per_byte=0.0)
+    return plan_1b_dp256.rebuilt(model=free)
+
+
+def test_flops_only_plan_balances_with_disjoint_split_gangs(flops_only_1b_dp256):
+    """By FLOPs alone, disjoint gangs (``bundle_units``) whose members split the polynomial
+    (``NSCostModel.splits``) keep the busiest rank within 10% of total / dp; no rank is in two
+    gangs."""
+    plan = flops_only_1b_dp256
+    assert plan.efficiency() >= 0.9
+    sets = {u.members for m in plan.matrices for u in m.units if u.gang}
+    ranks = [r for s in sets for r in s]
+    assert sets and len(ranks) == len(set(ranks))
+    assert any(u.splits for m in plan.matrices for u in m.units)
+
+
+def test_the_chosen_plan_is_the_fastest_at_the_planning_link(plan_1b_dp256, flops_only_1b_dp256):
+    """At the link the planner assumes (``LINK_FLOPS_PER_BYTE``: 396 TFLOP/s, 50 GB/s), the
+    plan it chose takes no longer (NS, gang collectives and exchange, as the projection times
+    them) than the FLOPs-only plan, which in turn has the shorter FLOP critical path."""
+    rate, link = 0.4 * 990e12, 50e9
+    assert muon_split.LINK_FLOPS_PER_BYTE == rate / link
+
+    def seconds(plan):
+        return projection.ns_seconds(plan, rate, link) + projection.exchange_seconds(
+            plan, 4, 4, link
+        )
+
+    chosen, flops_only = plan_1b_dp256, flops_only_1b_dp256
+    assert seconds(chosen) <= seconds(flops_only) * (1 + 1e-9)
+    assert flops_only.critical_path_flops() <= chosen.critical_path_flops()
+
+
+def test_a_gang_splits_its_polynomial_where_it_saves_time():
+    """Tall fc1 of 8B (28672 x 4096) over 8 members: splitting saves FLOPs, so with a free link
+    it splits; with a slow link the gather of the 4096^2 polynomial costs more than it saves."""
+    cfg = projection.MODELS["8B"]
+    info = next(i for n, _, i in projection.model_params(*cfg) if n.endswith("fc1.weight"))
+    model = projection.cost_model(1, "duplicated")
+    free = dataclasses.replace(model, link_flops_per_byte=0.0)
+    slow = dataclasses.replace(model, link_flops_per_byte=1e6)
+    assert free.splits(info, 0, info.shape[0], 8) and not slow.splits(info, 0, info.shape[0], 8)
+    assert free.busiest(info, 0, info.shape[0], 8) < slow.busiest(info, 0, info.shape[0], 8)

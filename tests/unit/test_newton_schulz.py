@@ -1,5 +1,6 @@
 """Newton-Schulz: against a float64 polynomial reference, singular-value bands, API contracts."""
 
+import functools
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from megatron.core.optimizer.newton_schulz import (
     newton_schulz,
     reassociates,
     sharded_newton_schulz,
+    splits_polynomial,
 )
 
 SHAPES = [(64, 96), (96, 64), (80, 80), (4, 48, 32), (2, 3, 24, 40)]  # wide, tall, square, batched
@@ -140,11 +142,14 @@ def test_vector_input_raises():
         newton_schulz(torch.ones(8))
 
 
-def _sharded(x, dim, cuts, reassociate):
+def _sharded(x, dim, cuts, reassociate, split=False, drop_gather=False):
     """``sharded_newton_schulz`` on the shards of ``x`` (cut along ``dim`` at ``cuts``), one
-    thread per shard, ``reduce`` a sum over the threads: a gang without processes."""
+    thread per shard, ``reduce`` a sum over the threads: a gang without processes. ``split``:
+    each shard computes its rows of the polynomial, ``gather`` copies the others' rows in
+    (``drop_gather``: the negative control, the other rows stay unset)."""
     shards = list(torch.tensor_split(x, cuts, dim=dim))
-    barrier, parts = threading.Barrier(len(shards)), {}
+    k = len(shards)
+    barrier, parts, rows = threading.Barrier(k), {}, {}
 
     def reduce(t):
         parts[threading.get_ident()] = t.clone()
@@ -153,11 +158,22 @@ def _sharded(x, dim, cuts, reassociate):
         barrier.wait()
         t.copy_(total)
 
-    out = [None] * len(shards)
+    def gather(i, poly):
+        g = poly.shape[0]
+        rows[i] = poly
+        barrier.wait()
+        for j, other in rows.items():
+            lo, hi = j * g // k, (j + 1) * g // k
+            if j != i and not drop_gather:
+                poly[lo:hi] = other[lo:hi]
+        barrier.wait()
+
+    out = [None] * k
 
     def run(i):
+        part = (i, k, functools.partial(gather, i)) if split else None
         out[i] = sharded_newton_schulz(
-            shards[i], dim, reduce, 5, "quintic", "fp32", 1e-7, reassociate
+            shards[i], dim, reduce, 5, "quintic", "fp32", 1e-7, reassociate, part=part
         )
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shards))]
@@ -178,3 +194,17 @@ def test_sharded_forms_match_float64_reference(shape, dim, cuts, reassociate):
     x = _randn(shape)
     got = _sharded(x, dim, cuts, reassociate)
     torch.testing.assert_close(got.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, dim, cuts", [((40, 96), 1, [10, 60]), ((96, 40), 0, [30, 60])])
+def test_split_polynomial_matches_float64_reference(shape, dim, cuts):
+    """Each of 3 shards computes rows ``cut(40, 3)[p]`` of ``p(G)`` and gathers the others'
+    (a 40 x 40 Gram, 96 lines: ``splits_polynomial``); same tolerance as above. Negative
+    control: without the gather the result is far off."""
+    assert splits_polynomial(40, 96, 3, True) and not splits_polynomial(40, 40, 3, True)
+    assert splits_polynomial(40, 40, 3, False) and not splits_polynomial(40, 96, 1, False)
+    x = _randn(shape)
+    got = _sharded(x, dim, cuts, False, split=True)
+    torch.testing.assert_close(got.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-5)
+    broken = _sharded(x, dim, cuts, False, split=True, drop_gather=True)
+    assert not torch.allclose(broken.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-2)

@@ -12,15 +12,17 @@ ranks, and a rank may hold none of it. Newton-Schulz needs whole matrices. Per s
 3. per *exchange* (all Muon buckets of one DP group; dense and expert params have different DP
    groups) one ``all_to_all`` sends every piece of every matrix (block) to its owner;
 4. each rank runs its gang blocks (in the plan's gang order; the squared norm and one Gram matrix
-   per iteration summed over the gang, ``_gang_sum``), then its whole matrices one after the
+   per iteration summed over the gang, ``_gang_sum``, and where the gang splits its polynomial
+   the members' rows of it gathered, ``_gang_gather``), then its whole matrices one after the
    other, all through the tensor-parallel orthogonalizer (which makes them TP-global in exact TP
    modes: owners agree across TP ranks because bucket layouts do); one ``all_to_all`` returns
    each rank exactly its pieces;
 5. each rank applies weight decay and the scaled update to its shards (in ``Muon``).
 
-Schedule. The exchanges are the only DP-wide synchronizations and gang sums the only others, so
-the Newton-Schulz time on the critical path is ``plan.critical_path_flops()``: with one exchange
-per DP group every rank works through all it owns whatever the DDP bucket size, and gangs keep
+Schedule. The exchanges are the only DP-wide synchronizations and gang collectives the only
+others, so the Newton-Schulz time on the critical path is ``plan.critical_path_flops()``: with
+one exchange per DP group every rank works through all it owns whatever the DDP bucket size,
+and gangs keep
 the busiest rank near total / dp where one matrix alone would exceed it (``plan.efficiency()`` =
 ideal / critical path, ideal = total / dp). ``plan.with_window(1)`` is the former schedule (one
 owner per matrix, bucket by bucket), kept to show the difference.
@@ -44,9 +46,10 @@ elements + the largest owned unit's working set; tests measure the peak against 
 Bytes. Only owners receive matrices (blocks): per step a rank moves (sends + receives, each
 direction) its own shard plus what it owns, ~``4 M/dp`` elements in all, against ``2 M`` for an
 all-gather plus reduce-scatter; gangs add ``steps`` fp32 Gram sums of ``g x g`` (``g`` the short
-side) per block (``plan.sum_bytes_per_step``). Nothing here does arithmetic on the matrices;
-``Muon`` hands the math in as ``matrix_fn``; the only collectives are in ``_all_to_all`` and
-``_gang_sum`` (point to point inside the DP group: a gang needs no process group).
+side) per block, and as many gathers of the polynomial (NS dtype) where they split it
+(``plan.sum_bytes_per_step``). Nothing here does arithmetic on the matrices; ``Muon`` hands the
+math in as ``matrix_fn``; the only collectives are in ``_all_to_all``, ``_gang_sum`` and
+``_gang_gather`` (point to point inside the DP group: a gang needs no process group).
 
 Per-shard metadata (e.g. for QK-clip): ``muon.param_info[shard]`` is a ``ShardInfo``: ``matrix``
 indexes ``distopt.muon_plan.matrices`` (a ``MatrixSlot``: name, TP-local shape, TP-global info)
@@ -207,9 +210,14 @@ class DistributedMuonOrthogonalizer:
         rank's block of a gang, the Gram matrices summed over the gang (``_gang_sum``)."""
         if not unit.gang:
             return self.inner([block], [slot.info], matrix_fn)[0]
-        reduce = functools.partial(self._gang_sum, ex, unit.members)
+        members = unit.members
+        reduce = functools.partial(self._gang_sum, ex, members)
+        part = None
+        if unit.splits:  # the gang splits its polynomials by rows (``NSCostModel.splits``)
+            gather = functools.partial(self._gang_gather, ex, members)
+            part = (members.index(self.plan.rank), len(members), gather)
         gang_fn = functools.partial(
-            _gang_blocks, spec=ortho_spec_of(matrix_fn), axis=unit.axis, reduce=reduce
+            _gang_blocks, spec=ortho_spec_of(matrix_fn), axis=unit.axis, reduce=reduce, part=part
         )
         if isinstance(self.inner, TPOrthogonalizer):  # gathers the block over TP first
             return self.inner([block], [slot.info], gang_fn)[0]
@@ -222,6 +230,14 @@ class DistributedMuonOrthogonalizer:
         ring_all_reduce(t.view(-1), members, self.plan.rank, ex.group)
         k = len(members)
         self.sum_bytes += 2 * 2 * (k - 1) / k * t.numel() * t.element_size()
+
+    def _gang_gather(self, ex: Exchange, members: tuple[int, ...], poly: Tensor) -> None:
+        """A gang's other collective: the rows of a split polynomial (``newton_schulz.
+        splits_polynomial``) that the other members computed, gathered in place by a ring."""
+        rows = [(a * poly.shape[1], b * poly.shape[1]) for a, b in cut(poly.shape[0], len(members))]
+        ring_all_gather(poly.view(-1), rows, members, self.plan.rank, ex.group)
+        k = len(members)
+        self.sum_bytes += 2 * (k - 1) / k * poly.numel() * poly.element_size()
 
     def _all_to_all(self, ex: Exchange, chunks: list, dtype, device, forward: bool) -> Tensor:
         """The DP-wide collective: forward split sizes, or swapped for the return exchange."""
@@ -264,8 +280,30 @@ def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) ->
         send, recv = chunks[(p - s) % k], chunks[(p - s - 1) % k]
         _exchange(send, scratch[: recv.numel()], nxt, prev, group)
         recv.add_(scratch[: recv.numel()])
-    for s in range(k - 1):  # all-gather of the summed chunks
-        _exchange(chunks[(p + 1 - s) % k], chunks[(p - s) % k], nxt, prev, group)
+    _ring_gather(chunks, (p + 1) % k, nxt, prev, group)
+
+
+def ring_all_gather(flat: Tensor, bounds, members: tuple[int, ...], rank: int, group) -> None:
+    """Fill ``flat`` in place: the ``p``-th member holds ``flat[bounds[p][0]:bounds[p][1]]`` and
+    receives every other member's range, passed along a ring (k - 1 steps).
+
+    Args:
+        flat: the 1-D tensor, same size on every member; this member's range is filled.
+        bounds: ``k`` (start, end) ranges of ``flat``, one per member in ``members`` order.
+        members: the gang's ranks within ``group``, sorted.
+        rank: this process's rank within ``group`` (one of ``members``).
+        group: the DP process group the members belong to.
+    """
+    k, p = len(members), members.index(rank)
+    chunks = [flat[a:b] for a, b in bounds]
+    _ring_gather(chunks, p, members[(p + 1) % k], members[(p - 1) % k], group)
+
+
+def _ring_gather(chunks: list[Tensor], own: int, nxt: int, prev: int, group) -> None:
+    """k - 1 ring steps after which every member holds every chunk; it starts with ``own``."""
+    k = len(chunks)
+    for s in range(k - 1):
+        _exchange(chunks[(own - s) % k], chunks[(own - s - 1) % k], nxt, prev, group)
 
 
 def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
@@ -280,11 +318,12 @@ def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
         work.wait()
 
 
-def _gang_blocks(updates, infos, spec, axis: int, reduce) -> list[Tensor]:
-    """``matrix_fn`` of a gang member: its blocks' share of ``s * NS`` (pure math, a sum in),
-    reassociated where the block is narrower than its Gram (``muon_split.NSCostModel.member``)."""
+def _gang_blocks(updates, infos, spec, axis: int, reduce, part) -> list[Tensor]:
+    """``matrix_fn`` of a gang member: its blocks' share of ``s * NS`` (pure math, a sum and a
+    gather in): the polynomial split by rows where the Gram is the short side, else reassociated
+    where the block is narrower than its Gram (``muon_split.NSCostModel.member``)."""
     return [
-        orthogonalize_sharded(u, info, spec, axis, reduce, reassociate=True)
+        orthogonalize_sharded(u, info, spec, axis, reduce, reassociate=True, part=part)
         for u, info in zip(updates, infos)
     ]
 
@@ -391,25 +430,29 @@ def shard_location(distopt, shard) -> tuple[MatrixSlot, int]:
     return distopt.muon_plan.matrices[info.matrix], info.offset
 
 
-def cost_model(inner, steps: int) -> NSCostModel:
+def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8):
     """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
 
     Args:
         inner: Muon's orthogonalizer before ``attach`` wraps it (local or ``TPOrthogonalizer``).
         steps: Newton-Schulz iterations.
+        ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
+        exchange_itemsizes: bytes per element of the forward plus the return exchange.
 
     Returns:
         The ``NSCostModel`` the planner splits matrices with.
     """
+    sizes = dict(ns_itemsize=ns_itemsize, exchange_itemsizes=exchange_itemsizes)
     if not isinstance(inner, TPOrthogonalizer):
-        return NSCostModel(steps, lambda info: ns_cost(info, steps), lambda info: 1)
+        whole = lambda info: ns_cost(info, steps)  # noqa: E731
+        return NSCostModel(steps, whole, lambda info: 1, **sizes)
 
     def tp_of(info) -> int:
         group = inner._group(info)
         return group.size() if group is not None else 1
 
     whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info))  # noqa: E731
-    return NSCostModel(steps, whole, tp_of, inner.mode)
+    return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
 
 
 def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = None) -> None:
@@ -435,7 +478,10 @@ def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = 
     steps = specs[0].steps if specs else 0
     ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
     muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
-    plan = build_plan(distopt, muon.param_info.get, cost_model(muon.orthogonalizer, steps), window)
+    back = _itemsize(DTYPES.get(exchange_dtype, torch.float32))  # unknown: refused below
+    sizes = (_itemsize(ns_dtype), min(back, _itemsize(ns_dtype)) + back)
+    model = cost_model(muon.orthogonalizer, steps, *sizes)
+    plan = build_plan(distopt, muon.param_info.get, model, window)
     muon.param_info = shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
     muon.orthogonalizer = DistributedMuonOrthogonalizer(

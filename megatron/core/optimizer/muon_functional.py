@@ -24,7 +24,13 @@ import torch
 from torch import Tensor
 
 from .muon_config import SCALE_MODES
-from .newton_schulz import CoefficientSet, Triple, newton_schulz, sharded_newton_schulz
+from .newton_schulz import (
+    CoefficientSet,
+    Triple,
+    newton_schulz,
+    sharded_newton_schulz,
+    splits_polynomial,
+)
 
 # Update scale s = SCALE_FNS[mode](m, n) * factor, m x n the (block's) global shape; the names
 # (and the matched-AdamW-RMS alias, resolve_scale) live in muon_config.
@@ -269,6 +275,7 @@ def orthogonalize_sharded(
     dim: int,
     reduce: Callable[[Tensor], object],
     reassociate: bool = False,
+    part: Optional[tuple[int, int, Callable[[Tensor], object]]] = None,
 ) -> Tensor:
     """``s * NS_k(U)`` of this shard (along ``dim``) of a matrix sharded over several places;
     ``reduce(t)`` sums ``t`` in place over the shards (``newton_schulz.sharded_newton_schulz``;
@@ -284,6 +291,9 @@ def orthogonalize_sharded(
         dim: the dimension U is sharded along (0: rows, 1: columns).
         reduce: sums a tensor in place over all shards (a collective over their group).
         reassociate: use the reassociated step where it is cheaper.
+        part: ``(p, k, gather)``: this shard is the ``p``-th of ``k``; blocks split their
+            polynomial by rows where that saves FLOPs (``newton_schulz.splits_polynomial``),
+            ``gather`` assembling it (an all-gather).
 
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.
@@ -291,7 +301,17 @@ def orthogonalize_sharded(
 
     def ns_blocks(blocks: list[Tensor]) -> list[Tensor]:
         ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
-        return [sharded_newton_schulz(b, dim, reduce, *ns) for b in blocks]
+        return [sharded_newton_schulz(b, dim, reduce, *ns, part=_part(b)) for b in blocks]
+
+    def _part(block: Tensor):
+        # The matrix's (Q/K/V block's) global lines along ``dim``: row shards of QKV hold
+        # equal numbers of query groups, so the block's rows scale as the shard's.
+        lines = info.shape[dim]
+        if info.qkv_split is not None and dim == 0:
+            lines = block.shape[0] * info.shape[0] // u.shape[0]
+        g, k = block.shape[1 - dim], part[1] if part is not None else 1
+        split = part is not None and splits_polynomial(g, lines, k, reassociate)
+        return part if split else None
 
     return orthogonalize(u, info, spec, ns_blocks)
 

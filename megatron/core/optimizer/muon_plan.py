@@ -12,12 +12,14 @@ that order (grouped by destination, as ``all_to_all_single`` needs) and an owner
 pieces in that order (grouped by source), so both sides of every link agree by construction.
 
 Counted figures. ``plan.trace(rank)`` lists, per collective the rank takes part in, the matmul
-FLOPs it runs before it: per exchange the forward all-to-all, the sums of its gangs (in the
-plan's gang order), then its whole matrices and the return all-to-all.
+FLOPs it runs before it: per exchange the forward all-to-all, the sums and gathers of its gangs
+(in the plan's gang order; a gather's size is a ``muon_split.Gather``), then its whole matrices
+and the return all-to-all.
 ``critical_path_flops()`` runs those traces (``muon_split.critical_path``: a collective ends when
 its last member arrives); without gangs it is the sum over exchanges of the busiest rank.
-``sync_points()`` counts exchanges plus gang sums; ``traffic``/``sum_traffic`` the elements moved
-by the all-to-alls and by the gang sums; ``transient_bytes`` bounds the exchange's memory.
+``sync_points()`` counts exchanges plus gang collectives; ``traffic`` the elements moved by the
+all-to-alls, ``sum_traffic`` the bytes of the gang collectives; ``transient_bytes`` bounds the
+exchange's memory.
 """
 
 import dataclasses
@@ -27,6 +29,7 @@ from typing import Optional
 
 from .muon_functional import MuonParamInfo
 from .muon_split import (
+    BUNDLES,
     TARGETS,
     NSCostModel,
     Unit,
@@ -35,6 +38,7 @@ from .muon_split import (
     critical_path,
     member_events,
 )
+from .newton_schulz import splits_polynomial
 
 
 @dataclass
@@ -154,7 +158,9 @@ def tp_ns_cost(info: MuonParamInfo, steps: int, mode: str, tp: int) -> float:
     """NS FLOPs each TP rank of the owner executes, per TP mode (``muon_tp.py``).
 
     duplicated: the whole matrix on every TP rank; blockwise: the TP-local slice; distributed:
-    the own row (column) shard with the n x n (m x m) Gram matrix, ``4 r n^2 + 2 n^3`` per step.
+    the own row (column) shard with the n x n (m x m) Gram matrix and ``ceil(n / tp)`` rows of
+    its polynomial (``newton_schulz.splits_polynomial``), ``4 r n^2 + 2 n^2 ceil(n / tp)`` per
+    step.
 
     Args:
         info: the matrix's TP-global info (``partition_dim`` where TP-sharded).
@@ -175,7 +181,9 @@ def tp_ns_cost(info: MuonParamInfo, steps: int, mode: str, tp: int) -> float:
     total = 0.0
     for rows, cols in _blocks(info):
         split, whole = (rows // tp, cols) if dim == 0 else (cols // tp, rows)
-        total += steps * (4 * split * whole**2 + 2 * whole**3)
+        # The polynomial split over TP (``muon_tp``): the busiest rank's ceil(g / tp) rows.
+        poly = -(-whole // tp) if splits_polynomial(whole, split * tp, tp, False) else whole
+        total += steps * (4 * split * whole**2 + 2 * whole**2 * poly)
     return total
 
 
@@ -248,13 +256,14 @@ class MuonExchangePlan:
         window: Optional[int] = None,
         model: Optional[NSCostModel] = None,
         targets: tuple[float, ...] = TARGETS,
+        bundles: tuple[int, ...] = BUNDLES,
     ):
         self.buckets, self.matrices, self.rank, self.world = buckets, matrices, rank, world
         self.model, self.targets = model, targets
         self.exchanges = group_exchanges(buckets, matrices, window)
         for ex in self.exchanges:
             works = [self._work(matrices[i]) for i in ex.matrices]
-            units, gangs = assign_units(works, world, model, targets)
+            units, gangs = assign_units(works, world, model, targets, bundles)
             for i, matrix_units in zip(ex.matrices, units):
                 matrices[i].units = matrix_units
             ex.gangs = [ex.matrices[j] for j in gangs]
@@ -285,20 +294,23 @@ class MuonExchangePlan:
         are kept, so ``ShardInfo``s stay valid."""
         return self.rebuilt(window, None)
 
-    def rebuilt(self, window=None, model: Optional[NSCostModel] = None, targets=TARGETS):
-        """The same layout planned again: another window, ``model=None`` (no splits) or other
-        split targets (``muon_split.TARGETS``).
+    def rebuilt(
+        self, window=None, model: Optional[NSCostModel] = None, targets=TARGETS, bundles=BUNDLES
+    ):
+        """The same layout planned again: another window, ``model=None`` (no splits), another
+        model (e.g. another link cost) or other candidates (``muon_split.assign_units``).
 
         Args:
             window: Muon elements per exchange (see ``group_exchanges``); None: one per group.
             model: the Newton-Schulz cost model; None: no splits.
             targets: per-rank FLOP targets to try, as fractions of the mean load.
+            bundles: the most matrices a disjoint gang may hold, one candidate each.
 
         Returns:
             A new plan; this one is left unchanged.
         """
         matrices = [dataclasses.replace(m, units=[]) for m in self.matrices]
-        args = (self.rank, self.world, window, model, targets)
+        args = (self.rank, self.world, window, model, targets, bundles)
         return MuonExchangePlan(self.buckets, matrices, *args)
 
     # ---------------------------------------------------------------- counted figures
@@ -327,9 +339,8 @@ class MuonExchangePlan:
                 unit = self.matrices[i].unit_of(rank)
                 if unit is None:
                     continue
-                for event in member_events(
-                    self.model, self.matrices[i].info, unit.axis, unit.lines
-                ):
+                info = self.matrices[i].info
+                for event in member_events(self.model, info, unit.axis, unit.lines, unit.part):
                     if isinstance(event, float):
                         flops += event
                     else:
@@ -364,16 +375,18 @@ class MuonExchangePlan:
         return total / self.world / self.critical_path_flops() if self.matrices else 1.0
 
     def gang_sums(self, ex: Exchange) -> list[tuple[tuple[int, ...], int]]:
-        """(members, elements) of every sum the gangs of ``ex`` run."""
+        """(members, elements) of every collective the gangs of ``ex`` run: sums, and gathers
+        of split polynomials (``muon_split.Gather``)."""
         out = []
         for i in ex.gangs:
             unit = self.matrices[i].units[0]
-            events = member_events(self.model, self.matrices[i].info, unit.axis, unit.lines)
+            info = self.matrices[i].info
+            events = member_events(self.model, info, unit.axis, unit.lines, unit.part)
             out += [(unit.members, e) for e in events if not isinstance(e, float)]
         return out
 
     def sync_points(self) -> int:
-        """Exchanges (DP-wide) plus gang sums (within a gang) per step."""
+        """Exchanges (DP-wide) plus gang collectives (within a gang) per step."""
         return len(self.exchanges) + sum(len(self.gang_sums(ex)) for ex in self.exchanges)
 
     def traffic(self, ex: Exchange) -> tuple[list[int], list[int]]:
@@ -387,12 +400,12 @@ class MuonExchangePlan:
         return sent, received
 
     def sum_traffic(self, ex: Exchange) -> list[float]:
-        """fp32 elements each rank sends (and as many receives) in the gang sums of ``ex``, as a
-        ring all-reduce moves them: ``2 (k - 1) / k`` of the summed tensor per member."""
+        """Bytes each rank sends (and as many receives) in the gang collectives of ``ex``, as a
+        ring moves them (``NSCostModel.link_bytes``)."""
         out = [0.0] * self.world
         for members, n in self.gang_sums(ex):
             for m in members:
-                out[m] += 2 * (len(members) - 1) / len(members) * n
+                out[m] += self.model.link_bytes(members, n)
         return out
 
     def moved(self, ex: Exchange, rank: Optional[int] = None) -> int:
@@ -425,9 +438,9 @@ class MuonExchangePlan:
         return moved * (forward_itemsize + return_itemsize)
 
     def sum_bytes_per_step(self, rank=None) -> float:
-        """Bytes ``rank`` sends plus receives per step in its gang sums (fp32, ring model)."""
+        """Bytes ``rank`` sends plus receives per step in its gang collectives (ring model)."""
         rank = self.rank if rank is None else rank
-        return 2 * 4 * sum(self.sum_traffic(ex)[rank] for ex in self.exchanges)
+        return 2 * sum(self.sum_traffic(ex)[rank] for ex in self.exchanges)
 
     def transient_bytes(self, forward_itemsize, return_itemsize, working_set, rank=None) -> int:
         """Upper bound of the exchange's transient memory on ``rank`` (module docstring):

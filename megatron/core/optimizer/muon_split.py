@@ -1,29 +1,46 @@
 """Splitting one matrix's Newton-Schulz over a group of DP ranks: the plan side, pure arithmetic.
 
 Past DP ~ the number of Muon matrices, one owner per matrix leaves most ranks idle while the
-busiest orthogonalizes a whole fused fc1. A matrix whose NS work exceeds a *target* per rank is
+busiest orthogonalizes a whole fused fc1. A matrix whose NS work exceeds a rank's share is
 therefore cut into ``k`` blocks along its long side (rows of a tall matrix, columns of a wide one
 and of a fused QKV weight, whose Q/K/V blocks are wide or square), one block per member of a
 *gang* of ``k`` DP ranks. Each member iterates on its block; only the squared norm and one Gram
 matrix per step, ``g x g`` with ``g`` the short side, are summed over the gang
 (``muon_functional.orthogonalize_sharded``, the math the ``distributed`` TP mode runs over TP).
-A member of a block of ``r`` lines executes ``steps * (4 g^2 r + 2 g^3)`` matmul FLOPs in the
-Gram form, whose ``2 g^3`` polynomial is not divided; where ``r < g`` it runs the reassociated
-form instead (``newton_schulz.reassociates``: ``steps * 6 g^2 r``, no ``g^3`` term), so a
-member's work falls with its block down to one line.
+After the sum a member of ``r`` lines runs one of three forms (``_after_sum``):
+
+* split polynomial (``Unit.splits``): it computes ``ceil(g / k)`` rows of ``p(G) = b G + c G^2``
+  and the gang all-gathers them: ``steps * (4 g^2 r + 2 g^2 g / k)`` FLOPs, its exact share of
+  the whole matrix's, at one gather of ``g^2`` (NS dtype) more per step; chosen per gang where
+  it saves time (``NSCostModel.splits``: FLOPs saved against the gather's link time), which on
+  FLOPs alone is wherever ``g`` is shorter than the long side (``splits_polynomial``);
+* reassociated, where ``r < g``: ``a X + G (b X + c G X)``, ``steps * 6 g^2 r``;
+* else the whole polynomial: ``steps * (4 g^2 r + 2 g^3)``.
+
+Two kinds of placement are candidates, per exchange, deterministic (same inputs -> same plan on
+every rank):
+
+* stacked gangs (``_assign``): for a few targets (multiples of total / dp) each matrix above the
+  target gets the smallest ``k`` whose busiest member's work is <= the target; gangs are placed
+  largest first on the least-loaded ranks (a rank may be in several, one after the other), then
+  whole matrices by longest-processing-time greedy;
+* disjoint gangs (``bundle_units``): the matrices in decreasing cost are cut into runs, each run
+  either whole on one rank or (at most ``n`` matrices) on a gang of its own ranks, every member an
+  equal block of each matrix of the run; the smallest per-rank bound (FLOPs plus link time) that
+  fits ``dp`` ranks is found by bisection and dynamic programming. No rank waits for a gang it is
+  not in, so the busiest rank stays near total / dp.
+
+Ties go to ranks that already hold most of a matrix (fewer bytes moved). The candidate with the
+shortest critical path wins (``span``: ``critical_path`` of the schedule below with every gang
+collective at the model's link cost, plus the all-to-all's busiest rank), "no splits" included.
+The link cost is a planning assumption (``LINK_FLOPS_PER_BYTE``, H100-class); it only chooses
+among exact plans, and a free link (0) gives the plan shortest in FLOPs.
 
 Schedule on every rank, between the two all-to-alls of an exchange: first its gangs, in the
 plan's gang order (the same total order on every rank, so no two gangs wait on each other in a
 circle), then its whole matrices back to back. ``critical_path`` runs that schedule: a
 collective ends when its last participant arrives; the step's NS critical path is when the
 return all-to-all can start.
-
-Choice, per exchange, deterministic (same inputs -> same plan on every rank): for a few targets
-(multiples of total / dp) each matrix above the target gets the smallest ``k`` whose busiest
-member's work is <= the target (``split_count``); gangs are placed largest first on the least-loaded
-ranks, then whole matrices by longest-processing-time greedy; ties go to the rank that already
-holds most of the matrix (fewer bytes moved). The choice with the shortest critical path wins,
-"no splits" included, so splitting never lengthens it.
 """
 
 import math
@@ -33,10 +50,15 @@ from typing import Optional
 
 from torch import Tensor
 
-from .newton_schulz import reassociates
+from .newton_schulz import reassociates, splits_polynomial
 
 # Targets tried, in multiples of total / dp (math.inf: no split).
 TARGETS = (1.0, 1.25, 1.5, 2.0, 3.0, math.inf)
+# Disjoint gangs tried: at most this many matrices share one gang's members (``bundle_units``).
+BUNDLES = (1, 2, 3)
+# Planning default: matmul FLOPs per byte through a gang member's link, H100-class: 40% of
+# 990 TFLOP/s bf16 over 400 Gb/s (50 GB/s) per direction. It only chooses among exact plans.
+LINK_FLOPS_PER_BYTE = 0.4 * 990e12 / 50e9
 
 
 @dataclass(frozen=True)
@@ -125,11 +147,17 @@ class Unit:
     gang: tuple[int, ...] = ()  # the members, in block order (empty for a whole matrix)
     axis: Optional[int] = None  # None: whole; 0: row blocks; 1: column blocks
     lines: int = 0  # rows (columns) of the member's TP-gathered block
+    splits: bool = False  # the gang splits its polynomials by rows (``NSCostModel.splits``)
 
     @property
     def members(self) -> tuple[int, ...]:
         """The gang as a sorted tuple: who takes part in its sums."""
         return tuple(sorted(self.gang))
+
+    @property
+    def part(self) -> tuple[int, int, bool]:
+        """(place among the sorted members, gang size, whether polynomials split by rows)."""
+        return (self.members.index(self.owner), len(self.gang), self.splits)
 
 
 @dataclass(frozen=True)
@@ -145,6 +173,40 @@ class NSCostModel:
     whole: Callable[[object], float]
     tp_of: Callable[[object], int]
     mode: str = "duplicated"
+    # Planning only: what a byte through a gang member's link costs, in matmul FLOPs (rate /
+    # bandwidth), and the NS dtype's width (a split polynomial is gathered in it).
+    link_flops_per_byte: float = LINK_FLOPS_PER_BYTE
+    ns_itemsize: int = 4
+    exchange_itemsizes: int = 8  # forward + return bytes per element of the exchange
+
+    def link_bytes(self, members: tuple, elements: int) -> float:
+        """Bytes a member sends (and as many receives) in one gang collective, as a ring moves
+        them: a sum (fp32) ``2 (k - 1) / k`` of the tensor, a gather (``Gather``, NS dtype)
+        ``(k - 1) / k``.
+
+        Args:
+            members: the gang's ranks.
+            elements: the collective's elements (a ``Gather`` for a gather).
+
+        Returns:
+            Bytes each way per member.
+        """
+        k = len(members)
+        if isinstance(elements, Gather):
+            return (k - 1) / k * elements * self.ns_itemsize
+        return 2 * (k - 1) / k * elements * 4
+
+    def sync_flops(self, members: tuple, elements: int) -> float:
+        """A gang collective's link time in matmul-FLOP units (``critical_path``'s ``sync``).
+
+        Args:
+            members: the gang's ranks.
+            elements: the collective's elements (a ``Gather`` for a gather; 0: an exchange).
+
+        Returns:
+            ``link_bytes`` times ``link_flops_per_byte``; 0 for the exchange marker.
+        """
+        return self.link_bytes(members, elements) * self.link_flops_per_byte if elements else 0.0
 
     def axis(self, info) -> Optional[int]:
         """The axis a matrix splits along over DP (0: rows, 1: columns), None where it cannot."""
@@ -186,48 +248,124 @@ class NSCostModel:
             groups * split[i] for r in dict.fromkeys(split) for i, s in enumerate(split) if s == r
         ]
 
-    def member(self, info, axis: int, lines: int) -> float:
+    def member(self, info, axis: int, lines: int, part: tuple[int, int]) -> float:
         """Matmul FLOPs of a member with ``lines`` lines: nondecreasing in ``lines``.
 
         Args:
             info: the matrix's TP-global ``MuonParamInfo``.
             axis: the split axis (0: rows, 1: columns).
             lines: the member's lines of the TP-gathered block.
+            part: ``(p, k, splits)``: the member's place among the gang's sorted members, the
+                gang size, whether the gang splits its polynomials (``splits``).
 
         Returns:
             Matmul FLOPs over all ``steps``.
         """
-        per_step = (2.0 * g * g * lines + sum(_after_sum(g, lines)) for g in self.grams(info, axis))
-        return self.steps * sum(per_step)
+        flops = 0.0
+        for g in self.grams(info, axis):
+            events = _after_sum(g, lines, info.shape[axis], part)
+            flops += 2.0 * g * g * lines + sum(e for e in events if isinstance(e, float))
+        return self.steps * flops
+
+    def busiest(self, info, axis: int, local: int, k: int) -> float:
+        """FLOPs of the busiest of ``k`` members sharing ``local`` TP-local lines (equal cut).
+
+        Args:
+            info: the matrix's TP-global ``MuonParamInfo``.
+            axis: the split axis (0: rows, 1: columns).
+            local: the matrix's TP-local lines along ``axis``.
+            k: the gang size.
+
+        Returns:
+            Matmul FLOPs over all ``steps``: the most lines and the most polynomial rows.
+        """
+        lines = self.lines(info, -(-local // k), axis)
+        return self.member(info, axis, lines, (k - 1, k, self.splits(info, axis, local, k)))
+
+    def busiest_with_link(self, info, axis: int, local: int, k: int) -> float:
+        """``busiest`` plus the link time of the gang's collectives in FLOP units
+        (``sync_flops``): what a member of a gang of ``k`` spends on the matrix.
+
+        Args:
+            info: the matrix's TP-global ``MuonParamInfo``.
+            axis: the split axis (0: rows, 1: columns).
+            local: the matrix's TP-local lines along ``axis``.
+            k: the gang size.
+
+        Returns:
+            FLOP units over all ``steps``.
+        """
+        lines = self.lines(info, -(-local // k), axis)
+        part = (k - 1, k, self.splits(info, axis, local, k))
+        events = member_events(self, info, axis, lines, part)
+        members = tuple(range(k))
+        return sum(e if isinstance(e, float) else self.sync_flops(members, e) for e in events)
+
+    def splits(self, info, axis: int, local: int, k: int) -> bool:
+        """Whether a gang of ``k`` splits its polynomials by rows: where that makes its busiest
+        member's matmul FLOPs plus link time (the gather's bytes at ``link_flops_per_byte``)
+        smaller. The same inputs on every member: one decision per gang.
+
+        Args:
+            info: the matrix's TP-global ``MuonParamInfo``.
+            axis: the split axis (0: rows, 1: columns).
+            local: the matrix's TP-local lines along ``axis``.
+            k: the gang size.
+
+        Returns:
+            True where the split form is cheaper.
+        """
+        lines = self.lines(info, -(-local // k), axis)
+        members = tuple(range(k))
+
+        def cost(split: bool) -> float:
+            flops = 0.0
+            for g in self.grams(info, axis):
+                for e in _after_sum(g, lines, info.shape[axis], (k - 1, k, split)):
+                    flops += e if isinstance(e, float) else self.sync_flops(members, e)
+            return flops
+
+        return k > 1 and cost(True) < cost(False)
 
 
-def _after_sum(g: int, lines: int) -> tuple[float, ...]:
-    """Matmul FLOPs of one step after the Gram sum: reassociated ``G X`` and ``G (b X + c G X)``,
-    or the polynomial ``G^2`` and ``p(G) X`` (``sharded_newton_schulz``)."""
+class Gather(int):
+    """A gang collective's elements that are gathered (a split polynomial's rows), not summed:
+    an ``int`` (traces compare equal to counted sizes) that says which collective it is."""
+
+
+def _after_sum(g: int, lines: int, long_side: int, part: tuple[int, int, bool]) -> tuple:
+    """One step after the Gram sum (``sharded_newton_schulz``): matmul FLOPs (floats) and the
+    polynomial's gather (``Gather``) where the gang splits it by rows (``splits_polynomial``),
+    else the reassociated ``G X`` and ``G (b X + c G X)``, or the polynomial and ``p(G) X``."""
+    p, k, split = part
+    if split and splits_polynomial(g, long_side, k, reassociate=True):
+        rows = (p + 1) * g // k - p * g // k
+        return (2.0 * g * g * rows, Gather(g * g), 2.0 * g * g * lines)
     if reassociates(g, lines):
         return (4.0 * g * g * lines,)
     return (2.0 * g**3 + 2.0 * g * g * lines,)
 
 
-def member_events(model: NSCostModel, info, axis: int, lines: int) -> list:
-    """What a gang member runs, in order: matmul FLOPs (floats) and gang reductions (ints: the
-    elements summed); ``orthogonalize_sharded`` per NS block: norm, then per step Gram, sum,
-    and the update (``_after_sum``).
+def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) -> list:
+    """What a gang member runs, in order: matmul FLOPs (floats) and gang collectives (ints: the
+    elements summed; ``Gather``: gathered); ``orthogonalize_sharded`` per NS block: norm, then
+    per step Gram, sum, and the update (``_after_sum``).
 
     Args:
         model: the cost model (its ``steps`` and Gram sides).
         info: the matrix's TP-global ``MuonParamInfo``.
         axis: the split axis (0: rows, 1: columns).
         lines: the member's lines of the TP-gathered block.
+        part: ``Unit.part``: place among the sorted members, gang size, split polynomials.
 
     Returns:
-        The member's events in execution order: floats are FLOPs, ints reduced elements.
+        The member's events in execution order: floats are FLOPs, ints collectives' elements.
     """
     out: list = []
     for g in model.grams(info, axis):
         out.append(1)  # the squared norm
         for _ in range(model.steps):
-            out += [2.0 * g * g * lines, g * g, *_after_sum(g, lines)]
+            out += [2.0 * g * g * lines, g * g, *_after_sum(g, lines, info.shape[axis], part)]
     return out
 
 
@@ -252,7 +390,7 @@ def split_count(model: NSCostModel, w: "Work", target: float, world: int) -> tup
     lo, hi = 1, max(1, min(world, local))
     while lo < hi:
         k = (lo + hi) // 2
-        if model.member(w.info, axis, model.lines(w.info, -(-local // k), axis)) <= target:
+        if model.busiest(w.info, axis, local, k) <= target:
             hi = k
         else:
             lo = k + 1
@@ -321,30 +459,106 @@ class Work:
     held: dict[int, tuple[int, int]]  # rank: (first held element, elements held)
 
 
-def assign_units(works: list[Work], world: int, model: Optional[NSCostModel], targets=TARGETS):
+def assign_units(
+    works: list[Work],
+    world: int,
+    model: Optional[NSCostModel],
+    targets=TARGETS,
+    bundles=BUNDLES,
+):
     """Units of each matrix and the gang order (matrix indices) of the best choice; no model:
-    no splits.
+    no splits. Candidates: stacked gangs at each split target (``_assign``) and disjoint gangs
+    of at most ``n`` matrices for each ``n`` in ``bundles`` (``bundle_units``); the shortest
+    critical path wins, gang collectives charged at the model's link cost (``span``).
 
     Args:
         works: the Muon matrices of one exchange, as the planner sees them.
         world: the DP group's size (ranks that can own units).
         model: the Newton-Schulz cost model, or None for whole matrices only.
         targets: per-rank FLOP targets to try, as fractions of the mean load.
+        bundles: the most matrices one disjoint gang may hold, one candidate each.
 
     Returns:
         (units, gangs): per matrix its ``Unit`` list, and the split matrices' indices in order.
     """
-    targets = targets if model is not None else (math.inf,)
+    if model is None:
+        targets, bundles = (math.inf,), ()
     total = sum(w.cost for w in works)
+    candidates = [_assign(works, world, model, f * total / max(world, 1)) for f in targets]
+    candidates += [bundle_units(works, world, model, n) for n in bundles]
     best = None
-    for f in targets:
-        units, gangs, span = _assign(works, world, model, f * total / max(world, 1))
-        if best is None or span < best[2]:
-            best = (units, gangs, span)
+    for units, gangs in (c for c in candidates if c is not None):
+        length = span(works, units, gangs, world, model)
+        if best is None or length < best[2]:
+            best = (units, gangs, length)
     return best[0], best[1]
 
 
+def span(works: list[Work], units, gangs: list[int], world: int, model) -> float:
+    """The critical path of an assignment, gang collectives at ``model.sync_flops``: every rank
+    runs its gang units in ``gangs`` order, then its whole matrices (``MuonExchangePlan.trace``).
+
+    Args:
+        works: the matrices.
+        units: per matrix its ``Unit`` list.
+        gangs: the split matrices' indices, in the order every rank runs them.
+        world: the DP group's size.
+        model: the cost model (None: no gangs, no link cost).
+
+    Returns:
+        FLOP units: matmul FLOPs plus link time expressed in FLOPs.
+    """
+    traces: list[list] = [[] for _ in range(world)]
+    flops = [0.0] * world
+    for i in gangs:
+        for u in units[i]:
+            for event in member_events(model, works[i].info, u.axis, u.lines, u.part):
+                if isinstance(event, float):
+                    flops[u.owner] += event
+                else:
+                    traces[u.owner].append((flops[u.owner], u.members, event))
+                    flops[u.owner] = 0.0
+    for matrix_units in units:
+        for u in matrix_units:
+            if not u.gang:
+                flops[u.owner] += u.cost
+    everyone = tuple(range(world))
+    for r in range(world):
+        traces[r].append((flops[r], everyone, 0))
+    if model is None:
+        return critical_path(traces)
+    moved = max(max(pair) for pair in zip(*exchange_elements(works, units, world)))
+    exchange = moved * model.exchange_itemsizes * model.link_flops_per_byte
+    return critical_path(traces, sync=model.sync_flops) + exchange
+
+
+def exchange_elements(works: list[Work], units, world: int) -> tuple[list[int], list[int]]:
+    """Elements each rank sends and receives in the forward all-to-all (the return swaps them),
+    self-copies excluded: every holder sends each owner the part of its shard in their unit.
+
+    Args:
+        works: the matrices (``held``: each holder's flat range).
+        units: per matrix its ``Unit`` list.
+        world: the DP group's size.
+
+    Returns:
+        (sent, received) per rank.
+    """
+    sent, received = [0] * world, [0] * world
+    for w, matrix_units in zip(works, units):
+        cols = w.local_shape[1]
+        for holder, (first, n) in w.held.items():
+            for u in matrix_units:
+                if u.owner != holder:
+                    lo, hi = u.block.range_of(first, first + n, cols)
+                    sent[holder] += max(hi - lo, 0)
+                    received[u.owner] += max(hi - lo, 0)
+    return sent, received
+
+
 def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
+    """Stacked gangs: matrices above ``target`` split over the least-loaded ranks (a rank may
+    join several gangs, one after the other), then whole matrices by LPT greedy."""
     loads = [0.0] * world
     units: list = [None] * len(works)
     gangs = []
@@ -359,8 +573,8 @@ def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
             w = works[i]
             owner = min(range(world), key=lambda r: (loads[r], -w.held.get(r, (0, 0))[1], r))
             loads[owner] += w.cost
-            units[i] = [Unit(owner, Block(0, w.local_shape[0], 0, w.local_shape[1]), w.cost)]
-    return units, gangs, max(loads, default=0.0)
+            units[i] = [whole_unit(w, owner)]
+    return units, gangs
 
 
 def _gang(w: Work, k: int, axis: int, loads: list[float], model: NSCostModel) -> list[Unit]:
@@ -369,13 +583,196 @@ def _gang(w: Work, k: int, axis: int, loads: list[float], model: NSCostModel) ->
     none = (math.inf, 0)
     members = sorted(range(len(loads)), key=lambda r: (loads[r], -w.held.get(r, none)[1], r))[:k]
     members.sort(key=lambda r: (w.held.get(r, none)[0], r))
-    rows, cols = w.local_shape
-    units = []
-    for m, (a, b) in zip(members, cut(rows if axis == 0 else cols, k)):
-        block = Block(a, b, 0, cols) if axis == 0 else Block(0, rows, a, b)
-        lines = model.lines(w.info, b - a, axis)
-        units.append(Unit(m, block, model.member(w.info, axis, lines), tuple(members), axis, lines))
+    units = gang_units(w, members, axis, model)
     end = max(loads[m] for m in members) + max(u.cost for u in units)
     for m in members:
         loads[m] = end
     return units
+
+
+def whole_unit(w: Work, owner: int) -> Unit:
+    """The unit of a matrix orthogonalized whole by ``owner``.
+
+    Args:
+        w: the matrix.
+        owner: the DP rank that orthogonalizes it.
+
+    Returns:
+        A ``Unit`` covering the whole TP-local matrix.
+    """
+    return Unit(owner, Block(0, w.local_shape[0], 0, w.local_shape[1]), w.cost)
+
+
+def gang_units(w: Work, members: list[int], axis: int, model: NSCostModel) -> list[Unit]:
+    """Equal consecutive blocks of ``w`` along ``axis``, in ``members`` order (the order they
+    hold the matrix in, so a member's block is mostly its own shard).
+
+    Args:
+        w: the matrix.
+        members: the gang's ranks, in block order.
+        axis: the split axis (0: rows, 1: columns).
+        model: the cost model (member FLOPs, whether the gang splits its polynomials).
+
+    Returns:
+        One ``Unit`` per member.
+    """
+    rows, cols = w.local_shape
+    ring, k = sorted(members), len(members)
+    split = model.splits(w.info, axis, w.local_shape[axis], k)
+    units = []
+    for m, (a, b) in zip(members, cut(rows if axis == 0 else cols, k)):
+        block = Block(a, b, 0, cols) if axis == 0 else Block(0, rows, a, b)
+        lines = model.lines(w.info, b - a, axis)
+        cost = model.member(w.info, axis, lines, (ring.index(m), k, split))
+        units.append(Unit(m, block, cost, tuple(members), axis, lines, split))
+    return units
+
+
+# ------------------------------------------------------------------ disjoint gangs (bundles)
+
+
+def bundle_units(works: list[Work], world: int, model: NSCostModel, most: int):
+    """Disjoint gangs: the matrices in decreasing cost, cut into consecutive runs; a run is
+    orthogonalized whole by one rank (cost <= the bound) or, at most ``most`` matrices, by a
+    gang of its own ranks, each member an equal block of every matrix of the run (so no rank
+    waits for a gang it is not in). The bound is the smallest (bisection) whose runs need at
+    most ``world`` ranks (``_Runs.cover``); ranks left over go to the busiest gangs.
+
+    Args:
+        works: the Muon matrices of one exchange.
+        world: the DP group's size.
+        model: the Newton-Schulz cost model.
+        most: the most matrices one gang may hold.
+
+    Returns:
+        (units, gangs) as ``assign_units``, or None where no bound fits ``world`` ranks.
+    """
+    runs = _Runs(works, world, model, most).fit()
+    if runs is None:
+        return None
+    units: list = [None] * len(works)
+    gangs, taken, spare = [], set(), iter(range(world))
+    for ids, k in sorted(runs, key=lambda run: -sum(works[i].cost for i in run[0])):
+        members = _members(works, ids, k, taken, spare)
+        if k == 1:
+            for i in ids:
+                units[i] = [whole_unit(works[i], members[0])]
+            continue
+        for i in ids:
+            order = sorted(members, key=lambda r: (works[i].held.get(r, (math.inf, 0))[0], r))
+            units[i] = gang_units(works[i], order, model.axis(works[i].info), model)
+            gangs.append(i)
+    return units, gangs
+
+
+def _members(works: list[Work], ids: list[int], k: int, taken: set, spare) -> list[int]:
+    """``k`` free ranks, those holding most of the run first (fewer bytes), then the lowest."""
+    held: dict[int, int] = {}
+    for i in ids:
+        for r, (_, n) in works[i].held.items():
+            if r not in taken:
+                held[r] = held.get(r, 0) + n
+    members = sorted(held, key=lambda r: (-held[r], r))[:k]
+    taken.update(members)
+    while len(members) < k:
+        r = next(spare)
+        if r not in taken:
+            members.append(r)
+            taken.add(r)
+    return members
+
+
+class _Runs:
+    """The partition search of ``bundle_units``: minimum ranks for a bound, by dynamic
+    programming over the cost-ordered matrices (a run: at most ``most`` matrices, or any
+    number orthogonalized whole by one rank)."""
+
+    def __init__(self, works: list[Work], world: int, model: NSCostModel, most: int):
+        self.works, self.world, self.model, self.most = works, world, model, most
+        self.order = sorted(range(len(works)), key=lambda i: (-works[i].cost, i))
+        self.axes = [model.axis(w.info) for w in works]
+        self._busiest: dict[tuple[int, int], float] = {}
+
+    def load(self, ids: list[int], k: int) -> float:
+        """FLOPs of the busiest member of a run over ``k`` ranks, its gangs' link time
+        included (``NSCostModel.busiest_with_link``; FLOPs alone with a free link)."""
+        if k == 1:
+            return sum(self.works[i].cost for i in ids)
+        out = 0.0
+        for i in ids:
+            if (i, k) not in self._busiest:
+                w, a = self.works[i], self.axes[i]
+                cost = self.model.busiest_with_link(w.info, a, w.local_shape[a], k)
+                self._busiest[i, k] = cost
+            out += self._busiest[i, k]
+        return out
+
+    def most_ranks(self, ids: list[int]) -> int:
+        """The largest gang a run can have (one line per member at least); 1: no gang."""
+        if len(ids) > self.most or any(self.axes[i] is None for i in ids):
+            return 1
+        return min([self.world] + [self.works[i].local_shape[self.axes[i]] for i in ids])
+
+    def ranks(self, ids: list[int], bound: float) -> Optional[int]:
+        """Fewest ranks whose busiest member works <= bound (bisection: load falls with k)."""
+        if self.load(ids, 1) <= bound:
+            return 1
+        lo, hi = 2, self.most_ranks(ids)
+        if hi < 2 or self.load(ids, hi) > bound:
+            return None
+        while lo < hi:
+            k = (lo + hi) // 2
+            lo, hi = (lo, k) if self.load(ids, k) <= bound else (k + 1, hi)
+        return lo
+
+    def cover(self, bound: float) -> tuple[float, list]:
+        """(ranks, runs as [ids, k]) of the cheapest partition under ``bound``."""
+        order, n = self.order, len(self.order)
+        need, choice = [0.0] + [math.inf] * n, [None] * (n + 1)
+        for i in range(1, n + 1):
+            cost = 0.0
+            for j in range(i - 1, -1, -1):
+                cost += self.works[order[j]].cost
+                if i - j > self.most and cost > bound:
+                    break
+                k = self.ranks(order[j:i], bound) if need[j] < math.inf else None
+                if k is not None and need[j] + k < need[i]:
+                    need[i], choice[i] = need[j] + k, (j, k)
+        runs, i = [], n
+        while i > 0 and choice[i] is not None:
+            j, k = choice[i]
+            runs.append([order[j:i], k])
+            i = j
+        return need[n], runs[::-1]
+
+    def fit(self) -> Optional[list]:
+        """Runs under the smallest bound that fits ``world`` ranks, spare ranks spread."""
+        if not self.works:
+            return []
+        lo = sum(w.cost for w in self.works) / self.world
+        hi = max(lo, max(w.cost for w in self.works))
+        need, runs = self.cover(hi)
+        if need > self.world:
+            return None
+        while hi - lo > 1e-3 * hi:
+            mid = (lo + hi) / 2
+            got = self.cover(mid)
+            lo, hi, need, runs = (lo, mid, *got) if got[0] <= self.world else (mid, hi, need, runs)
+        self._spread(runs, self.world - int(need))
+        return runs
+
+    def _spread(self, runs: list, spare: int) -> None:
+        """Give spare ranks, one at a time, to the run whose busiest member works most."""
+        for _ in range(spare):
+            grow = [
+                (self.load(ids, k), n)
+                for n, (ids, k) in enumerate(runs)
+                if k < self.most_ranks(ids)
+            ]
+            if not grow:
+                return
+            load, n = max(grow)
+            ids, k = runs[n]
+            if self.load(ids, k + 1) >= load:
+                return
+            runs[n][1] = k + 1

@@ -14,7 +14,10 @@ splits the rows (ColumnParallelLinear: QKV, fc1), d = 1 the columns (RowParallel
   ``X <- a X + X p(X^T X)``. Row shards X_i (d = 0) take the right Gram
   ``X^T X = sum_i X_i^T X_i`` (all-reduce, n x n) and update ``X_i <- a X_i + X_i p(X^T X)``;
   column shards (d = 1) take ``X X^T = sum_j X_j X_j^T`` (m x m) and ``X_j <- a X_j + p(X X^T)
-  X_j``. Exact up to rounding; costs one all-reduce per step per matrix (per Q/K/V block).
+  X_j``. Each rank computes ``ceil(g / tp)`` rows of ``p(G)`` (``g`` the Gram side) and one
+  all-gather assembles it (``gather_rows``), so no rank forms the whole ``2 g^3`` polynomial.
+  Exact up to rounding; costs one all-reduce and one all-gather per step per matrix (per Q/K/V
+  block).
 * ``blockwise``: orthogonalize each local shard as if it were the whole matrix (local shape for
   the scale and the QKV groups); cheap, not TP-invariant.
 
@@ -140,4 +143,28 @@ def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor
     dim = info.partition_dim
     assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"
     reduce = functools.partial(dist.all_reduce, group=group)
-    return orthogonalize_sharded(u, info, spec, dim, reduce)
+    k, p = dist.get_world_size(group), dist.get_rank(group)
+    part = (p, k, functools.partial(gather_rows, p=p, k=k, group=group))
+    return orthogonalize_sharded(u, info, spec, dim, reduce, part=part)
+
+
+def gather_rows(poly: Tensor, p: int, k: int, group) -> None:
+    """Fill the rows of ``poly`` that the other TP ranks computed (``cut(g, k)``: rank ``p``
+    holds rows ``[p g / k, (p + 1) g / k)``) with one all-gather of equal, padded chunks.
+
+    Args:
+        poly: the ``g x g`` polynomial, this rank's rows filled; completed in place.
+        p: this rank's index in ``group``.
+        k: the size of ``group``.
+        group: the tensor-parallel process group.
+    """
+    g = poly.shape[0]
+    bounds = [(q * g // k, (q + 1) * g // k) for q in range(k)]
+    chunk = -(-g // k)
+    own = poly.new_zeros(chunk, poly.shape[1])
+    own[: bounds[p][1] - bounds[p][0]] = poly[bounds[p][0] : bounds[p][1]]
+    chunks = poly.new_empty(k * chunk, poly.shape[1])
+    dist.all_gather_into_tensor(chunks, own, group=group)
+    for q, (lo, hi) in enumerate(bounds):
+        if q != p:
+            poly[lo:hi] = chunks[q * chunk : q * chunk + hi - lo]

@@ -17,6 +17,7 @@ matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -208,6 +209,7 @@ def sharded_newton_schulz(
     precision: str = DEFAULT_PRECISION,
     eps: float = DEFAULT_EPS,
     reassociate: bool = False,
+    part: Optional[tuple[int, int, Callable[[Tensor], object]]] = None,
 ) -> Tensor:
     """Newton-Schulz of a matrix whose shards (along ``dim``) live in several places; returns
     this shard of ``NS_k(X)``. ``reduce(t)`` sums ``t`` in place over all shards.
@@ -233,6 +235,10 @@ def sharded_newton_schulz(
         precision: a name in ``PRECISIONS``: the dtype of the matmuls.
         eps: added to the Frobenius norm before dividing by it.
         reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
+        part: ``(p, k, gather)``: this place is the ``p``-th of ``k`` and computes only rows
+            ``cut(g, k)[p]`` of ``p(G)`` (``2 g^2 g/k`` FLOPs instead of ``2 g^3``);
+            ``gather(poly)`` fills the other places' rows of ``poly`` in place (an all-gather).
+            Used instead of ``reassociate`` (the caller decides, ``splits_polynomial``).
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -247,10 +253,13 @@ def sharded_newton_schulz(
         gram = gram.float()
         reduce(gram)
         gram = gram.to(dtype)
-        if reassociate and reassociates(buf.shape[1 - dim], buf.shape[dim]):
+        if part is not None:
+            poly = _split_polynomial(gram, b, c, *part)
+        elif reassociate and reassociates(buf.shape[1 - dim], buf.shape[dim]):
             buf = _reassociated_step(buf, gram, dim, a, b, c)
             continue
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
+        else:
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
         buf = (
             torch.addmm(buf, buf, poly, beta=a) if dim == 0 else torch.addmm(buf, poly, buf, beta=a)
         )
@@ -269,6 +278,39 @@ def reassociates(gram_side: int, lines: int) -> bool:
         True where the reassociated step does fewer FLOPs.
     """
     return lines < gram_side
+
+
+def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: bool) -> bool:
+    """Whether ``parts`` places sharing a Gram matrix should split its polynomial by rows
+    (``sharded_newton_schulz``'s ``part``): each computes ``ceil(g / k)`` rows of ``p(G)``
+    (``2 g^2 g/k`` FLOPs) at one all-gather of ``p(G)`` more per step. Against the whole
+    polynomial (``2 g^3``) that is always fewer FLOPs; against the reassociated products
+    (``reassociate``: ``2 g^2 l`` more, ``l ~ L / k`` a place's lines) only where the Gram side
+    is shorter than the long side: tall blocks, the K/V blocks of QKV. A decision on shared
+    sizes only, so every place takes the same one.
+
+    Args:
+        gram_side: g, the Gram matrix's side.
+        long_side: L, the whole matrix's size along the split dimension (all places' lines).
+        parts: k, the number of places.
+        reassociate: whether the places may run the reassociated step instead.
+
+    Returns:
+        True where the split polynomial does fewer FLOPs on the busiest place.
+    """
+    if parts < 2:
+        return False
+    return not reassociate or -(-gram_side // parts) < -(-long_side // parts)
+
+
+def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int, gather) -> Tensor:
+    """``p(G) = b G + c G G``, rows ``cut(g, k)[p]`` computed here, the others gathered."""
+    g = gram.shape[0]
+    lo, hi = p * g // k, (p + 1) * g // k
+    poly = torch.empty_like(gram)
+    torch.addmm(gram[lo:hi], gram[lo:hi], gram, beta=b, alpha=c, out=poly[lo:hi])
+    gather(poly)
+    return poly
 
 
 def _reassociated_step(x: Tensor, gram: Tensor, dim: int, a: float, b: float, c: float) -> Tensor:
