@@ -23,6 +23,7 @@ anything (an upper bound on the visible overhead), no latency terms, TP traffic 
 """
 
 import argparse
+import dataclasses
 import math
 
 from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
@@ -113,11 +114,12 @@ def build_plan(params: list[tuple], dp: int, bucket_size, model: NSCostModel, wi
     return MuonExchangePlan(buckets, matrices, 0, dp, window, model)
 
 
-def cost_model(tp: int, mode: str, steps: int = NS_STEPS) -> NSCostModel:
-    """The optimizer's NS cost model for a TP size and mode (Muon params are all TP-sharded)."""
+def cost_model(tp: int, mode: str, steps: int = NS_STEPS, **link) -> NSCostModel:
+    """The optimizer's NS cost model for a TP size and mode (Muon params are all TP-sharded);
+    ``link``: ``link_flops_per_byte`` and ``ns_itemsize`` for the planner's choice."""
     tp_of = lambda info: tp if info.partition_dim is not None else 1  # noqa: E731
     whole = lambda info: tp_ns_cost(info, steps, mode, tp_of(info))  # noqa: E731
-    return NSCostModel(steps, whole, tp_of, mode)
+    return NSCostModel(steps, whole, tp_of, mode, **link)
 
 
 def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: int, link: float):
@@ -131,13 +133,13 @@ def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: i
 
 
 def ns_seconds(plan: MuonExchangePlan, rate: float, link: float) -> float:
-    """The plan's NS critical path in seconds: matmuls at ``rate``, each gang sum (fp32) as a
-    ring all-reduce over a duplex link, ``2 (k - 1) / k`` of the tensor each way."""
+    """The plan's NS critical path in seconds: matmuls at ``rate``, each gang collective as a
+    ring over a duplex link (``NSCostModel.link_bytes``: a fp32 sum ``2 (k - 1) / k`` of the
+    tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype)."""
     traces = [plan.trace(r) for r in range(plan.world)]
 
     def ring(members: tuple, elements: int) -> float:
-        k = len(members)
-        return 2 * (k - 1) / k * elements * 4 / link if elements else 0.0
+        return plan.model.link_bytes(members, elements) / link if elements else 0.0
 
     return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
 
@@ -149,9 +151,18 @@ def project(model: str, dp: int, a) -> dict:
     infos = [info for _, _, info in params if info is not None]
     total = sum(math.prod(shape) * (tp if len(shape) == 2 else 1) for _, shape, _ in params)
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
-    plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), cost_model(tp, a.tp_mode))
-    unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
     forward = min(a.exchange_bytes, a.ns_bytes)
+    link_model = cost_model(
+        tp,
+        a.tp_mode,
+        link_flops_per_byte=rate / link,
+        ns_itemsize=a.ns_bytes,
+        exchange_itemsizes=forward + a.exchange_bytes,
+    )
+    plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), link_model)
+    unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
+    # The plan a planner blind to the link would choose: shortest FLOP critical path.
+    flop_only = plan.rebuilt(model=dataclasses.replace(link_model, link_flops_per_byte=0.0))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
     return {
         "model": model,
@@ -166,6 +177,9 @@ def project(model: str, dp: int, a) -> dict:
         "efficiency": plan.efficiency(),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
         "comm": exchange_seconds(plan, forward, a.exchange_bytes, link),
+        "flop_ns": ns_seconds(flop_only, rate, link),
+        "flop_ns_flops": flop_only.critical_path_flops() / rate,
+        "flop_efficiency": flop_only.efficiency(),
         "unsplit_ns": unsplit.critical_path_flops() / rate,
         "unsplit_efficiency": unsplit.efficiency(),
         "unsplit_comm": exchange_seconds(unsplit, forward, a.exchange_bytes, link),
@@ -178,9 +192,10 @@ def markdown(rows: list[dict]) -> str:
     head = (
         "| model | TP x DP (GPUs) | buckets | model step | gangs "
         "| ours: NS (+ gang sums) + exchange | efficiency | ours overhead "
+        "| FLOPs-only plan: NS (+ gang) (efficiency) | its overhead "
         "| one owner per matrix: NS + exchange (efficiency) | its overhead "
         "| gather-everything: NS + all-gather | baseline overhead |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -192,6 +207,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['buckets']} | {_ms(r['step'])} | {r['gangs']} "
             f"| {_ms(r['ns_flops'])} (+ {_ms(r['ns'] - r['ns_flops'])}) + {_ms(r['comm'])} "
             f"| {r['efficiency']:.2f} | {ours / r['step']:.1%} "
+            f"| {_ms(r['flop_ns_flops'])} (+ {_ms(r['flop_ns'] - r['flop_ns_flops'])}) "
+            f"({r['flop_efficiency']:.2f}) | {(r['flop_ns'] + r['comm']) / r['step']:.1%} "
             f"| {_ms(r['unsplit_ns'])} + {_ms(r['unsplit_comm'])} ({r['unsplit_efficiency']:.2f}) "
             f"| {unsplit / r['step']:.1%} "
             f"| {_ms(r['base_ns'])} + {_ms(r['base_comm'])} | {base / r['step']:.1%} |"
