@@ -4,7 +4,9 @@
                              Gram sums of a gang splitting a large matrix), per step
     muon exchange time (ms)  the DistributedOptimizer's two all-to-alls, per step (0 without)
     muon exchange bytes      bytes a rank sent plus received in the last step's all-to-alls
-                             (a gang's Gram sums are not in it: MuonExchangePlan.sum_bytes_per_step)
+    muon gang bytes          bytes a rank sent plus received in the last step's gang collectives
+                             (Gram sums, polynomial gathers; 0 without gangs; ring model:
+                             MuonExchangePlan.sum_bytes_per_step)
     muon NS GFLOP            Newton-Schulz matmul FLOPs a rank executes per step (/1e9)
 
 Each is the busiest rank's (max over the world). The exchange time is wall time in the
@@ -30,12 +32,14 @@ TAGS = {
     "muon NS time (ms)": NS_TIMER + "-time",
     "muon exchange time (ms)": EXCHANGE_TIMER + "-time",
     "muon exchange bytes": "muon-dp-exchange-bytes",
+    "muon gang bytes": "muon-dp-gang-bytes",
     "muon NS GFLOP": "muon-newton-schulz-flops",
 }
 FORMATS = {
     "muon NS time (ms)": "{:.2f}",
     "muon exchange time (ms)": "{:.2f}",
     "muon exchange bytes": "{:.0f}",
+    "muon gang bytes": "{:.0f}",
     "muon NS GFLOP": "{:.6g}",
 }
 # TensorBoard gets seconds and FLOPs: console value x factor
@@ -53,17 +57,19 @@ def muon_optimizers(optimizer) -> list:
 
 
 def counted(optimizer) -> list:
-    """[bytes the last step's exchange moved, NS FLOPs per step] of this rank."""
-    moved = flops = 0.0
+    """[bytes the last step's exchange moved, bytes of its gang collectives, NS FLOPs per step]
+    of this rank."""
+    moved = gangs = flops = 0.0
     for muon in muon_optimizers(optimizer):
         orth = muon.orthogonalizer
         plan = getattr(orth, "plan", None)
         if plan is not None:  # DistOpt: owners run the NS
             moved += orth.bytes_moved
+            gangs += orth.sum_bytes
             flops += plan.ns_flops_per_rank()[plan.rank]
         else:
             flops += _replicated_ns_flops(muon)
-    return [moved, flops]
+    return [moved, gangs, flops]
 
 
 def _replicated_ns_flops(muon) -> float:
@@ -92,12 +98,13 @@ def _tp_size(info) -> int:
 
 def figures(timer_ms: dict, counted_max: list) -> dict:
     """{console name: value} from the timers' per-step ms (max over ranks) and the busiest
-    rank's counted [bytes, FLOPs]."""
+    rank's counted [exchange bytes, gang bytes, FLOPs]."""
     return {
         "muon NS time (ms)": timer_ms.get(NS_TIMER, 0.0),
         "muon exchange time (ms)": timer_ms.get(EXCHANGE_TIMER, 0.0),
         "muon exchange bytes": counted_max[0],
-        "muon NS GFLOP": counted_max[1] / 1e9,
+        "muon gang bytes": counted_max[1],
+        "muon NS GFLOP": counted_max[2] / 1e9,
     }
 
 

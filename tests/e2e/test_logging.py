@@ -172,7 +172,9 @@ def _check_muon_figures(stdout: str, scalars: dict) -> None:
     import projection  # noqa: E402 (bench/ is not a package)
 
     params = projection.model_params(*LLAMA_SHAPE.values())
-    plan = projection.build_plan(params, 2, None, projection.cost_model(1, "duplicated"))
+    # the run's sizes: bf16 Newton-Schulz, bf16 out and fp32 back (the plan chooses by them)
+    ns = projection.cost_model(1, "duplicated", ns_itemsize=2, exchange_itemsizes=2 + 4)
+    plan = projection.build_plan(params, 2, None, ns)
     # default --muon-fp32-matmul-prec medium: bf16 Newton-Schulz, so bf16 goes out, fp32 back
     moved = max(plan.bytes_per_step(2, 4, rank=r) for r in range(2))
     flops = max(plan.ns_flops_per_rank())
@@ -180,6 +182,8 @@ def _check_muon_figures(stdout: str, scalars: dict) -> None:
     printed = [float(x) for x in re.findall(r" muon exchange bytes: (\S+) \|", stdout)]
     assert printed == [moved] * 4
     assert [v for _, v in scalars["muon-dp-exchange-bytes"]] == [moved] * 4
+    gangs = max(plan.sum_bytes_per_step(rank=r) for r in range(2))  # DP=2: no matrix splits
+    assert [v for _, v in scalars["muon-dp-gang-bytes"]] == [gangs] * 4 == [0.0] * 4
     assert [v for _, v in scalars["muon-newton-schulz-flops"]] == pytest.approx([flops] * 4)
     for tag in ("muon-newton-schulz-time", "muon-dp-exchange-time"):
         assert len(scalars[tag]) == 4 and all(v > 0 for _, v in scalars[tag]), tag
