@@ -44,6 +44,7 @@ from tiny_gpt import (
     train_step,
 )
 
+from megatron.core.optimizer import muon_distopt
 from megatron.core.optimizer.muon_plan import working_set_bytes
 from megatron.core.optimizer.muon_split import critical_path
 
@@ -60,14 +61,15 @@ def _gang_sizes(plan) -> set[int]:
 
 def _flops_only(plan):
     """The plan's cost model with free links: the planner chooses by FLOPs alone."""
-    return dataclasses.replace(plan.model, link_flops_per_byte=0.0)
+    return dataclasses.replace(plan.model, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
 
 
-def _split(optimizer, broken_sum=False, broken_gather=False):
+def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False):
     """Hook: plan with low targets (gangs of 2 to 4 at DP=4), by FLOPs alone (so gangs split
     their polynomials wherever that saves FLOPs); ``broken_sum`` / ``broken_gather``: negative
     controls, members skip the Gram sums (each iterates on its block's own Gram) or the gather
-    of the split polynomial (the other members' rows stay zero)."""
+    of the split polynomial (the other members' rows stay zero), or (``broken_tp``) TP ranks
+    sharing a block never all-gather the slices they summed over DP."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         plan = ortho.plan.rebuilt(model=_flops_only(ortho.plan), targets=TARGETS, bundles=())
@@ -79,14 +81,16 @@ def _split(optimizer, broken_sum=False, broken_gather=False):
             ortho._gang_sum = functools.partial(_norm_sum_only, ortho._gang_sum)
         if broken_gather:
             ortho._gang_gather = functools.partial(_own_rows_only, plan.rank)
+        if broken_tp:
+            muon_distopt.all_gather_ranges = lambda flat, bounds, p, group: None
 
 
-def _norm_sum_only(gang_sum, ex, members, t):
+def _norm_sum_only(gang_sum, ex, members, tp, t):
     if t.numel() == 1:  # the squared norm; the Gram matrices stay partial
-        gang_sum(ex, members, t)
+        gang_sum(ex, members, tp, t)
 
 
-def _own_rows_only(rank, ex, members, poly):
+def _own_rows_only(rank, ex, members, tp, poly):
     """No gather: the rows the other members computed are zeros."""
     g, k, p = poly.shape[0], len(members), members.index(rank)
     own = poly[p * g // k : (p + 1) * g // k].clone()
@@ -102,9 +106,16 @@ def test_gangs_at_dp4_match_one_process():
 
 
 def test_gangs_over_tp_duplicated_match_one_process():
-    """TP=2 x DP=2 (``duplicated``): gang blocks are TP-gathered before the iteration."""
+    """TP=2 x DP=2 (``duplicated``): gang blocks are TP-gathered before the iteration; the two
+    TP ranks of a member each sum (gather) half of every Gram (polynomial) over DP and
+    all-gather the halves over TP (``muon_distopt._gang_sum``). Negative control: without that
+    all-gather the result misses."""
     got = run_layout("fp32", 4, tp=2, hook=_split)
     assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+    initial, ref, _ = reference("fp32")
+    broken = run_layout("fp32", 4, tp=2, hook=functools.partial(_split, broken_tp=True))
+    worst = max(update_rel_error(initial, ref, broken[0][1]).values())
+    assert math.isnan(worst) or worst > 100 * TOL["fp32"]
 
 
 @pytest.mark.parametrize("broken", ["broken_sum", "broken_gather"])
@@ -130,8 +141,8 @@ def _counted_split_step():
     counter, trace, peaks = MatmulFlops(), [], []
     everyone = tuple(range(plan.world))
     _mark(ortho, "_all_to_all", lambda *a, **k: (everyone, 0), counter, trace)
-    _mark(ortho, "_gang_sum", lambda ex, members, t: (members, t.numel()), counter, trace)
-    _mark(ortho, "_gang_gather", lambda ex, members, t: (members, t.numel()), counter, trace)
+    _mark(ortho, "_gang_sum", lambda ex, members, tp, t: (members, t.numel()), counter, trace)
+    _mark(ortho, "_gang_gather", lambda ex, members, tp, t: (members, t.numel()), counter, trace)
     run = ortho._run
 
     def profiled(*args):

@@ -110,7 +110,9 @@ def test_gangs_shorten_the_critical_path_and_the_plan_is_deterministic(plan_1b_d
 @pytest.fixture(scope="module")
 def flops_only_1b_dp256(plan_1b_dp256):
     """The plan a planner blind to the link chooses (``link_flops_per_byte=0``)."""
-    free = dataclasses.replace(plan_1b_dp256.model, link_flops_per_byte=0.0)
+    free = dataclasses.replace(
+        plan_1b_dp256.model, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0
+    )
     return plan_1b_dp256.rebuilt(model=free)
 
 
@@ -130,11 +132,12 @@ def test_the_chosen_plan_is_the_fastest_at_the_planning_link(plan_1b_dp256, flop
     """At the link the planner assumes (``LINK_FLOPS_PER_BYTE``: 396 TFLOP/s, 50 GB/s), the
     plan it chose takes no longer (NS, gang collectives and exchange, as the projection times
     them) than the FLOPs-only plan, which in turn has the shorter FLOP critical path."""
-    rate, link = 0.4 * 990e12, 50e9
+    rate, link, tp_link = 0.4 * 990e12, 50e9, 450e9
     assert muon_split.LINK_FLOPS_PER_BYTE == rate / link
+    assert muon_split.TP_LINK_FLOPS_PER_BYTE == rate / tp_link
 
     def seconds(plan):
-        return projection.ns_seconds(plan, rate, link) + projection.exchange_seconds(
+        return projection.ns_seconds(plan, rate, link, tp_link) + projection.exchange_seconds(
             plan, 4, 4, link
         )
 

@@ -85,7 +85,7 @@ from .muon_plan import (
     tp_ns_cost,
 )
 from .muon_split import NSCostModel, Unit, block_views, cut
-from .muon_tp import TPOrthogonalizer, ortho_spec_of
+from .muon_tp import TPOrthogonalizer, all_gather_ranges, ortho_spec_of
 from .newton_schulz import compute_dtype
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -210,11 +210,11 @@ class DistributedMuonOrthogonalizer:
         rank's block of a gang, the Gram matrices summed over the gang (``_gang_sum``)."""
         if not unit.gang:
             return self.inner([block], [slot.info], matrix_fn)[0]
-        members = unit.members
-        reduce = functools.partial(self._gang_sum, ex, members)
+        members, tp = unit.members, self._sharing(slot.info)
+        reduce = functools.partial(self._gang_sum, ex, members, tp)
         part = None
         if unit.splits:  # the gang splits its polynomials by rows (``NSCostModel.splits``)
-            gather = functools.partial(self._gang_gather, ex, members)
+            gather = functools.partial(self._gang_gather, ex, members, tp)
             part = (members.index(self.plan.rank), len(members), gather)
         gang_fn = functools.partial(
             _gang_blocks, spec=ortho_spec_of(matrix_fn), axis=unit.axis, reduce=reduce, part=part
@@ -223,21 +223,43 @@ class DistributedMuonOrthogonalizer:
             return self.inner([block], [slot.info], gang_fn)[0]
         return gang_fn([block], [slot.info])[0]
 
-    def _gang_sum(self, ex: Exchange, members: tuple[int, ...], t: Tensor) -> None:
-        """The only collective of a gang: ``t`` summed in place over its members, by a ring of
-        point-to-point messages inside the DP group (``ring_all_reduce``), so a gang needs no
-        process group of its own (making one is a collective over the whole world)."""
-        ring_all_reduce(t.view(-1), members, self.plan.rank, ex.group)
-        k = len(members)
-        self.sum_bytes += 2 * 2 * (k - 1) / k * t.numel() * t.element_size()
+    def _sharing(self, info):
+        """The TP group whose ranks orthogonalize the same gathered block (``duplicated`` mode),
+        so that each sums only a slice of a gang's tensors over DP; None where there is none."""
+        inner = self.inner
+        if isinstance(inner, TPOrthogonalizer) and inner.mode == "duplicated":
+            return inner._group(info)
+        return None
 
-    def _gang_gather(self, ex: Exchange, members: tuple[int, ...], poly: Tensor) -> None:
-        """A gang's other collective: the rows of a split polynomial (``newton_schulz.
-        splits_polynomial``) that the other members computed, gathered in place by a ring."""
-        rows = [(a * poly.shape[1], b * poly.shape[1]) for a, b in cut(poly.shape[0], len(members))]
-        ring_all_gather(poly.view(-1), rows, members, self.plan.rank, ex.group)
+    def _gang_sum(self, ex: Exchange, members: tuple[int, ...], tp, t: Tensor) -> None:
+        """A gang's sum: ``t`` summed in place over its members, by a ring of point-to-point
+        messages inside the DP group (``ring_all_reduce``), so a gang needs no process group of
+        its own (making one is a collective over the whole world). TP ranks holding the same
+        block (``tp``) each sum one slice over DP and all-gather the slices over TP, so a rank's
+        DP link carries ``1 / tp`` of the tensor."""
+        flat = t.view(-1)
+        lo, hi, slices, p = _tp_slice(flat.numel(), tp)
+        ring_all_reduce(flat[lo:hi], members, self.plan.rank, ex.group)
+        if slices:
+            all_gather_ranges(flat, slices, p, tp)
         k = len(members)
-        self.sum_bytes += 2 * (k - 1) / k * poly.numel() * poly.element_size()
+        self.sum_bytes += 2 * 2 * (k - 1) / k * (hi - lo) * t.element_size()
+
+    def _gang_gather(self, ex: Exchange, members: tuple[int, ...], tp, poly: Tensor) -> None:
+        """A gang's other collective: the rows of a split polynomial (``newton_schulz.
+        splits_polynomial``) that the other members computed, gathered in place by a ring (per
+        TP slice where TP ranks share the block, as ``_gang_sum``)."""
+        flat, cols = poly.view(-1), poly.shape[1]
+        lo, hi, slices, p = _tp_slice(flat.numel(), tp)
+        rows = [
+            (min(max(a * cols, lo), hi), min(max(b * cols, lo), hi))
+            for a, b in cut(poly.shape[0], len(members))
+        ]
+        ring_all_gather(flat, rows, members, self.plan.rank, ex.group)
+        if slices:
+            all_gather_ranges(flat, slices, p, tp)
+        k = len(members)
+        self.sum_bytes += 2 * (k - 1) / k * (hi - lo) * poly.element_size()
 
     def _all_to_all(self, ex: Exchange, chunks: list, dtype, device, forward: bool) -> Tensor:
         """The DP-wide collective: forward split sizes, or swapped for the return exchange."""
@@ -304,6 +326,18 @@ def _ring_gather(chunks: list[Tensor], own: int, nxt: int, prev: int, group) -> 
     k = len(chunks)
     for s in range(k - 1):
         _exchange(chunks[(own - s) % k], chunks[(own - s - 1) % k], nxt, prev, group)
+
+
+def _tp_slice(n: int, group) -> tuple[int, int, Optional[list], int]:
+    """(start, end) of the slice of an ``n``-element gang tensor this TP rank sums over DP, the
+    slices of all TP ranks (None: no TP sharing, or fewer elements than ranks: sum it all) and
+    this rank's index in ``group``."""
+    k = group.size() if group is not None else 1
+    if k == 1 or n < k:
+        return 0, n, None, 0
+    p = torch.distributed.get_rank(group)
+    slices = cut(n, k)
+    return (*slices[p], slices, p)
 
 
 def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:

@@ -59,6 +59,8 @@ BUNDLES = (1, 2, 3)
 # Planning default: matmul FLOPs per byte through a gang member's link, H100-class: 40% of
 # 990 TFLOP/s bf16 over 400 Gb/s (50 GB/s) per direction. It only chooses among exact plans.
 LINK_FLOPS_PER_BYTE = 0.4 * 990e12 / 50e9
+# ... and per byte through the TP group's link (NVLink, 450 GB/s per direction).
+TP_LINK_FLOPS_PER_BYTE = 0.4 * 990e12 / 450e9
 
 
 @dataclass(frozen=True)
@@ -173,40 +175,66 @@ class NSCostModel:
     whole: Callable[[object], float]
     tp_of: Callable[[object], int]
     mode: str = "duplicated"
-    # Planning only: what a byte through a gang member's link costs, in matmul FLOPs (rate /
-    # bandwidth), and the NS dtype's width (a split polynomial is gathered in it).
+    # Planning only: what a byte through a gang member's DP link and through its TP group's
+    # link (NVLink) costs, in matmul FLOPs (rate / bandwidth), and the NS dtype's width (a split
+    # polynomial is gathered in it).
     link_flops_per_byte: float = LINK_FLOPS_PER_BYTE
     ns_itemsize: int = 4
     exchange_itemsizes: int = 8  # forward + return bytes per element of the exchange
+    tp_link_flops_per_byte: float = TP_LINK_FLOPS_PER_BYTE
 
     def link_bytes(self, members: tuple, elements: int) -> float:
-        """Bytes a member sends (and as many receives) in one gang collective, as a ring moves
-        them: a sum (fp32) ``2 (k - 1) / k`` of the tensor, a gather (``Gather``, NS dtype)
-        ``(k - 1) / k``.
+        """Bytes a member sends (and as many receives) over its DP link in one gang collective,
+        as a ring moves them: a sum (fp32) ``2 (k - 1) / k`` of the tensor, a gather
+        (``Gather``, NS dtype) ``(k - 1) / k``; of ``1 / tp`` of it where ``tp`` TP ranks share
+        the block (``Sum.tp``: each moves one slice, ``muon_distopt._gang_sum``).
 
         Args:
             members: the gang's ranks.
-            elements: the collective's elements (a ``Gather`` for a gather).
+            elements: the collective's elements (a ``Sum`` or ``Gather``).
 
         Returns:
             Bytes each way per member.
         """
-        k = len(members)
+        k, n = len(members), _slice(elements)
         if isinstance(elements, Gather):
-            return (k - 1) / k * elements * self.ns_itemsize
-        return 2 * (k - 1) / k * elements * 4
+            return (k - 1) / k * n * self.ns_itemsize
+        return 2 * (k - 1) / k * n * 4
+
+    def tp_bytes(self, elements: int) -> float:
+        """Bytes a TP rank receives (and sends) in the all-gather of the slices over TP that
+        follows a sliced gang collective (``link_bytes``); 0 without slices.
+
+        Args:
+            elements: the collective's elements (a ``Sum`` or ``Gather``).
+
+        Returns:
+            Bytes each way per TP rank.
+        """
+        tp = getattr(elements, "tp", 1)
+        if tp == 1 or elements < tp:
+            return 0.0
+        itemsize = self.ns_itemsize if isinstance(elements, Gather) else 4
+        return (tp - 1) * _slice(elements) * itemsize
 
     def sync_flops(self, members: tuple, elements: int) -> float:
         """A gang collective's link time in matmul-FLOP units (``critical_path``'s ``sync``).
 
         Args:
             members: the gang's ranks.
-            elements: the collective's elements (a ``Gather`` for a gather; 0: an exchange).
+            elements: the collective's elements (a ``Sum`` or ``Gather``; 0: an exchange).
 
         Returns:
-            ``link_bytes`` times ``link_flops_per_byte``; 0 for the exchange marker.
+            ``link_bytes`` and ``tp_bytes`` at their links' cost; 0 for the exchange marker.
         """
-        return self.link_bytes(members, elements) * self.link_flops_per_byte if elements else 0.0
+        if not elements:
+            return 0.0
+        dp = self.link_bytes(members, elements) * self.link_flops_per_byte
+        return dp + self.tp_bytes(elements) * self.tp_link_flops_per_byte
+
+    def sharing(self, info) -> int:
+        """TP ranks that hold the same gathered gang block (``duplicated`` mode), else 1."""
+        return self.tp_of(info) if self.mode == "duplicated" else 1
 
     def axis(self, info) -> Optional[int]:
         """The axis a matrix splits along over DP (0: rows, 1: columns), None where it cannot."""
@@ -316,31 +344,48 @@ class NSCostModel:
             True where the split form is cheaper.
         """
         lines = self.lines(info, -(-local // k), axis)
-        members = tuple(range(k))
+        members, tp = tuple(range(k)), self.sharing(info)
 
         def cost(split: bool) -> float:
             flops = 0.0
             for g in self.grams(info, axis):
-                for e in _after_sum(g, lines, info.shape[axis], (k - 1, k, split)):
+                for e in _after_sum(g, lines, info.shape[axis], (k - 1, k, split), tp):
                     flops += e if isinstance(e, float) else self.sync_flops(members, e)
             return flops
 
         return k > 1 and cost(True) < cost(False)
 
 
-class Gather(int):
-    """A gang collective's elements that are gathered (a split polynomial's rows), not summed:
-    an ``int`` (traces compare equal to counted sizes) that says which collective it is."""
+class Sum(int):
+    """A gang collective's elements, summed: an ``int`` (traces compare equal to counted sizes)
+    that also says how many TP ranks share it (``tp``: each sums one slice over DP)."""
+
+    tp: int
+
+    def __new__(cls, elements: int, tp: int = 1) -> "Sum":
+        out = super().__new__(cls, elements)
+        out.tp = tp
+        return out
 
 
-def _after_sum(g: int, lines: int, long_side: int, part: tuple[int, int, bool]) -> tuple:
+class Gather(Sum):
+    """A gang collective's elements that are gathered (a split polynomial's rows), not summed."""
+
+
+def _slice(elements: int) -> int:
+    """The most elements one TP rank moves over DP in a sliced collective (``_tp_slice``)."""
+    tp = getattr(elements, "tp", 1)
+    return int(elements) if elements < tp else -(-int(elements) // tp)
+
+
+def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1) -> tuple:
     """One step after the Gram sum (``sharded_newton_schulz``): matmul FLOPs (floats) and the
     polynomial's gather (``Gather``) where the gang splits it by rows (``splits_polynomial``),
     else the reassociated ``G X`` and ``G (b X + c G X)``, or the polynomial and ``p(G) X``."""
     p, k, split = part
     if split and splits_polynomial(g, long_side, k, reassociate=True):
         rows = (p + 1) * g // k - p * g // k
-        return (2.0 * g * g * rows, Gather(g * g), 2.0 * g * g * lines)
+        return (2.0 * g * g * rows, Gather(g * g, tp), 2.0 * g * g * lines)
     if reassociates(g, lines):
         return (4.0 * g * g * lines,)
     return (2.0 * g**3 + 2.0 * g * g * lines,)
@@ -362,10 +407,12 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
         The member's events in execution order: floats are FLOPs, ints collectives' elements.
     """
     out: list = []
+    tp = model.sharing(info)
     for g in model.grams(info, axis):
-        out.append(1)  # the squared norm
+        out.append(Sum(1, tp))  # the squared norm
         for _ in range(model.steps):
-            out += [2.0 * g * g * lines, g * g, *_after_sum(g, lines, info.shape[axis], part)]
+            after = _after_sum(g, lines, info.shape[axis], part, tp)
+            out += [2.0 * g * g * lines, Sum(g * g, tp), *after]
     return out
 
 

@@ -150,7 +150,7 @@ def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor
 
 def gather_rows(poly: Tensor, p: int, k: int, group) -> None:
     """Fill the rows of ``poly`` that the other TP ranks computed (``cut(g, k)``: rank ``p``
-    holds rows ``[p g / k, (p + 1) g / k)``) with one all-gather of equal, padded chunks.
+    holds rows ``[p g / k, (p + 1) g / k)``) with one all-gather.
 
     Args:
         poly: the ``g x g`` polynomial, this rank's rows filled; completed in place.
@@ -158,13 +158,27 @@ def gather_rows(poly: Tensor, p: int, k: int, group) -> None:
         k: the size of ``group``.
         group: the tensor-parallel process group.
     """
-    g = poly.shape[0]
-    bounds = [(q * g // k, (q + 1) * g // k) for q in range(k)]
-    chunk = -(-g // k)
-    own = poly.new_zeros(chunk, poly.shape[1])
-    own[: bounds[p][1] - bounds[p][0]] = poly[bounds[p][0] : bounds[p][1]]
-    chunks = poly.new_empty(k * chunk, poly.shape[1])
+    g, cols = poly.shape
+    bounds = [(q * g // k * cols, (q + 1) * g // k * cols) for q in range(k)]
+    all_gather_ranges(poly.view(-1), bounds, p, group)
+
+
+def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> None:
+    """Every rank of ``group`` holds ``flat[bounds[q]]`` for its index ``q``; afterwards all hold
+    all of ``flat``. One ``all_gather_into_tensor`` of equal chunks (the ranges padded to the
+    longest), so uneven ranges need no second collective.
+
+    Args:
+        flat: a 1-D tensor of the same size on every rank; this rank's range is filled.
+        bounds: one (start, end) per rank of ``group``, in rank order.
+        p: this rank's index in ``group``.
+        group: the process group (TP).
+    """
+    chunk = max(hi - lo for lo, hi in bounds)
+    own = flat.new_zeros(chunk)
+    own[: bounds[p][1] - bounds[p][0]] = flat[bounds[p][0] : bounds[p][1]]
+    chunks = flat.new_empty(len(bounds) * chunk)
     dist.all_gather_into_tensor(chunks, own, group=group)
     for q, (lo, hi) in enumerate(bounds):
         if q != p:
-            poly[lo:hi] = chunks[q * chunk : q * chunk + hi - lo]
+            flat[lo:hi] = chunks[q * chunk : q * chunk + hi - lo]
