@@ -132,14 +132,20 @@ def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: i
     return total
 
 
-def ns_seconds(plan: MuonExchangePlan, rate: float, link: float) -> float:
+def ns_seconds(plan: MuonExchangePlan, rate: float, link: float, tp_link: float) -> float:
     """The plan's NS critical path in seconds: matmuls at ``rate``, each gang collective as a
     ring over a duplex link (``NSCostModel.link_bytes``: a fp32 sum ``2 (k - 1) / k`` of the
-    tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype)."""
+    tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype; ``1 / tp`` of it
+    per TP rank where TP ranks share the block, then an all-gather over TP at ``tp_link``)."""
     traces = [plan.trace(r) for r in range(plan.world)]
 
     def ring(members: tuple, elements: int) -> float:
-        return plan.model.link_bytes(members, elements) / link if elements else 0.0
+        if not elements:
+            return 0.0
+        return (
+            plan.model.link_bytes(members, elements) / link
+            + plan.model.tp_bytes(elements) / tp_link
+        )
 
     return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
 
@@ -151,18 +157,21 @@ def project(model: str, dp: int, a) -> dict:
     infos = [info for _, _, info in params if info is not None]
     total = sum(math.prod(shape) * (tp if len(shape) == 2 else 1) for _, shape, _ in params)
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
+    tp_link = a.tp_link_gbps / 8 * 1e9
     forward = min(a.exchange_bytes, a.ns_bytes)
     link_model = cost_model(
         tp,
         a.tp_mode,
         link_flops_per_byte=rate / link,
+        tp_link_flops_per_byte=rate / tp_link,
         ns_itemsize=a.ns_bytes,
         exchange_itemsizes=forward + a.exchange_bytes,
     )
     plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), link_model)
     unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
     # The plan a planner blind to the link would choose: shortest FLOP critical path.
-    flop_only = plan.rebuilt(model=dataclasses.replace(link_model, link_flops_per_byte=0.0))
+    free = dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
+    flop_only = plan.rebuilt(model=dataclasses.replace(link_model, **free))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
     return {
         "model": model,
@@ -172,12 +181,12 @@ def project(model: str, dp: int, a) -> dict:
         "gpus": dp * tp,
         "buckets": len(plan.buckets),
         "step": 6 * total * a.tokens / (dp * tp * rate),
-        "ns": ns_seconds(plan, rate, link),
+        "ns": ns_seconds(plan, rate, link, tp_link),
         "ns_flops": plan.critical_path_flops() / rate,
         "efficiency": plan.efficiency(),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
         "comm": exchange_seconds(plan, forward, a.exchange_bytes, link),
-        "flop_ns": ns_seconds(flop_only, rate, link),
+        "flop_ns": ns_seconds(flop_only, rate, link, tp_link),
         "flop_ns_flops": flop_only.critical_path_flops() / rate,
         "flop_efficiency": flop_only.efficiency(),
         "unsplit_ns": unsplit.critical_path_flops() / rate,
@@ -225,6 +234,9 @@ def parse_args(argv=None):
     parser.add_argument("--peak-tflops", type=float, default=990.0, help="H100 bf16 dense")
     parser.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak")
     parser.add_argument("--link-gbps", type=float, default=400.0, help="per GPU, per direction")
+    parser.add_argument(
+        "--tp-link-gbps", type=float, default=3600.0, help="NVLink per GPU, per direction"
+    )
     parser.add_argument("--tokens", type=int, default=4 * 1024 * 1024, help="global batch")
     parser.add_argument("--exchange-bytes", type=int, default=4, help="4 fp32 (default), 2 bf16")
     parser.add_argument("--ns-bytes", type=int, default=2, help="NS matmul dtype: 2 bf16 (default)")
