@@ -53,7 +53,7 @@ from torch import Tensor
 from .newton_schulz import reassociates, splits_polynomial
 
 # Targets tried, in multiples of total / dp (math.inf: no split).
-TARGETS = (1.0, 1.25, 1.5, 2.0, 3.0, math.inf)
+TARGETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, math.inf)
 # Disjoint gangs tried: at most this many matrices share one gang's members (``bundle_units``).
 BUNDLES = (1, 2, 3)
 # Planning default: matmul FLOPs per byte through a gang member's link, H100-class: 40% of
