@@ -182,8 +182,17 @@ def _mark(ortho, name, describe, counter, trace):
 
 
 @functools.cache
-def counted_split_runs():
-    return run_distributed(_counted_split_step, 4)
+def counted_split_runs(tp: int = 1):
+    return run_distributed(_counted_split_step, 4, tp=tp)
+
+
+def test_counted_step_with_tp_sliced_gangs_is_the_plans_schedule():
+    """TP=2 x DP=2 (``duplicated``): each TP rank's matmul FLOPs between gang collectives and
+    its DP-link bytes (its half of every Gram matrix and polynomial; the TP all-gather runs
+    inside the collective) are the plan's, whose cost model counts ``1 / tp`` of each tensor."""
+    for r in counted_split_runs(tp=2):
+        assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
+        assert r["sum_bytes"][0] == r["sum_bytes"][1] > 0
 
 
 def test_counted_step_with_gangs_is_the_plans_schedule():

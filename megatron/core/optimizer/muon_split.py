@@ -295,39 +295,28 @@ class NSCostModel:
             flops += 2.0 * g * g * lines + sum(e for e in events if isinstance(e, float))
         return self.steps * flops
 
-    def busiest(self, info, axis: int, local: int, k: int) -> float:
-        """FLOPs of the busiest of ``k`` members sharing ``local`` TP-local lines (equal cut).
+    def busiest(self, info, axis: int, local: int, k: int, with_link: bool = False) -> float:
+        """What the busiest of ``k`` members sharing ``local`` TP-local lines (equal cut)
+        spends on the matrix: its matmul FLOPs, plus (``with_link``) its collectives' link time
+        in FLOP units (``sync_flops``).
 
         Args:
             info: the matrix's TP-global ``MuonParamInfo``.
             axis: the split axis (0: rows, 1: columns).
             local: the matrix's TP-local lines along ``axis``.
             k: the gang size.
+            with_link: add the gang collectives' link time.
 
         Returns:
-            Matmul FLOPs over all ``steps``: the most lines and the most polynomial rows.
-        """
-        lines = self.lines(info, -(-local // k), axis)
-        return self.member(info, axis, lines, (k - 1, k, self.splits(info, axis, local, k)))
-
-    def busiest_with_link(self, info, axis: int, local: int, k: int) -> float:
-        """``busiest`` plus the link time of the gang's collectives in FLOP units
-        (``sync_flops``): what a member of a gang of ``k`` spends on the matrix.
-
-        Args:
-            info: the matrix's TP-global ``MuonParamInfo``.
-            axis: the split axis (0: rows, 1: columns).
-            local: the matrix's TP-local lines along ``axis``.
-            k: the gang size.
-
-        Returns:
-            FLOP units over all ``steps``.
+            FLOP units over all ``steps``: the most lines and the most polynomial rows.
         """
         lines = self.lines(info, -(-local // k), axis)
         part = (k - 1, k, self.splits(info, axis, local, k))
-        events = member_events(self, info, axis, lines, part)
         members = tuple(range(k))
-        return sum(e if isinstance(e, float) else self.sync_flops(members, e) for e in events)
+        return sum(
+            e if isinstance(e, float) else self.sync_flops(members, e) if with_link else 0.0
+            for e in member_events(self, info, axis, lines, part)
+        )
 
     def splits(self, info, axis: int, local: int, k: int) -> bool:
         """Whether a gang of ``k`` splits its polynomials by rows: where that makes its busiest
@@ -742,14 +731,14 @@ class _Runs:
 
     def load(self, ids: list[int], k: int) -> float:
         """FLOPs of the busiest member of a run over ``k`` ranks, its gangs' link time
-        included (``NSCostModel.busiest_with_link``; FLOPs alone with a free link)."""
+        included (``NSCostModel.busiest``; FLOPs alone with a free link)."""
         if k == 1:
             return sum(self.works[i].cost for i in ids)
         out = 0.0
         for i in ids:
             if (i, k) not in self._busiest:
                 w, a = self.works[i], self.axes[i]
-                cost = self.model.busiest_with_link(w.info, a, w.local_shape[a], k)
+                cost = self.model.busiest(w.info, a, w.local_shape[a], k, with_link=True)
                 self._busiest[i, k] = cost
             out += self._busiest[i, k]
         return out
