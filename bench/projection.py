@@ -142,10 +142,8 @@ def ns_seconds(plan: MuonExchangePlan, rate: float, link: float, tp_link: float)
     def ring(members: tuple, elements: int) -> float:
         if not elements:
             return 0.0
-        return (
-            plan.model.link_bytes(members, elements) / link
-            + plan.model.tp_bytes(elements) / tp_link
-        )
+        fast = plan.model.tp_bytes(elements) + plan.model.node_bytes(members, elements)
+        return plan.model.link_bytes(members, elements) / link + fast / tp_link
 
     return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
 
@@ -166,6 +164,7 @@ def project(model: str, dp: int, a) -> dict:
         tp_link_flops_per_byte=rate / tp_link,
         ns_itemsize=a.ns_bytes,
         exchange_itemsizes=forward + a.exchange_bytes,
+        nodes=tuple(r // max(1, a.gpus_per_node // tp) for r in range(dp)),
     )
     plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), link_model)
     unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
@@ -236,6 +235,9 @@ def parse_args(argv=None):
     parser.add_argument("--link-gbps", type=float, default=400.0, help="per GPU, per direction")
     parser.add_argument(
         "--tp-link-gbps", type=float, default=3600.0, help="NVLink per GPU, per direction"
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=8, help="NVLink domain; DP ranks fill nodes in order"
     )
     parser.add_argument("--tokens", type=int, default=4 * 1024 * 1024, help="global batch")
     parser.add_argument("--exchange-bytes", type=int, default=4, help="4 fp32 (default), 2 bf16")

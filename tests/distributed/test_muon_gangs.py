@@ -64,15 +64,18 @@ def _flops_only(plan):
     return dataclasses.replace(plan.model, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
 
 
-def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False):
+def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False, nodes=(), **kw):
     """Hook: plan with low targets (gangs of 2 to 4 at DP=4), by FLOPs alone (so gangs split
     their polynomials wherever that saves FLOPs); ``broken_sum`` / ``broken_gather``: negative
     controls, members skip the Gram sums (each iterates on its block's own Gram) or the gather
     of the split polynomial (the other members' rows stay zero), or (``broken_tp``) TP ranks
-    sharing a block never all-gather the slices they summed over DP."""
+    sharing a block never all-gather the slices they summed over DP. ``nodes``: pretend the
+    DP ranks sit on these nodes (the plan's model says where; the collectives follow it)."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
-        plan = ortho.plan.rebuilt(model=_flops_only(ortho.plan), targets=TARGETS, bundles=())
+        model = _flops_only(ortho.plan)
+        model = dataclasses.replace(model, nodes=nodes) if nodes else model
+        plan = ortho.plan.rebuilt(model=model, targets=TARGETS, bundles=())
         ortho.plan = distopt.muon_plan = plan
         sizes = _gang_sizes(plan)
         assert {2, plan.world} <= sizes, sizes  # same plan on every rank: all or none
@@ -83,6 +86,15 @@ def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False):
             ortho._gang_gather = functools.partial(_own_rows_only, plan.rank)
         if broken_tp:
             muon_distopt.all_gather_ranges = lambda flat, bounds, p, group: None
+        if kw.pop("broken_nodes", False):  # rings between the pretended nodes do nothing
+            ring = muon_distopt.ring_all_reduce
+            muon_distopt.ring_all_reduce = functools.partial(_within_nodes, ring, nodes)
+    assert not kw, kw
+
+
+def _within_nodes(ring, nodes, flat, members, rank, group):
+    if len({nodes[r] for r in members}) == 1:
+        ring(flat, members, rank, group)
 
 
 def _norm_sum_only(gang_sum, ex, members, tp, t):
@@ -129,13 +141,13 @@ def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
 # ------------------------------------------------------------------------- counted figures
 
 
-def _counted_split_step():
+def _counted_split_step(nodes=()):
     """One real DP=4 step with gangs: matmul FLOPs between collectives, the collectives' members
     and sizes, bytes and the peak of the exchange's allocations, next to the plan's."""
     spec = TinyGPT()
     model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
     optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON)
-    _split(optimizer)
+    _split(optimizer, nodes=nodes)
     (distopt,) = distopts(optimizer)
     ortho, plan = distopt.optimizer.orthogonalizer, distopt.muon_plan
     counter, trace, peaks = MatmulFlops(), [], []
@@ -162,6 +174,7 @@ def _counted_split_step():
         "sync_points": plan.sync_points(),
         "sizes": _gang_sizes(plan),
         "forms": {u.splits for m in plan.matrices for u in m.units if u.gang},
+        "layouts": {plan.model.layout(u.members) for m in plan.matrices for u in m.units[:1]},
         "bytes": (ortho.bytes_moved, plan.bytes_per_step(4, 4)),
         "sum_bytes": (ortho.sum_bytes, plan.sum_bytes_per_step()),
         "peak": max(peaks),
@@ -182,8 +195,31 @@ def _mark(ortho, name, describe, counter, trace):
 
 
 @functools.cache
-def counted_split_runs(tp: int = 1):
-    return run_distributed(_counted_split_step, 4, tp=tp)
+def counted_split_runs(tp: int = 1, nodes: tuple = ()):
+    return run_distributed(_counted_split_step, 4, tp=tp, args=(nodes,))
+
+
+# DP ranks 0, 1 on one pretended node and 2, 3 on another: the gang of 4 runs its collectives
+# hierarchically (2 per node, ``muon_distopt.node_all_reduce``).
+NODES = (0, 0, 1, 1)
+
+
+def test_gangs_over_nodes_match_one_process_and_the_plans_bytes():
+    """Hierarchical gang collectives (a ring reduce-scatter in each node, the chunks summed
+    between the nodes, a ring all-gather in each node; a split polynomial's gather as a sum of
+    zero-filled rows) give the one-process result (tolerance as above: fp32 sums reordered), and
+    each rank's collectives, FLOPs and bytes (both links) are the plan's. Negative control: with
+    the sums between the nodes dropped, the result misses."""
+    got = run_layout("fp32", 4, hook=functools.partial(_split, nodes=NODES))
+    assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+    for r in counted_split_runs(nodes=NODES):
+        assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
+        assert r["sum_bytes"][0] == r["sum_bytes"][1] > 0
+        assert r["layouts"] >= {(2, 2)}, r["layouts"]  # the gang of 4: 2 ranks on each node
+    initial, ref, _ = reference("fp32")
+    hook = functools.partial(_split, nodes=NODES, broken_nodes=True)
+    worst = max(update_rel_error(initial, ref, run_layout("fp32", 4, hook=hook)[0][1]).values())
+    assert math.isnan(worst) or worst > 100 * TOL["fp32"]
 
 
 def test_counted_step_with_tp_sliced_gangs_is_the_plans_schedule():

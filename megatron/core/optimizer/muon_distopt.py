@@ -57,7 +57,9 @@ and ``offset`` is the shard's first element within the flattened TP-local matrix
 ``shard_location(distopt, shard)`` returns both.
 """
 
+import dataclasses
 import functools
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,7 +86,7 @@ from .muon_plan import (
     ns_cost,
     tp_ns_cost,
 )
-from .muon_split import NSCostModel, Unit, block_views, cut
+from .muon_split import NSCostModel, Unit, block_views, cut, node_layout
 from .muon_tp import TPOrthogonalizer, all_gather_ranges, ortho_spec_of
 from .newton_schulz import compute_dtype
 
@@ -232,34 +234,44 @@ class DistributedMuonOrthogonalizer:
         return None
 
     def _gang_sum(self, ex: Exchange, members: tuple[int, ...], tp, t: Tensor) -> None:
-        """A gang's sum: ``t`` summed in place over its members, by a ring of point-to-point
-        messages inside the DP group (``ring_all_reduce``), so a gang needs no process group of
-        its own (making one is a collective over the whole world). TP ranks holding the same
-        block (``tp``) each sum one slice over DP and all-gather the slices over TP, so a rank's
-        DP link carries ``1 / tp`` of the tensor."""
+        """A gang's sum: ``t`` summed in place over its members by rings of point-to-point
+        messages inside the DP group (``node_all_reduce``: hierarchical where the gang has as
+        many members on each of several nodes), so a gang needs no process group of its own
+        (making one is a collective over the whole world). TP ranks holding the same block
+        (``tp``) each sum one slice over DP and all-gather the slices over TP, so a rank's DP
+        link carries ``1 / tp`` of the tensor."""
         flat = t.view(-1)
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
-        ring_all_reduce(flat[lo:hi], members, self.plan.rank, ex.group)
+        nodes = self.plan.model.nodes
+        node_all_reduce(flat[lo:hi], members, self.plan.rank, ex.group, nodes)
         if slices:
             all_gather_ranges(flat, slices, p, tp)
-        k = len(members)
-        self.sum_bytes += 2 * 2 * (k - 1) / k * (hi - lo) * t.element_size()
+        self.sum_bytes += _moved(hi - lo, t.element_size(), members, nodes, passes=2)
 
     def _gang_gather(self, ex: Exchange, members: tuple[int, ...], tp, poly: Tensor) -> None:
         """A gang's other collective: the rows of a split polynomial (``newton_schulz.
-        splits_polynomial``) that the other members computed, gathered in place by a ring (per
-        TP slice where TP ranks share the block, as ``_gang_sum``)."""
+        splits_polynomial``) that the other members computed, gathered in place by a ring, or,
+        across nodes (``node_all_reduce``), summed with the other rows zeroed (exact); per TP
+        slice where TP ranks share the block, as ``_gang_sum``."""
         flat, cols = poly.view(-1), poly.shape[1]
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
         rows = [
             (min(max(a * cols, lo), hi), min(max(b * cols, lo), hi))
             for a, b in cut(poly.shape[0], len(members))
         ]
-        ring_all_gather(flat, rows, members, self.plan.rank, ex.group)
+        nodes = self.plan.model.nodes
+        m, n = node_layout(members, nodes)
+        if m > 1 and n > 1:
+            a, b = rows[members.index(self.plan.rank)]
+            flat[lo:a].zero_()
+            flat[b:hi].zero_()
+            node_all_reduce(flat[lo:hi], members, self.plan.rank, ex.group, nodes)
+        else:
+            ring_all_gather(flat, rows, members, self.plan.rank, ex.group)
         if slices:
             all_gather_ranges(flat, slices, p, tp)
-        k = len(members)
-        self.sum_bytes += 2 * (k - 1) / k * (hi - lo) * poly.element_size()
+        passes = 2 if m > 1 and n > 1 else 1
+        self.sum_bytes += _moved(hi - lo, poly.element_size(), members, nodes, passes)
 
     def _all_to_all(self, ex: Exchange, chunks: list, dtype, device, forward: bool) -> Tensor:
         """The DP-wide collective: forward split sizes, or swapped for the return exchange."""
@@ -280,6 +292,51 @@ class DistributedMuonOrthogonalizer:
         return out
 
 
+def node_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group, nodes) -> None:
+    """``ring_all_reduce``, hierarchical where ``members`` are ``m > 1`` ranks on each of
+    ``n > 1`` nodes (``nodes[r]``: DP rank r's node): a ring reduce-scatter among a node's
+    members (``m`` chunks), a ring all-reduce of each chunk over the nodes among the members
+    holding it, and a ring all-gather within the node. The slow links then carry ``1 / m`` of
+    the tensor. Every chunk is summed in one fixed order: all members end with the same bits.
+
+    Args:
+        flat: the 1-D tensor to sum, same size on every member; summed in place.
+        members: the gang's ranks within ``group``, sorted.
+        rank: this process's rank within ``group`` (one of ``members``).
+        group: the DP process group the members belong to.
+        nodes: the node of every rank of ``group`` (empty: unknown, one flat ring).
+    """
+    m, n = node_layout(members, nodes)
+    if m == 1 or n == 1:
+        ring_all_reduce(flat, members, rank, group)
+        return
+    local = tuple(r for r in members if nodes[r] == nodes[rank])
+    p = local.index(rank)
+    nxt, prev = local[(p + 1) % m], local[(p - 1) % m]
+    chunks = [flat[a:b] for a, b in cut(flat.numel(), m)]
+    own = _ring_reduce_scatter(chunks, p, nxt, prev, group)
+    peers = tuple(sorted(r for r in members if _local_index(r, members, nodes) == p))
+    ring_all_reduce(chunks[own], peers, rank, group)
+    _ring_gather(chunks, own, nxt, prev, group)
+
+
+def _local_index(rank: int, members: tuple[int, ...], nodes) -> int:
+    """The place of ``rank`` among the members on its node."""
+    return [r for r in members if nodes[r] == nodes[rank]].index(rank)
+
+
+def _moved(n: int, itemsize: int, members: tuple[int, ...], nodes, passes: int) -> float:
+    """Bytes one member sends plus receives in a gang collective of ``n`` elements, ring model:
+    ``passes`` times ``(k - 1) / k`` of them each way over ``k`` ranks; hierarchical (``m`` per
+    node on ``n`` nodes): two passes among the node's ``m``, ``passes`` over the nodes of 1/m."""
+    m, nodes_ = node_layout(members, nodes)
+    if m == 1 or nodes_ == 1:
+        k = len(members)
+        return 2 * passes * (k - 1) / k * n * itemsize
+    inner = 2 * 2 * (m - 1) / m * n * itemsize
+    return inner + 2 * passes * (nodes_ - 1) / nodes_ * n / m * itemsize
+
+
 def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) -> None:
     """Sum ``flat`` in place over ``members`` (ranks of ``group``, sorted) with a ring: k - 1
     steps of reduce-scatter, then k - 1 of all-gather, each a send to the next member and a
@@ -297,12 +354,18 @@ def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) ->
     k, p = len(members), members.index(rank)
     nxt, prev = members[(p + 1) % k], members[(p - 1) % k]
     chunks = [flat[a:b] for a, b in cut(flat.numel(), k)]
-    scratch = flat.new_empty(-(-flat.numel() // k))  # the largest chunk
-    for s in range(k - 1):  # reduce-scatter: afterwards chunk p + 1 is summed here
+    _ring_gather(chunks, _ring_reduce_scatter(chunks, p, nxt, prev, group), nxt, prev, group)
+
+
+def _ring_reduce_scatter(chunks: list[Tensor], p: int, nxt: int, prev: int, group) -> int:
+    """k - 1 ring steps after which chunk ``p + 1`` is summed here; returns that index."""
+    k = len(chunks)
+    scratch = chunks[0].new_empty(max(c.numel() for c in chunks))
+    for s in range(k - 1):
         send, recv = chunks[(p - s) % k], chunks[(p - s - 1) % k]
         _exchange(send, scratch[: recv.numel()], nxt, prev, group)
         recv.add_(scratch[: recv.numel()])
-    _ring_gather(chunks, (p + 1) % k, nxt, prev, group)
+    return (p + 1) % k
 
 
 def ring_all_gather(flat: Tensor, bounds, members: tuple[int, ...], rank: int, group) -> None:
@@ -464,6 +527,23 @@ def shard_location(distopt, shard) -> tuple[MatrixSlot, int]:
     return distopt.muon_plan.matrices[info.matrix], info.offset
 
 
+def host_nodes(group) -> tuple[int, ...]:
+    """The node of every rank of ``group``: ranks on one host share an id (first-seen order).
+    One ``all_gather_object`` of the host names: every rank gets the same tuple.
+
+    Args:
+        group: the DP process group.
+
+    Returns:
+        One node id per rank of ``group``, in group rank order.
+    """
+    names: list = [None] * group.size()
+    torch.distributed.all_gather_object(names, socket.gethostname(), group=group)
+    first = {name: i for i, name in reversed(list(enumerate(names)))}
+    ids = {name: n for n, name in enumerate(sorted(set(names), key=first.get))}
+    return tuple(ids[name] for name in names)
+
+
 def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8):
     """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
 
@@ -515,6 +595,8 @@ def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = 
     back = _itemsize(DTYPES.get(exchange_dtype, torch.float32))  # unknown: refused below
     sizes = (_itemsize(ns_dtype), min(back, _itemsize(ns_dtype)) + back)
     model = cost_model(muon.orthogonalizer, steps, *sizes)
+    if distopt.buffers:  # gangs within a node, or spread evenly over nodes, ring over NVLink
+        model = dataclasses.replace(model, nodes=host_nodes(distopt.buffers[0].data_parallel_group))
     plan = build_plan(distopt, muon.param_info.get, model, window)
     muon.param_info = shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None

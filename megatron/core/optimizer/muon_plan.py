@@ -400,12 +400,12 @@ class MuonExchangePlan:
         return sent, received
 
     def sum_traffic(self, ex: Exchange) -> list[float]:
-        """Bytes each rank sends (and as many receives) in the gang collectives of ``ex``, as a
-        ring moves them (``NSCostModel.link_bytes``)."""
+        """Bytes each rank sends (and as many receives) in the gang collectives of ``ex``, as
+        rings move them, over both links (``NSCostModel.link_bytes`` and ``node_bytes``)."""
         out = [0.0] * self.world
         for members, n in self.gang_sums(ex):
             for m in members:
-                out[m] += self.model.link_bytes(members, n)
+                out[m] += self.model.link_bytes(members, n) + self.model.node_bytes(members, n)
         return out
 
     def moved(self, ex: Exchange, rank: Optional[int] = None) -> int:

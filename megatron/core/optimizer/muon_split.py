@@ -44,6 +44,7 @@ return all-to-all can start.
 """
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -182,12 +183,18 @@ class NSCostModel:
     ns_itemsize: int = 4
     exchange_itemsizes: int = 8  # forward + return bytes per element of the exchange
     tp_link_flops_per_byte: float = TP_LINK_FLOPS_PER_BYTE
+    # The node of each DP rank (ranks of one node share its fast link, as TP does); empty:
+    # unknown, every gang collective is a ring over the slow link.
+    nodes: tuple[int, ...] = ()
 
     def link_bytes(self, members: tuple, elements: int) -> float:
-        """Bytes a member sends (and as many receives) over its DP link in one gang collective,
-        as a ring moves them: a sum (fp32) ``2 (k - 1) / k`` of the tensor, a gather
-        (``Gather``, NS dtype) ``(k - 1) / k``; of ``1 / tp`` of it where ``tp`` TP ranks share
-        the block (``Sum.tp``: each moves one slice, ``muon_distopt._gang_sum``).
+        """Bytes a member sends (and as many receives) over its slow (inter-node) link in one
+        gang collective, as a ring moves them: a sum (fp32) ``2 (k - 1) / k`` of the tensor, a
+        gather (``Gather``, NS dtype) ``(k - 1) / k``; of ``1 / tp`` of it where ``tp`` TP ranks
+        share the block (``Sum.tp``: each moves one slice, ``muon_distopt._gang_sum``). A gang
+        within one node moves nothing over it (``node_bytes``); one with ``m`` members on each
+        of ``n`` nodes rings ``1 / m`` of the tensor over the ``n`` nodes (``layout``; a
+        gather then runs as a sum of zero-filled rows).
 
         Args:
             members: the gang's ranks.
@@ -196,10 +203,44 @@ class NSCostModel:
         Returns:
             Bytes each way per member.
         """
-        k, n = len(members), _slice(elements)
-        if isinstance(elements, Gather):
-            return (k - 1) / k * n * self.ns_itemsize
-        return 2 * (k - 1) / k * n * 4
+        m, n = self.layout(members)
+        size = _itemsize(elements, self.ns_itemsize)
+        if n == 1:
+            return 0.0
+        if m == 1:
+            return _ring_bytes(_slice(elements), n, size, _passes(elements))
+        return _ring_bytes(_slice(elements) / m, n, size, 2)
+
+    def node_bytes(self, members: tuple, elements: int) -> float:
+        """Bytes a member sends (and receives) over its node's fast link in one gang
+        collective: the whole ring of a gang within one node, or the reduce-scatter and
+        all-gather among a node's ``m`` members of a gang spread over nodes (``link_bytes``).
+
+        Args:
+            members: the gang's ranks.
+            elements: the collective's elements (a ``Sum`` or ``Gather``).
+
+        Returns:
+            Bytes each way per member.
+        """
+        m, n = self.layout(members)
+        size = _itemsize(elements, self.ns_itemsize)
+        if n == 1:
+            return _ring_bytes(_slice(elements), m, size, _passes(elements))
+        if m == 1:
+            return 0.0
+        return _ring_bytes(_slice(elements), m, size, 2)
+
+    def layout(self, members: tuple) -> tuple[int, int]:
+        """(members per node, nodes) of a gang (``node_layout`` on ``nodes``).
+
+        Args:
+            members: the gang's ranks.
+
+        Returns:
+            (m, n); the collectives run hierarchically where ``m > 1`` and ``n > 1``.
+        """
+        return node_layout(members, self.nodes)
 
     def tp_bytes(self, elements: int) -> float:
         """Bytes a TP rank receives (and sends) in the all-gather of the slices over TP that
@@ -229,8 +270,9 @@ class NSCostModel:
         """
         if not elements:
             return 0.0
-        dp = self.link_bytes(members, elements) * self.link_flops_per_byte
-        return dp + self.tp_bytes(elements) * self.tp_link_flops_per_byte
+        slow = self.link_bytes(members, elements) * self.link_flops_per_byte
+        fast = self.tp_bytes(elements) + self.node_bytes(members, elements)
+        return slow + fast * self.tp_link_flops_per_byte
 
     def sharing(self, info) -> int:
         """TP ranks that hold the same gathered gang block (``duplicated`` mode), else 1."""
@@ -359,6 +401,43 @@ class Sum(int):
 
 class Gather(Sum):
     """A gang collective's elements that are gathered (a split polynomial's rows), not summed."""
+
+
+def node_layout(members: tuple, nodes: tuple) -> tuple[int, int]:
+    """(members per node, nodes) of a gang: ``(k, 1)`` within one node, ``(m, n)`` with ``m``
+    members on each of ``n`` nodes, ``(1, k)`` otherwise (one ring over the slow link; also
+    where ``nodes`` is empty: unknown).
+
+    Args:
+        members: the gang's DP ranks.
+        nodes: the node of every DP rank, or empty.
+
+    Returns:
+        (m, n).
+    """
+    if not nodes:
+        return 1, len(members)
+    counts: dict[int, int] = {}
+    for r in members:
+        counts[nodes[r]] = counts.get(nodes[r], 0) + 1
+    sizes = set(counts.values())
+    return (sizes.pop(), len(counts)) if len(sizes) == 1 else (1, len(members))
+
+
+def _itemsize(elements: int, ns_itemsize: int) -> int:
+    """Bytes per element of a gang collective: fp32 sums, gathers in the NS dtype."""
+    return ns_itemsize if isinstance(elements, Gather) else 4
+
+
+def _passes(elements: int) -> int:
+    """Ring passes of a collective: 2 for a sum (reduce-scatter, all-gather), 1 for a gather."""
+    return 1 if isinstance(elements, Gather) else 2
+
+
+def _ring_bytes(n: float, k: int, itemsize: int, passes: int) -> float:
+    """Bytes each way per member of a ring of ``k`` over ``n`` elements: ``(k - 1) / k`` of
+    them per pass."""
+    return passes * (k - 1) / k * n * itemsize
 
 
 def _slice(elements: int) -> int:
@@ -687,9 +766,10 @@ def bundle_units(works: list[Work], world: int, model: NSCostModel, most: int):
     if runs is None:
         return None
     units: list = [None] * len(works)
-    gangs, taken, spare = [], set(), iter(range(world))
-    for ids, k in sorted(runs, key=lambda run: -sum(works[i].cost for i in run[0])):
-        members = _members(works, ids, k, taken, spare)
+    gangs, taken = [], set()
+    # Largest gangs first: they take whole nodes before smaller ones fragment them.
+    for ids, k in sorted(runs, key=lambda run: (-run[1], -sum(works[i].cost for i in run[0]))):
+        members = _members(works, ids, k, taken, world, model)
         if k == 1:
             for i in ids:
                 units[i] = [whole_unit(works[i], members[0])]
@@ -701,21 +781,41 @@ def bundle_units(works: list[Work], world: int, model: NSCostModel, most: int):
     return units, gangs
 
 
-def _members(works: list[Work], ids: list[int], k: int, taken: set, spare) -> list[int]:
-    """``k`` free ranks, those holding most of the run first (fewer bytes), then the lowest."""
+def _members(works: list[Work], ids: list[int], k: int, taken: set, world: int, model) -> list:
+    """``k`` free ranks, those holding most of the run first (fewer bytes), then the lowest;
+    where the nodes are known (``NSCostModel.nodes``), from one node or spread evenly over whole
+    nodes (``_node_members``), so that the gang's collectives stay on or split by node."""
     held: dict[int, int] = {}
     for i in ids:
         for r, (_, n) in works[i].held.items():
             if r not in taken:
                 held[r] = held.get(r, 0) + n
-    members = sorted(held, key=lambda r: (-held[r], r))[:k]
+    pool = _node_members(model.nodes, taken, held, k) if k > 1 and model.nodes else None
+    if pool is None:
+        pool = sorted(
+            (r for r in range(world) if r not in taken), key=lambda r: (-held.get(r, 0), r)
+        )
+    members = pool[:k]
     taken.update(members)
-    while len(members) < k:
-        r = next(spare)
-        if r not in taken:
-            members.append(r)
-            taken.add(r)
     return members
+
+
+def _node_members(nodes: tuple, taken: set, held: dict, k: int) -> Optional[list[int]]:
+    """``k`` free ranks on one node (the node holding most of the run), or ``m`` on each of
+    ``k / m`` nodes with ``m`` the largest divisor of ``k`` that fits; None where none fits."""
+    free: dict[int, list[int]] = {}
+    for r, node in enumerate(nodes):
+        if r not in taken:
+            free.setdefault(node, []).append(r)
+    for ranks in free.values():
+        ranks.sort(key=lambda r: (-held.get(r, 0), r))
+    per_node = max(Counter(nodes).values())
+    for m in (d for d in range(min(k, per_node), 0, -1) if k % d == 0):
+        fits = [ranks for ranks in free.values() if len(ranks) >= m]
+        if len(fits) >= k // m and m > 1:
+            fits.sort(key=lambda ranks: (-sum(held.get(r, 0) for r in ranks[:m]), ranks[0]))
+            return [r for ranks in fits[: k // m] for r in ranks[:m]]
+    return None
 
 
 class _Runs:
@@ -749,17 +849,27 @@ class _Runs:
             return 1
         return min([self.world] + [self.works[i].local_shape[self.axes[i]] for i in ids])
 
+    def sizes(self, most: int) -> list[int]:
+        """Gang sizes tried, up to ``most``: all where nodes are unknown, else those that fit
+        one node or fill whole nodes (hierarchical collectives, ``node_layout``)."""
+        per_node = max(Counter(self.model.nodes).values(), default=0)
+        if per_node <= 1:
+            return list(range(2, most + 1))
+        return [k for k in range(2, most + 1) if k <= per_node or k % per_node == 0]
+
     def ranks(self, ids: list[int], bound: float) -> Optional[int]:
-        """Fewest ranks whose busiest member works <= bound (bisection: load falls with k)."""
+        """Fewest ranks whose busiest member works <= bound (bisection over ``sizes``: the
+        load falls with k)."""
         if self.load(ids, 1) <= bound:
             return 1
-        lo, hi = 2, self.most_ranks(ids)
-        if hi < 2 or self.load(ids, hi) > bound:
+        sizes = self.sizes(self.most_ranks(ids))
+        if not sizes or self.load(ids, sizes[-1]) > bound:
             return None
+        lo, hi = 0, len(sizes) - 1
         while lo < hi:
-            k = (lo + hi) // 2
-            lo, hi = (lo, k) if self.load(ids, k) <= bound else (k + 1, hi)
-        return lo
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.load(ids, sizes[mid]) <= bound else (mid + 1, hi)
+        return sizes[lo]
 
     def cover(self, bound: float) -> tuple[float, list]:
         """(ranks, runs as [ids, k]) of the cheapest partition under ``bound``."""
