@@ -68,6 +68,7 @@ SERIES = [
         [
             OPT + "muon_tp.py",
             OPT + "muon_split.py",
+            OPT + "muon_placement.py",
             OPT + "muon_plan.py",
             OPT + "muon_distopt.py",
             OPT + "muon_megatron.py",

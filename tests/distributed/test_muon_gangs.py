@@ -291,7 +291,7 @@ WIDE = dict(num_layers=1, ffn_hidden_size=384)
 
 
 def _bundle(optimizer):
-    """Hook: disjoint gangs of up to 3 matrices (``muon_split.bundle_units``), by FLOPs."""
+    """Hook: disjoint gangs of up to 3 matrices (``muon_placement.bundle_units``), by FLOPs."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         plan = ortho.plan.rebuilt(model=_flops_only(ortho.plan), targets=(), bundles=(3,))

@@ -28,16 +28,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .muon_functional import MuonParamInfo
-from .muon_split import (
-    BUNDLES,
-    TARGETS,
-    NSCostModel,
-    Unit,
-    Work,
-    assign_units,
-    critical_path,
-    member_events,
-)
+from .muon_placement import BUNDLES, TARGETS, Work, assign_units
+from .muon_split import NSCostModel, Unit, critical_path, member_events
 from .newton_schulz import splits_polynomial
 
 
@@ -298,7 +290,7 @@ class MuonExchangePlan:
         self, window=None, model: Optional[NSCostModel] = None, targets=TARGETS, bundles=BUNDLES
     ):
         """The same layout planned again: another window, ``model=None`` (no splits), another
-        model (e.g. another link cost) or other candidates (``muon_split.assign_units``).
+        model (e.g. another link cost) or other candidates (``muon_placement.assign_units``).
 
         Args:
             window: Muon elements per exchange (see ``group_exchanges``); None: one per group.

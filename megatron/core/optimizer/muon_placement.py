@@ -1,0 +1,403 @@
+"""Where the Newton-Schulz work of an exchange runs: whole matrices and gangs placed on DP ranks.
+
+Pure arithmetic (``muon_split`` holds the blocks, the cost model and the schedule's critical
+path). Two kinds of placement are candidates, per exchange, deterministic (same inputs -> same
+plan on every rank):
+
+* stacked gangs (``_assign``): for a few targets (multiples of total / dp) each matrix above the
+  target gets the smallest ``k`` whose busiest member's work is <= the target; gangs are placed
+  largest first on the least-loaded ranks (a rank may be in several, one after the other), then
+  whole matrices by longest-processing-time greedy;
+* disjoint gangs (``bundle_units``): the matrices in decreasing cost are cut into runs, each run
+  either whole on one rank or (at most ``n`` matrices) on a gang of its own ranks, every member an
+  equal block of each matrix of the run; the smallest per-rank bound (FLOPs plus link time) that
+  fits ``dp`` ranks is found by bisection and dynamic programming. No rank waits for a gang it is
+  not in. Where the nodes are known, gangs fit one node or fill whole nodes.
+
+Ties go to ranks that already hold most of a matrix (fewer bytes moved). The candidate with the
+shortest critical path wins (``span``: ``muon_split.critical_path`` of the schedule with every
+gang collective at the model's link cost, plus the all-to-all's busiest rank), "no splits"
+included. The link cost is a planning assumption (``muon_split.LINK_FLOPS_PER_BYTE``,
+H100-class); it only chooses among exact plans, and a free link (0) gives the plan shortest in
+FLOPs.
+"""
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from .muon_split import (
+    Block,
+    NSCostModel,
+    Unit,
+    critical_path,
+    cut,
+    member_events,
+    split_count,
+)
+
+# Targets tried, in multiples of total / dp (math.inf: no split).
+TARGETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, math.inf)
+# Disjoint gangs tried: at most this many matrices share one gang's members (``bundle_units``).
+BUNDLES = (1, 2, 3)
+
+
+@dataclass
+class Work:
+    """One matrix as the planner sees it."""
+
+    info: object  # TP-global MuonParamInfo
+    cost: float  # NS FLOPs of its owner when whole
+    local_shape: tuple[int, int]
+    held: dict[int, tuple[int, int]]  # rank: (first held element, elements held)
+
+
+def assign_units(
+    works: list[Work],
+    world: int,
+    model: Optional[NSCostModel],
+    targets=TARGETS,
+    bundles=BUNDLES,
+):
+    """Units of each matrix and the gang order (matrix indices) of the best choice; no model:
+    no splits. Candidates: stacked gangs at each split target (``_assign``) and disjoint gangs
+    of at most ``n`` matrices for each ``n`` in ``bundles`` (``bundle_units``); the shortest
+    critical path wins, gang collectives charged at the model's link cost (``span``).
+
+    Args:
+        works: the Muon matrices of one exchange, as the planner sees them.
+        world: the DP group's size (ranks that can own units).
+        model: the Newton-Schulz cost model, or None for whole matrices only.
+        targets: per-rank FLOP targets to try, as fractions of the mean load.
+        bundles: the most matrices one disjoint gang may hold, one candidate each.
+
+    Returns:
+        (units, gangs): per matrix its ``Unit`` list, and the split matrices' indices in order.
+    """
+    if model is None:
+        targets, bundles = (math.inf,), ()
+    total = sum(w.cost for w in works)
+    candidates = [_assign(works, world, model, f * total / max(world, 1)) for f in targets]
+    candidates += [bundle_units(works, world, model, n) for n in bundles]
+    best = None
+    for units, gangs in (c for c in candidates if c is not None):
+        length = span(works, units, gangs, world, model)
+        if best is None or length < best[2]:
+            best = (units, gangs, length)
+    return best[0], best[1]
+
+
+def span(works: list[Work], units, gangs: list[int], world: int, model) -> float:
+    """The critical path of an assignment, gang collectives at ``model.sync_flops``: every rank
+    runs its gang units in ``gangs`` order, then its whole matrices (``MuonExchangePlan.trace``).
+
+    Args:
+        works: the matrices.
+        units: per matrix its ``Unit`` list.
+        gangs: the split matrices' indices, in the order every rank runs them.
+        world: the DP group's size.
+        model: the cost model (None: no gangs, no link cost).
+
+    Returns:
+        FLOP units: matmul FLOPs plus link time expressed in FLOPs.
+    """
+    traces: list[list] = [[] for _ in range(world)]
+    flops = [0.0] * world
+    for i in gangs:
+        for u in units[i]:
+            for event in member_events(model, works[i].info, u.axis, u.lines, u.part):
+                if isinstance(event, float):
+                    flops[u.owner] += event
+                else:
+                    traces[u.owner].append((flops[u.owner], u.members, event))
+                    flops[u.owner] = 0.0
+    for matrix_units in units:
+        for u in matrix_units:
+            if not u.gang:
+                flops[u.owner] += u.cost
+    everyone = tuple(range(world))
+    for r in range(world):
+        traces[r].append((flops[r], everyone, 0))
+    if model is None:
+        return critical_path(traces)
+    moved = max(max(pair) for pair in zip(*exchange_elements(works, units, world)))
+    exchange = moved * model.exchange_itemsizes * model.link_flops_per_byte
+    return critical_path(traces, sync=model.sync_flops) + exchange
+
+
+def exchange_elements(works: list[Work], units, world: int) -> tuple[list[int], list[int]]:
+    """Elements each rank sends and receives in the forward all-to-all (the return swaps them),
+    self-copies excluded: every holder sends each owner the part of its shard in their unit.
+
+    Args:
+        works: the matrices (``held``: each holder's flat range).
+        units: per matrix its ``Unit`` list.
+        world: the DP group's size.
+
+    Returns:
+        (sent, received) per rank.
+    """
+    sent, received = [0] * world, [0] * world
+    for w, matrix_units in zip(works, units):
+        cols = w.local_shape[1]
+        for holder, (first, n) in w.held.items():
+            for u in matrix_units:
+                if u.owner != holder:
+                    lo, hi = u.block.range_of(first, first + n, cols)
+                    sent[holder] += max(hi - lo, 0)
+                    received[u.owner] += max(hi - lo, 0)
+    return sent, received
+
+
+def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
+    """Stacked gangs: matrices above ``target`` split over the least-loaded ranks (a rank may
+    join several gangs, one after the other), then whole matrices by LPT greedy."""
+    loads = [0.0] * world
+    units: list = [None] * len(works)
+    gangs = []
+    order = sorted(range(len(works)), key=lambda i: (-works[i].cost, i))
+    for i in order:
+        k, axis = split_count(model, works[i], target, world)
+        if k > 1:
+            units[i] = _gang(works[i], k, axis, loads, model)
+            gangs.append(i)
+    for i in order:
+        if units[i] is None:
+            w = works[i]
+            owner = min(range(world), key=lambda r: (loads[r], -w.held.get(r, (0, 0))[1], r))
+            loads[owner] += w.cost
+            units[i] = [whole_unit(w, owner)]
+    return units, gangs
+
+
+def _gang(w: Work, k: int, axis: int, loads: list[float], model: NSCostModel) -> list[Unit]:
+    """``k`` least-loaded ranks (holders first on ties), blocks in the order the members hold
+    the matrix; they all start when the last is free and end together (one sum per step)."""
+    none = (math.inf, 0)
+    members = sorted(range(len(loads)), key=lambda r: (loads[r], -w.held.get(r, none)[1], r))[:k]
+    members.sort(key=lambda r: (w.held.get(r, none)[0], r))
+    units = gang_units(w, members, axis, model)
+    end = max(loads[m] for m in members) + max(u.cost for u in units)
+    for m in members:
+        loads[m] = end
+    return units
+
+
+def whole_unit(w: Work, owner: int) -> Unit:
+    """The unit of a matrix orthogonalized whole by ``owner``.
+
+    Args:
+        w: the matrix.
+        owner: the DP rank that orthogonalizes it.
+
+    Returns:
+        A ``Unit`` covering the whole TP-local matrix.
+    """
+    return Unit(owner, Block(0, w.local_shape[0], 0, w.local_shape[1]), w.cost)
+
+
+def gang_units(w: Work, members: list[int], axis: int, model: NSCostModel) -> list[Unit]:
+    """Equal consecutive blocks of ``w`` along ``axis``, in ``members`` order (the order they
+    hold the matrix in, so a member's block is mostly its own shard).
+
+    Args:
+        w: the matrix.
+        members: the gang's ranks, in block order.
+        axis: the split axis (0: rows, 1: columns).
+        model: the cost model (member FLOPs, whether the gang splits its polynomials).
+
+    Returns:
+        One ``Unit`` per member.
+    """
+    rows, cols = w.local_shape
+    ring, k = sorted(members), len(members)
+    split = model.splits(w.info, axis, w.local_shape[axis], k)
+    units = []
+    for m, (a, b) in zip(members, cut(rows if axis == 0 else cols, k)):
+        block = Block(a, b, 0, cols) if axis == 0 else Block(0, rows, a, b)
+        lines = model.lines(w.info, b - a, axis)
+        cost = model.member(w.info, axis, lines, (ring.index(m), k, split))
+        units.append(Unit(m, block, cost, tuple(members), axis, lines, split))
+    return units
+
+
+# ------------------------------------------------------------------ disjoint gangs (bundles)
+
+
+def bundle_units(works: list[Work], world: int, model: NSCostModel, most: int):
+    """Disjoint gangs: the matrices in decreasing cost, cut into consecutive runs; a run is
+    orthogonalized whole by one rank (cost <= the bound) or, at most ``most`` matrices, by a
+    gang of its own ranks, each member an equal block of every matrix of the run (so no rank
+    waits for a gang it is not in). The bound is the smallest (bisection) whose runs need at
+    most ``world`` ranks (``_Runs.cover``); ranks left over go to the busiest gangs.
+
+    Args:
+        works: the Muon matrices of one exchange.
+        world: the DP group's size.
+        model: the Newton-Schulz cost model.
+        most: the most matrices one gang may hold.
+
+    Returns:
+        (units, gangs) as ``assign_units``, or None where no bound fits ``world`` ranks.
+    """
+    runs = _Runs(works, world, model, most).fit()
+    if runs is None:
+        return None
+    units: list = [None] * len(works)
+    gangs, taken = [], set()
+    # Largest gangs first: they take whole nodes before smaller ones fragment them.
+    for ids, k in sorted(runs, key=lambda run: (-run[1], -sum(works[i].cost for i in run[0]))):
+        members = _members(works, ids, k, taken, world, model)
+        if k == 1:
+            for i in ids:
+                units[i] = [whole_unit(works[i], members[0])]
+            continue
+        for i in ids:
+            order = sorted(members, key=lambda r: (works[i].held.get(r, (math.inf, 0))[0], r))
+            units[i] = gang_units(works[i], order, model.axis(works[i].info), model)
+            gangs.append(i)
+    return units, gangs
+
+
+def _members(works: list[Work], ids: list[int], k: int, taken: set, world: int, model) -> list:
+    """``k`` free ranks, those holding most of the run first (fewer bytes), then the lowest;
+    where the nodes are known (``NSCostModel.nodes``), from one node or spread evenly over whole
+    nodes (``_node_members``), so that the gang's collectives stay on or split by node."""
+    held: dict[int, int] = {}
+    for i in ids:
+        for r, (_, n) in works[i].held.items():
+            if r not in taken:
+                held[r] = held.get(r, 0) + n
+    pool = _node_members(model.nodes, taken, held, k) if k > 1 and model.nodes else None
+    if pool is None:
+        pool = sorted(
+            (r for r in range(world) if r not in taken), key=lambda r: (-held.get(r, 0), r)
+        )
+    members = pool[:k]
+    taken.update(members)
+    return members
+
+
+def _node_members(nodes: tuple, taken: set, held: dict, k: int) -> Optional[list[int]]:
+    """``k`` free ranks on one node (the node holding most of the run), or ``m`` on each of
+    ``k / m`` nodes with ``m`` the largest divisor of ``k`` that fits; None where none fits."""
+    free: dict[int, list[int]] = {}
+    for r, node in enumerate(nodes):
+        if r not in taken:
+            free.setdefault(node, []).append(r)
+    for ranks in free.values():
+        ranks.sort(key=lambda r: (-held.get(r, 0), r))
+    per_node = max(Counter(nodes).values())
+    for m in (d for d in range(min(k, per_node), 0, -1) if k % d == 0):
+        fits = [ranks for ranks in free.values() if len(ranks) >= m]
+        if len(fits) >= k // m and m > 1:
+            fits.sort(key=lambda ranks: (-sum(held.get(r, 0) for r in ranks[:m]), ranks[0]))
+            return [r for ranks in fits[: k // m] for r in ranks[:m]]
+    return None
+
+
+class _Runs:
+    """The partition search of ``bundle_units``: minimum ranks for a bound, by dynamic
+    programming over the cost-ordered matrices (a run: at most ``most`` matrices, or any
+    number orthogonalized whole by one rank)."""
+
+    def __init__(self, works: list[Work], world: int, model: NSCostModel, most: int):
+        self.works, self.world, self.model, self.most = works, world, model, most
+        self.order = sorted(range(len(works)), key=lambda i: (-works[i].cost, i))
+        self.axes = [model.axis(w.info) for w in works]
+        self._busiest: dict[tuple[int, int], float] = {}
+
+    def load(self, ids: list[int], k: int) -> float:
+        """FLOPs of the busiest member of a run over ``k`` ranks, its gangs' link time
+        included (``NSCostModel.busiest``; FLOPs alone with a free link)."""
+        if k == 1:
+            return sum(self.works[i].cost for i in ids)
+        out = 0.0
+        for i in ids:
+            if (i, k) not in self._busiest:
+                w, a = self.works[i], self.axes[i]
+                cost = self.model.busiest(w.info, a, w.local_shape[a], k, with_link=True)
+                self._busiest[i, k] = cost
+            out += self._busiest[i, k]
+        return out
+
+    def most_ranks(self, ids: list[int]) -> int:
+        """The largest gang a run can have (one line per member at least); 1: no gang."""
+        if len(ids) > self.most or any(self.axes[i] is None for i in ids):
+            return 1
+        return min([self.world] + [self.works[i].local_shape[self.axes[i]] for i in ids])
+
+    def sizes(self, most: int) -> list[int]:
+        """Gang sizes tried, up to ``most``: all where nodes are unknown, else those that fit
+        one node or fill whole nodes (hierarchical collectives, ``node_layout``)."""
+        per_node = max(Counter(self.model.nodes).values(), default=0)
+        if per_node <= 1:
+            return list(range(2, most + 1))
+        return [k for k in range(2, most + 1) if k <= per_node or k % per_node == 0]
+
+    def ranks(self, ids: list[int], bound: float) -> Optional[int]:
+        """Fewest ranks whose busiest member works <= bound (bisection over ``sizes``: the
+        load falls with k)."""
+        if self.load(ids, 1) <= bound:
+            return 1
+        sizes = self.sizes(self.most_ranks(ids))
+        if not sizes or self.load(ids, sizes[-1]) > bound:
+            return None
+        lo, hi = 0, len(sizes) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.load(ids, sizes[mid]) <= bound else (mid + 1, hi)
+        return sizes[lo]
+
+    def cover(self, bound: float) -> tuple[float, list]:
+        """(ranks, runs as [ids, k]) of the cheapest partition under ``bound``."""
+        order, n = self.order, len(self.order)
+        need, choice = [0.0] + [math.inf] * n, [None] * (n + 1)
+        for i in range(1, n + 1):
+            cost = 0.0
+            for j in range(i - 1, -1, -1):
+                cost += self.works[order[j]].cost
+                if i - j > self.most and cost > bound:
+                    break
+                k = self.ranks(order[j:i], bound) if need[j] < math.inf else None
+                if k is not None and need[j] + k < need[i]:
+                    need[i], choice[i] = need[j] + k, (j, k)
+        runs, i = [], n
+        while i > 0 and choice[i] is not None:
+            j, k = choice[i]
+            runs.append([order[j:i], k])
+            i = j
+        return need[n], runs[::-1]
+
+    def fit(self) -> Optional[list]:
+        """Runs under the smallest bound that fits ``world`` ranks, spare ranks spread."""
+        if not self.works:
+            return []
+        lo = sum(w.cost for w in self.works) / self.world
+        hi = max(lo, max(w.cost for w in self.works))
+        need, runs = self.cover(hi)
+        if need > self.world:
+            return None
+        while hi - lo > 1e-3 * hi:
+            mid = (lo + hi) / 2
+            got = self.cover(mid)
+            lo, hi, need, runs = (lo, mid, *got) if got[0] <= self.world else (mid, hi, need, runs)
+        self._spread(runs, self.world - int(need))
+        return runs
+
+    def _spread(self, runs: list, spare: int) -> None:
+        """Give spare ranks, one at a time, to the run whose busiest member works most."""
+        for _ in range(spare):
+            grow = [
+                (self.load(ids, k), n)
+                for n, (ids, k) in enumerate(runs)
+                if k < self.most_ranks(ids)
+            ]
+            if not grow:
+                return
+            load, n = max(grow)
+            ids, k = runs[n]
+            if self.load(ids, k + 1) >= load:
+                return
+            runs[n][1] = k + 1
