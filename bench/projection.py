@@ -134,7 +134,7 @@ def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: i
 
 def ns_seconds(plan: MuonExchangePlan, rate: float, link: float, tp_link: float) -> float:
     """The plan's NS critical path in seconds: matmuls at ``rate``, each gang collective as a
-    ring over a duplex link (``NSCostModel.link_bytes``: a fp32 sum ``2 (k - 1) / k`` of the
+    ring over a duplex link (``NSCostModel.ring_bytes``: a fp32 sum ``2 (k - 1) / k`` of the
     tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype; ``1 / tp`` of it
     per TP rank where TP ranks share the block, then an all-gather over TP at ``tp_link``)."""
     traces = [plan.trace(r) for r in range(plan.world)]
@@ -142,8 +142,8 @@ def ns_seconds(plan: MuonExchangePlan, rate: float, link: float, tp_link: float)
     def ring(members: tuple, elements: int) -> float:
         if not elements:
             return 0.0
-        fast = plan.model.tp_bytes(elements) + plan.model.node_bytes(members, elements)
-        return plan.model.link_bytes(members, elements) / link + fast / tp_link
+        slow, fast = plan.model.ring_bytes(members, elements)
+        return slow / link + (fast + plan.model.tp_bytes(elements)) / tp_link
 
     return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
 

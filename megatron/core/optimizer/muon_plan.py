@@ -393,11 +393,11 @@ class MuonExchangePlan:
 
     def sum_traffic(self, ex: Exchange) -> list[float]:
         """Bytes each rank sends (and as many receives) in the gang collectives of ``ex``, as
-        rings move them, over both links (``NSCostModel.link_bytes`` and ``node_bytes``)."""
+        rings move them, over both links (``NSCostModel.ring_bytes``)."""
         out = [0.0] * self.world
         for members, n in self.gang_sums(ex):
             for m in members:
-                out[m] += self.model.link_bytes(members, n) + self.model.node_bytes(members, n)
+                out[m] += sum(self.model.ring_bytes(members, n))
         return out
 
     def moved(self, ex: Exchange, rank: Optional[int] = None) -> int:

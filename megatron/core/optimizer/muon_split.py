@@ -165,49 +165,31 @@ class NSCostModel:
     # unknown, every gang collective is a ring over the slow link.
     nodes: tuple[int, ...] = ()
 
-    def link_bytes(self, members: tuple, elements: int) -> float:
-        """Bytes a member sends (and as many receives) over its slow (inter-node) link in one
-        gang collective, as a ring moves them: a sum (fp32) ``2 (k - 1) / k`` of the tensor, a
-        gather (``Gather``, NS dtype) ``(k - 1) / k``; of ``1 / tp`` of it where ``tp`` TP ranks
-        share the block (``Sum.tp``: each moves one slice, ``muon_distopt._gang_sum``). A gang
-        within one node moves nothing over it (``node_bytes``); one with ``m`` members on each
-        of ``n`` nodes rings ``1 / m`` of the tensor over the ``n`` nodes (``layout``; a
-        gather then runs as a sum of zero-filled rows).
+    def ring_bytes(self, members: tuple, elements: int) -> tuple[float, float]:
+        """Bytes a member sends (and as many receives) in one gang collective, as rings move
+        them, over the slow (inter-node) link and over its node's fast link: a sum (fp32)
+        ``2 (k - 1) / k`` of the tensor per ring, a gather (``Gather``, NS dtype) ``(k - 1) /
+        k``, of ``1 / tp`` of it where ``tp`` TP ranks share the block (``Sum.tp``: each moves one
+        slice, ``muon_distopt._gang_sum``). By ``layout``: a gang within one node rings over the
+        fast link only; one with ``m`` members on each of ``n`` nodes reduce-scatters and
+        all-gathers among a node's ``m`` (fast) and rings ``1 / m`` of the tensor over the
+        ``n`` nodes (slow; a gather then runs as a sum of zero-filled rows); else one ring over
+        the slow link.
 
         Args:
             members: the gang's ranks.
             elements: the collective's elements (a ``Sum`` or ``Gather``).
 
         Returns:
-            Bytes each way per member.
+            (slow-link bytes, fast-link bytes) each way per member.
         """
         m, n = self.layout(members)
-        size = _itemsize(elements, self.ns_itemsize)
+        whole, size, passes = _slice(elements), _itemsize(elements, self.ns_itemsize), 2
         if n == 1:
-            return 0.0
+            return 0.0, _ring_bytes(whole, m, size, _passes(elements))
         if m == 1:
-            return _ring_bytes(_slice(elements), n, size, _passes(elements))
-        return _ring_bytes(_slice(elements) / m, n, size, 2)
-
-    def node_bytes(self, members: tuple, elements: int) -> float:
-        """Bytes a member sends (and receives) over its node's fast link in one gang
-        collective: the whole ring of a gang within one node, or the reduce-scatter and
-        all-gather among a node's ``m`` members of a gang spread over nodes (``link_bytes``).
-
-        Args:
-            members: the gang's ranks.
-            elements: the collective's elements (a ``Sum`` or ``Gather``).
-
-        Returns:
-            Bytes each way per member.
-        """
-        m, n = self.layout(members)
-        size = _itemsize(elements, self.ns_itemsize)
-        if n == 1:
-            return _ring_bytes(_slice(elements), m, size, _passes(elements))
-        if m == 1:
-            return 0.0
-        return _ring_bytes(_slice(elements), m, size, 2)
+            return _ring_bytes(whole, n, size, _passes(elements)), 0.0
+        return _ring_bytes(whole / m, n, size, passes), _ring_bytes(whole, m, size, passes)
 
     def layout(self, members: tuple) -> tuple[int, int]:
         """(members per node, nodes) of a gang (``node_layout`` on ``nodes``).
@@ -222,7 +204,7 @@ class NSCostModel:
 
     def tp_bytes(self, elements: int) -> float:
         """Bytes a TP rank receives (and sends) in the all-gather of the slices over TP that
-        follows a sliced gang collective (``link_bytes``); 0 without slices.
+        follows a sliced gang collective (``ring_bytes``); 0 without slices.
 
         Args:
             elements: the collective's elements (a ``Sum`` or ``Gather``).
@@ -244,13 +226,13 @@ class NSCostModel:
             elements: the collective's elements (a ``Sum`` or ``Gather``; 0: an exchange).
 
         Returns:
-            ``link_bytes`` and ``tp_bytes`` at their links' cost; 0 for the exchange marker.
+            ``ring_bytes`` and ``tp_bytes`` at their links' cost; 0 for the exchange marker.
         """
         if not elements:
             return 0.0
-        slow = self.link_bytes(members, elements) * self.link_flops_per_byte
-        fast = self.tp_bytes(elements) + self.node_bytes(members, elements)
-        return slow + fast * self.tp_link_flops_per_byte
+        slow, fast = self.ring_bytes(members, elements)
+        fast += self.tp_bytes(elements)
+        return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte
 
     def sharing(self, info) -> int:
         """TP ranks that hold the same gathered gang block (``duplicated`` mode), else 1."""
