@@ -141,13 +141,17 @@ def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
 # ------------------------------------------------------------------------- counted figures
 
 
-def _counted_split_step(nodes=()):
-    """One real DP=4 step with gangs: matmul FLOPs between collectives, the collectives' members
-    and sizes, bytes and the peak of the exchange's allocations, next to the plan's."""
-    spec = TinyGPT()
+def _counted_split_step(nodes=(), disjoint=False):
+    """One real DP=4 step with gangs (stacked, or ``disjoint`` on the wide one-layer model):
+    matmul FLOPs between collectives, the collectives' members and sizes, bytes and the peak of
+    the exchange's allocations, next to the plan's."""
+    spec = TinyGPT(**WIDE) if disjoint else TinyGPT()
     model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
     optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON)
-    _split(optimizer, nodes=nodes)
+    if disjoint:
+        _bundle(optimizer)
+    else:
+        _split(optimizer, nodes=nodes)
     (distopt,) = distopts(optimizer)
     ortho, plan = distopt.optimizer.orthogonalizer, distopt.muon_plan
     counter, trace, peaks = MatmulFlops(), [], []
@@ -195,8 +199,8 @@ def _mark(ortho, name, describe, counter, trace):
 
 
 @functools.cache
-def counted_split_runs(tp: int = 1, nodes: tuple = ()):
-    return run_distributed(_counted_split_step, 4, tp=tp, args=(nodes,))
+def counted_split_runs(tp: int = 1, nodes: tuple = (), disjoint: bool = False):
+    return run_distributed(_counted_split_step, 4, tp=tp, args=(nodes, disjoint))
 
 
 # DP ranks 0, 1 on one pretended node and 2, 3 on another: the gang of 4 runs its collectives
@@ -301,8 +305,12 @@ def _bundle(optimizer):
         assert sorted(gangs.count(g) for g in set(gangs)) == [1, 3]  # fc1 | fc2, QKV, proj
 
 
-def test_disjoint_gangs_match_one_process():
-    """Tolerance as the gang tests above: only fp32 sums are reordered."""
+def test_disjoint_gangs_match_one_process_and_run_the_plans_schedule():
+    """Tolerance as the gang tests above: only fp32 sums are reordered. Each rank's matmul FLOPs
+    between collectives, the collectives and their bytes are the plan's."""
+    for r in counted_split_runs(disjoint=True):
+        assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
+        assert r["sum_bytes"][0] == r["sum_bytes"][1] > 0
     spec = TinyGPT(**WIDE)
     ref = run_distributed(train, 1, args=(spec, STEPS), kwargs=MUON)[0]
     kwargs = {**MUON, "distopt": True, "bucket_size": BUCKET, "overlap": True}
