@@ -33,7 +33,7 @@ from .muon_split import (
     Unit,
     critical_path,
     cut,
-    member_events,
+    exchange_schedule,
     split_count,
 )
 
@@ -90,7 +90,7 @@ def assign_units(
 
 def span(works: list[Work], units, gangs: list[int], world: int, model) -> float:
     """The critical path of an assignment, gang collectives at ``model.sync_flops``: every rank
-    runs its gang units in ``gangs`` order, then its whole matrices (``MuonExchangePlan.trace``).
+    runs its gang units in ``gangs`` order, then its whole matrices (``exchange_schedule``).
 
     Args:
         works: the matrices.
@@ -102,23 +102,7 @@ def span(works: list[Work], units, gangs: list[int], world: int, model) -> float
     Returns:
         FLOP units: matmul FLOPs plus link time expressed in FLOPs.
     """
-    traces: list[list] = [[] for _ in range(world)]
-    flops = [0.0] * world
-    for i in gangs:
-        for u in units[i]:
-            for event in member_events(model, works[i].info, u.axis, u.lines, u.part):
-                if isinstance(event, float):
-                    flops[u.owner] += event
-                else:
-                    traces[u.owner].append((flops[u.owner], u.members, event))
-                    flops[u.owner] = 0.0
-    for matrix_units in units:
-        for u in matrix_units:
-            if not u.gang:
-                flops[u.owner] += u.cost
-    everyone = tuple(range(world))
-    for r in range(world):
-        traces[r].append((flops[r], everyone, 0))
+    traces = exchange_schedule([w.info for w in works], units, gangs, world, model)
     if model is None:
         return critical_path(traces)
     moved = max(max(pair) for pair in zip(*exchange_elements(works, units, world)))

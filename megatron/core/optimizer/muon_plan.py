@@ -29,7 +29,7 @@ from typing import Optional
 
 from .muon_functional import MuonParamInfo
 from .muon_placement import BUNDLES, TARGETS, Work, assign_units
-from .muon_split import NSCostModel, Unit, critical_path, member_events
+from .muon_split import NSCostModel, Unit, critical_path, exchange_schedule, member_events
 from .newton_schulz import splits_polynomial
 
 
@@ -326,32 +326,18 @@ class MuonExchangePlan:
         everyone, out = tuple(range(self.world)), []
         for ex in self.exchanges:
             out.append((0.0, everyone, 0))
-            flops = 0.0
-            for i in ex.gangs:
-                unit = self.matrices[i].unit_of(rank)
-                if unit is None:
-                    continue
-                info = self.matrices[i].info
-                for event in member_events(self.model, info, unit.axis, unit.lines, unit.part):
-                    if isinstance(event, float):
-                        flops += event
-                    else:
-                        out.append((flops, unit.members, event))
-                        flops = 0.0
-            flops += sum(u.cost for u in self._whole_units(ex).get(rank, []))
-            out.append((flops, everyone, 0))
+            out += self._schedule(ex)[rank]
         return out
 
-    def _whole_units(self, ex: Exchange) -> dict[int, list[Unit]]:
-        """{rank: its whole-matrix units in ``ex``}, computed once."""
-        cache = self.__dict__.setdefault("_whole_cache", {})
+    def _schedule(self, ex: Exchange) -> list[list[tuple]]:
+        """``muon_split.exchange_schedule`` of ``ex`` (every rank's), computed once."""
+        cache = self.__dict__.setdefault("_schedule_cache", {})
         if id(ex) not in cache:
-            out: dict[int, list[Unit]] = {}
-            for i in ex.matrices:
-                for u in self.matrices[i].units:
-                    if not u.gang:
-                        out.setdefault(u.owner, []).append(u)
-            cache[id(ex)] = out
+            at = {i: j for j, i in enumerate(ex.matrices)}
+            infos = [self.matrices[i].info for i in ex.matrices]
+            units = [self.matrices[i].units for i in ex.matrices]
+            gangs = [at[i] for i in ex.gangs]
+            cache[id(ex)] = exchange_schedule(infos, units, gangs, self.world, self.model)
         return cache[id(ex)]
 
     def critical_path_flops(self) -> float:

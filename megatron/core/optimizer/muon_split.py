@@ -444,6 +444,42 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
     return out
 
 
+def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, model) -> list:
+    """What every rank runs between the two all-to-alls of one exchange: its gang collectives as
+    ``(matmul FLOPs before it, members, elements)``, gangs in ``gangs`` order, then its whole
+    matrices and the return all-to-all ``(FLOPs, everyone, 0)``. The one source of the plan's
+    ``trace`` and of the planner's ``span``.
+
+    Args:
+        infos: each matrix's TP-global ``MuonParamInfo``.
+        units: per matrix its ``Unit`` list.
+        gangs: indices (into ``units``) of the split matrices, in the order every rank runs them.
+        world: the DP group's size.
+        model: the cost model (unused without gangs).
+
+    Returns:
+        One list of collectives per rank.
+    """
+    traces: list[list] = [[] for _ in range(world)]
+    flops = [0.0] * world
+    for i in gangs:
+        for u in units[i]:
+            for event in member_events(model, infos[i], u.axis, u.lines, u.part):
+                if isinstance(event, float):
+                    flops[u.owner] += event
+                else:
+                    traces[u.owner].append((flops[u.owner], u.members, event))
+                    flops[u.owner] = 0.0
+    for matrix_units in units:
+        for u in matrix_units:
+            if not u.gang:
+                flops[u.owner] += u.cost
+    everyone = tuple(range(world))
+    for r in range(world):
+        traces[r].append((flops[r], everyone, 0))
+    return traces
+
+
 def split_count(model: NSCostModel, w, target: float, world: int) -> tuple[int, int]:
     """(members, axis) for matrix ``w``: 1 at or under ``target``, else the fewest members whose
     busiest (``ceil(lines / k)`` lines) works <= target, at most ``world`` and one line each
