@@ -22,10 +22,9 @@ ranks, and a rank may hold none of it. Newton-Schulz needs whole matrices. Per s
 Schedule. The exchanges are the only DP-wide synchronizations and gang collectives the only
 others, so the Newton-Schulz time on the critical path is ``plan.critical_path_flops()``: with
 one exchange per DP group every rank works through all it owns whatever the DDP bucket size,
-and gangs keep
-the busiest rank near total / dp where one matrix alone would exceed it (``plan.efficiency()`` =
-ideal / critical path, ideal = total / dp). ``plan.with_window(1)`` is the former schedule (one
-owner per matrix, bucket by bucket), kept to show the difference.
+and gangs keep the busiest rank near total / dp where one matrix alone would exceed it
+(``plan.efficiency()`` = ideal / critical path, ideal = total / dp). ``plan.with_window(1)`` is
+the former schedule (one owner per matrix, bucket by bucket), kept to show the difference.
 
 Precision. The forward exchange moves the dtype Newton-Schulz consumes when that is narrower than
 the configured exchange dtype: NS casts its input first, so rounding before or after the exchange
@@ -86,7 +85,7 @@ from .muon_plan import (
     ns_cost,
     tp_ns_cost,
 )
-from .muon_split import NSCostModel, Unit, block_views, cut, node_layout
+from .muon_split import NSCostModel, Unit, block_views, cut, node_layout, ring_traffic
 from .muon_tp import TPOrthogonalizer, all_gather_ranges, ortho_spec_of
 from .newton_schulz import compute_dtype
 
@@ -246,7 +245,8 @@ class DistributedMuonOrthogonalizer:
         node_all_reduce(flat[lo:hi], members, self.plan.rank, ex.group, nodes)
         if slices:
             all_gather_ranges(flat, slices, p, tp)
-        self.sum_bytes += _moved(hi - lo, t.element_size(), members, nodes, passes=2)
+        moved = ring_traffic(hi - lo, t.element_size(), 2, node_layout(members, nodes))
+        self.sum_bytes += 2 * sum(moved)
 
     def _gang_gather(self, ex: Exchange, members: tuple[int, ...], tp, poly: Tensor) -> None:
         """A gang's other collective: the rows of a split polynomial (``newton_schulz.
@@ -261,7 +261,7 @@ class DistributedMuonOrthogonalizer:
         ]
         nodes = self.plan.model.nodes
         m, n = node_layout(members, nodes)
-        if m > 1 and n > 1:
+        if m > 1 and n > 1:  # as a sum of zero-filled rows
             a, b = rows[members.index(self.plan.rank)]
             flat[lo:a].zero_()
             flat[b:hi].zero_()
@@ -270,8 +270,8 @@ class DistributedMuonOrthogonalizer:
             ring_all_gather(flat, rows, members, self.plan.rank, ex.group)
         if slices:
             all_gather_ranges(flat, slices, p, tp)
-        passes = 2 if m > 1 and n > 1 else 1
-        self.sum_bytes += _moved(hi - lo, poly.element_size(), members, nodes, passes)
+        moved = ring_traffic(hi - lo, poly.element_size(), 1, (m, n))
+        self.sum_bytes += 2 * sum(moved)
 
     def _all_to_all(self, ex: Exchange, chunks: list, dtype, device, forward: bool) -> Tensor:
         """The DP-wide collective: forward split sizes, or swapped for the return exchange."""
@@ -310,31 +310,17 @@ def node_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group, no
     if m == 1 or n == 1:
         ring_all_reduce(flat, members, rank, group)
         return
-    local = tuple(r for r in members if nodes[r] == nodes[rank])
+    by_node: dict[int, list[int]] = {}
+    for r in members:
+        by_node.setdefault(nodes[r], []).append(r)
+    local = by_node[nodes[rank]]
     p = local.index(rank)
     nxt, prev = local[(p + 1) % m], local[(p - 1) % m]
     chunks = [flat[a:b] for a, b in cut(flat.numel(), m)]
     own = _ring_reduce_scatter(chunks, p, nxt, prev, group)
-    peers = tuple(sorted(r for r in members if _local_index(r, members, nodes) == p))
+    peers = tuple(sorted(ranks[p] for ranks in by_node.values()))  # chunk ``own`` everywhere
     ring_all_reduce(chunks[own], peers, rank, group)
     _ring_gather(chunks, own, nxt, prev, group)
-
-
-def _local_index(rank: int, members: tuple[int, ...], nodes) -> int:
-    """The place of ``rank`` among the members on its node."""
-    return [r for r in members if nodes[r] == nodes[rank]].index(rank)
-
-
-def _moved(n: int, itemsize: int, members: tuple[int, ...], nodes, passes: int) -> float:
-    """Bytes one member sends plus receives in a gang collective of ``n`` elements, ring model:
-    ``passes`` times ``(k - 1) / k`` of them each way over ``k`` ranks; hierarchical (``m`` per
-    node on ``n`` nodes): two passes among the node's ``m``, ``passes`` over the nodes of 1/m."""
-    m, nodes_ = node_layout(members, nodes)
-    if m == 1 or nodes_ == 1:
-        k = len(members)
-        return 2 * passes * (k - 1) / k * n * itemsize
-    inner = 2 * 2 * (m - 1) / m * n * itemsize
-    return inner + 2 * passes * (nodes_ - 1) / nodes_ * n / m * itemsize
 
 
 def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) -> None:

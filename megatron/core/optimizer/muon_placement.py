@@ -290,6 +290,7 @@ class _Runs:
         self.works, self.world, self.model, self.most = works, world, model, most
         self.order = sorted(range(len(works)), key=lambda i: (-works[i].cost, i))
         self.axes = [model.axis(w.info) for w in works]
+        self.per_node = max(Counter(model.nodes).values(), default=0)  # DP ranks per node
         self._busiest: dict[tuple[int, int], float] = {}
 
     def load(self, ids: list[int], k: int) -> float:
@@ -315,10 +316,9 @@ class _Runs:
     def sizes(self, most: int) -> list[int]:
         """Gang sizes tried, up to ``most``: all where nodes are unknown, else those that fit
         one node or fill whole nodes (hierarchical collectives, ``node_layout``)."""
-        per_node = max(Counter(self.model.nodes).values(), default=0)
-        if per_node <= 1:
+        if self.per_node <= 1:
             return list(range(2, most + 1))
-        return [k for k in range(2, most + 1) if k <= per_node or k % per_node == 0]
+        return [k for k in range(2, most + 1) if k <= self.per_node or k % self.per_node == 0]
 
     def ranks(self, ids: list[int], bound: float) -> Optional[int]:
         """Fewest ranks whose busiest member works <= bound (bisection over ``sizes``: the

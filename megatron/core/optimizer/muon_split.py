@@ -183,13 +183,8 @@ class NSCostModel:
         Returns:
             (slow-link bytes, fast-link bytes) each way per member.
         """
-        m, n = self.layout(members)
-        whole, size, passes = _slice(elements), _itemsize(elements, self.ns_itemsize), 2
-        if n == 1:
-            return 0.0, _ring_bytes(whole, m, size, _passes(elements))
-        if m == 1:
-            return _ring_bytes(whole, n, size, _passes(elements)), 0.0
-        return _ring_bytes(whole / m, n, size, passes), _ring_bytes(whole, m, size, passes)
+        size = _itemsize(elements, self.ns_itemsize)
+        return ring_traffic(_slice(elements), size, _passes(elements), self.layout(members))
 
     def layout(self, members: tuple) -> tuple[int, int]:
         """(members per node, nodes) of a gang (``node_layout`` on ``nodes``).
@@ -387,6 +382,29 @@ def node_layout(members: tuple, nodes: tuple) -> tuple[int, int]:
 def _itemsize(elements: int, ns_itemsize: int) -> int:
     """Bytes per element of a gang collective: fp32 sums, gathers in the NS dtype."""
     return ns_itemsize if isinstance(elements, Gather) else 4
+
+
+def ring_traffic(n: float, itemsize: int, passes: int, layout: tuple[int, int]) -> tuple:
+    """(slow-link, fast-link) bytes each way per member of a gang collective over ``n``
+    elements (``NSCostModel.ring_bytes``; the executor counts with it too): ``passes`` rings
+    (2: a sum, 1: a gather) within one node or over the slow link; for ``m`` members on each of
+    ``n`` nodes two passes among a node's ``m`` and two over the nodes of ``1 / m`` of them.
+
+    Args:
+        n: elements of the (TP slice of the) tensor.
+        itemsize: bytes per element.
+        passes: 2 for a sum, 1 for a gather.
+        layout: ``node_layout`` of the gang, (members per node, nodes).
+
+    Returns:
+        (slow-link bytes, fast-link bytes).
+    """
+    m, nodes = layout
+    if nodes == 1:
+        return 0.0, _ring_bytes(n, m, itemsize, passes)
+    if m == 1:
+        return _ring_bytes(n, nodes, itemsize, passes), 0.0
+    return _ring_bytes(n / m, nodes, itemsize, 2), _ring_bytes(n, m, itemsize, 2)
 
 
 def _passes(elements: int) -> int:
