@@ -290,6 +290,21 @@ def test_one_exchange_keeps_every_rank_busy_whatever_the_bucket_size():
 # ------------------------------------------------------------------------- transient memory
 
 
+def record_peaks(ortho) -> list[int]:
+    """Wrap the exchange's ``_run``: each call's peak of live allocations (``LiveBytes``) is
+    appended to the returned list."""
+    call, peaks = ortho._run, []
+
+    def profiled(*args):
+        with LiveBytes() as tracker:
+            out = call(*args)
+        peaks.append(tracker.peak)
+        return out
+
+    ortho._run = profiled
+    return peaks
+
+
 class LiveBytes(TorchDispatchMode):
     """Live bytes of the storages that ops run under this mode allocate, and their peak.
 
@@ -345,15 +360,7 @@ def _measured_transient():
     optimizer = build_optimizer(COUNT_SPEC, model, use_distributed_optimizer=True, **MUON)
     (distopt,) = distopts(optimizer)
     ortho, plan = distopt.optimizer.orthogonalizer, distopt.muon_plan
-    call, peaks = ortho._run, []
-
-    def profiled(*args):
-        with LiveBytes() as tracker:
-            out = call(*args)
-        peaks.append(tracker.peak)
-        return out
-
-    ortho._run = profiled
+    peaks = record_peaks(ortho)
     train_step(COUNT_SPEC, model, optimizer, global_batches(COUNT_SPEC, 1)[0])
     muon_bytes = 4 * sum(m.end - m.start for m in plan.matrices)
     return {

@@ -28,10 +28,10 @@ from test_muon_distopt import (
     MUON,
     STEPS,
     TOL,
-    LiveBytes,
     MatmulFlops,
     count_optimizer_step,
     distopts,
+    record_peaks,
     reference,
     run_layout,
 )
@@ -154,20 +154,12 @@ def _counted_split_step(nodes=(), disjoint=False):
         _split(optimizer, nodes=nodes)
     (distopt,) = distopts(optimizer)
     ortho, plan = distopt.optimizer.orthogonalizer, distopt.muon_plan
-    counter, trace, peaks = MatmulFlops(), [], []
+    counter, trace = MatmulFlops(), []
     everyone = tuple(range(plan.world))
     _mark(ortho, "_all_to_all", lambda *a, **k: (everyone, 0), counter, trace)
     _mark(ortho, "_gang_sum", lambda ex, members, tp, t: (members, t.numel()), counter, trace)
     _mark(ortho, "_gang_gather", lambda ex, members, tp, t: (members, t.numel()), counter, trace)
-    run = ortho._run
-
-    def profiled(*args):
-        with LiveBytes() as tracker:
-            out = run(*args)
-        peaks.append(tracker.peak)
-        return out
-
-    ortho._run = profiled
+    peaks = record_peaks(ortho)
     count_optimizer_step(optimizer, counter)
     train_step(spec, model, optimizer, global_batches(spec, 1)[0])
     return {
