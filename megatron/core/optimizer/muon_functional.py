@@ -16,7 +16,7 @@ local tensor's shape, so a shard's stage 2 can be fed the global layout.
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -25,10 +25,14 @@ from torch import Tensor
 
 from .muon_config import SCALE_MODES
 from .newton_schulz import (
+    GATHER,
+    SUM,
     CoefficientSet,
+    Request,
     Triple,
     newton_schulz,
-    sharded_newton_schulz,
+    serve,
+    sharded_newton_schulz_steps,
     splits_polynomial,
 )
 
@@ -228,16 +232,16 @@ def orthogonalize_matrices(
 
 
 BlocksFn = Callable[[list[Tensor]], list[Tensor]]
+# Unscaled Newton-Schulz of same-shape blocks as a generator of requests (``newton_schulz.
+# sharded_newton_schulz_steps``) that returns the list.
+BlocksSteps = Callable[[list[Tensor]], Generator[Request, None, list[Tensor]]]
 
 
 def orthogonalize(
     u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: Optional[BlocksFn] = None
 ) -> Tensor:
-    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight.
-
-    The one home of the Q/K/V split and of the scale: ``u`` may be the whole matrix, a row
-    shard of whole query groups (the ``distributed`` TP mode) or a column shard (a DP gang), since
-    the scale and the block shapes come from ``info`` (global), never from ``u``.
+    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight
+    (``orthogonalize_steps`` with blocks that need nothing from elsewhere).
 
     Args:
         u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
@@ -249,10 +253,48 @@ def orthogonalize(
     Returns:
         The scaled orthogonalized update, shaped like ``u``.
     """
+    if ns_blocks is None:
+        if info.qkv_split is None:
+            return _scale_(_local_ns(u, spec), info.shape, spec)
+        ns_blocks = functools.partial(_local_ns_blocks, spec=spec)
+    return serve(orthogonalize_steps(u, info, spec, _at_once(ns_blocks)), {})
+
+
+def _at_once(ns_blocks: BlocksFn) -> BlocksSteps:
+    """A ``BlocksFn`` as a ``BlocksSteps`` that requests nothing."""
+
+    def steps(blocks: list[Tensor]):
+        return ns_blocks(blocks)
+        yield  # a generator function
+
+    return steps
+
+
+def orthogonalize_steps(
+    u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: BlocksSteps
+) -> Generator[Request, None, Tensor]:
+    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight, as a
+    generator passing on ``ns_blocks``'s requests (sums and gathers over shards).
+
+    The one home of the Q/K/V split and of the scale: ``u`` may be the whole matrix, a row
+    shard of whole query groups (the ``distributed`` TP mode) or a column shard (a DP gang), since
+    the scale and the block shapes come from ``info`` (global), never from ``u``.
+
+    Args:
+        u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
+        info: the global shape and QKV split.
+        spec: Newton-Schulz and scale settings.
+        ns_blocks: unscaled Newton-Schulz of a list of same-shape blocks, as a generator.
+
+    Yields:
+        ``ns_blocks``'s requests.
+
+    Returns:
+        The scaled orthogonalized update, shaped like ``u``.
+    """
     if info.qkv_split is None:
-        orth = ns_blocks([u])[0] if ns_blocks else _local_ns(u, spec)
+        orth = (yield from ns_blocks([u]))[0]
         return _scale_(orth, info.shape, spec)
-    ns_blocks = ns_blocks or functools.partial(_local_ns_blocks, spec=spec)
     rows, cols = u.shape
     split = info.qkv_split
     per_group = u.view(rows // sum(split), sum(split), cols)
@@ -262,7 +304,7 @@ def orthogonalize(
     for r in dict.fromkeys(split):  # unique row counts (K and V, Q too under MHA): batched
         ids = [i for i, ri in enumerate(split) if ri == r]
         blocks = [per_group[:, starts[i] : starts[i] + r].reshape(-1, cols) for i in ids]
-        for i, orth in zip(ids, ns_blocks(blocks)):
+        for i, orth in zip(ids, (yield from ns_blocks(blocks))):
             orth = _scale_(orth, (global_groups * r, info.shape[1]), spec)
             out[:, starts[i] : starts[i] + r] = orth.view(-1, r, cols)
     return out.view(rows, cols)
@@ -278,11 +320,8 @@ def orthogonalize_sharded(
     part: Optional[tuple[int, int, Callable[[Tensor], object]]] = None,
 ) -> Tensor:
     """``s * NS_k(U)`` of this shard (along ``dim``) of a matrix sharded over several places;
-    ``reduce(t)`` sums ``t`` in place over the shards (``newton_schulz.sharded_newton_schulz``;
-    ``reassociate``: its cheaper form for shards narrower than their Gram, as DP gangs run).
-
-    Q/K/V blocks and the scale as ``orthogonalize``: a QKV shard holds whole query groups
-    (``dim=0``) or all rows of some columns (``dim=1``).
+    ``reduce(t)`` sums ``t`` in place over the shards (``orthogonalize_sharded_steps``, each
+    request served at once).
 
     Args:
         u: this place's shard of the Newton-Schulz input U.
@@ -298,10 +337,48 @@ def orthogonalize_sharded(
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.
     """
+    place = part[:2] if part is not None else None
+    steps = orthogonalize_sharded_steps(u, info, spec, dim, reassociate, place)
+    return serve(steps, {SUM: reduce, GATHER: part[2] if part is not None else None})
 
-    def ns_blocks(blocks: list[Tensor]) -> list[Tensor]:
+
+def orthogonalize_sharded_steps(
+    u: Tensor,
+    info: MuonParamInfo,
+    spec: OrthoSpec,
+    dim: int,
+    reassociate: bool = False,
+    part: Optional[tuple[int, int]] = None,
+) -> Generator[Request, None, Tensor]:
+    """``orthogonalize_sharded`` as a generator of its requests (``SUM``: sum a tensor in place
+    over the shards; ``GATHER``: fill the other shards' rows of a split polynomial), for callers
+    that interleave several matrices (``newton_schulz.sharded_newton_schulz_steps``).
+
+    Q/K/V blocks and the scale as ``orthogonalize``: a QKV shard holds whole query groups
+    (``dim=0``) or all rows of some columns (``dim=1``).
+
+    Args:
+        u: this place's shard of the Newton-Schulz input U.
+        info: the whole matrix's global shape and Q/K/V split.
+        spec: the param group's Newton-Schulz settings and scale rule.
+        dim: the dimension U is sharded along (0: rows, 1: columns).
+        reassociate: use the reassociated step where it is cheaper.
+        part: ``(p, k)``: this shard is the ``p``-th of ``k``; blocks split their polynomial by
+            rows where that saves FLOPs (``newton_schulz.splits_polynomial``).
+
+    Yields:
+        ``(SUM, tensor)`` and ``(GATHER, poly)`` requests, served in place before resuming.
+
+    Returns:
+        This shard of ``s * NS_k(U)``, laid out like ``u``.
+    """
+
+    def ns_blocks(blocks: list[Tensor]):
         ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
-        return [sharded_newton_schulz(b, dim, reduce, *ns, part=_part(b)) for b in blocks]
+        out = []
+        for b in blocks:
+            out.append((yield from sharded_newton_schulz_steps(b, dim, *ns, part=_part(b))))
+        return out
 
     def _part(block: Tensor):
         # The matrix's (Q/K/V block's) global lines along ``dim``: row shards of QKV hold
@@ -313,7 +390,7 @@ def orthogonalize_sharded(
         split = part is not None and splits_polynomial(g, lines, k, reassociate)
         return part if split else None
 
-    return orthogonalize(u, info, spec, ns_blocks)
+    return (yield from orthogonalize_steps(u, info, spec, ns_blocks))
 
 
 def _local_ns(x: Tensor, spec: OrthoSpec) -> Tensor:

@@ -15,7 +15,7 @@ same ops as torch.optim.Muon, so the bf16 path rounds like it): the cost is clos
 matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -200,6 +200,14 @@ def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
     return x
 
 
+# What a sharded iteration asks its caller to do to a tensor, in place, before it resumes
+# (``sharded_newton_schulz_steps``): sum it over all shards, or fill the rows other shards
+# computed (``part``).
+SUM, GATHER = "sum", "gather"
+
+Request = tuple[str, Tensor]
+
+
 def sharded_newton_schulz(
     x: Tensor,
     dim: int,
@@ -213,6 +221,67 @@ def sharded_newton_schulz(
 ) -> Tensor:
     """Newton-Schulz of a matrix whose shards (along ``dim``) live in several places; returns
     this shard of ``NS_k(X)``. ``reduce(t)`` sums ``t`` in place over all shards.
+    ``sharded_newton_schulz_steps`` (the math) run to the end, each request served at once.
+
+    Args:
+        x: this place's shard of the 2-D matrix X, in any float dtype (the result keeps it).
+        dim: the dimension X is sharded along: 0 for row shards, 1 for column shards.
+        reduce: sums a tensor in place over all shards (e.g. an all-reduce over the TP group).
+        steps: iterations k >= 1.
+        coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
+        precision: a name in ``PRECISIONS``: the dtype of the matmuls.
+        eps: added to the Frobenius norm before dividing by it.
+        reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
+        part: ``(p, k, gather)``: this place is the ``p``-th of ``k`` and computes only rows
+            ``cut(g, k)[p]`` of ``p(G)``; ``gather(poly)`` fills the other places' rows of
+            ``poly`` in place (an all-gather).
+
+    Returns:
+        This shard of ``NS_k(X)``, same shape and dtype as ``x``.
+    """
+    place = part[:2] if part is not None else None
+    gather = part[2] if part is not None else None
+    steps_ = sharded_newton_schulz_steps(
+        x, dim, steps, coefficients, precision, eps, reassociate, place
+    )
+    return serve(steps_, {SUM: reduce, GATHER: gather})
+
+
+def serve(steps: Generator[Request, None, Tensor], handlers: dict) -> Tensor:
+    """Run a generator of requests (``sharded_newton_schulz_steps``) to its end, each request
+    ``(kind, t)`` served in place by ``handlers[kind](t)`` before the generator resumes.
+
+    Args:
+        steps: the generator.
+        handlers: ``{SUM: sum in place, GATHER: fill the other rows in place}``.
+
+    Returns:
+        The generator's return value.
+    """
+    try:
+        kind, t = next(steps)
+        while True:
+            handlers[kind](t)
+            kind, t = steps.send(None)
+    except StopIteration as done:
+        return done.value
+
+
+def sharded_newton_schulz_steps(
+    x: Tensor,
+    dim: int,
+    steps: int = DEFAULT_STEPS,
+    coefficients: str | CoefficientSet | Sequence[Triple] = DEFAULT_COEFFICIENTS,
+    precision: str = DEFAULT_PRECISION,
+    eps: float = DEFAULT_EPS,
+    reassociate: bool = False,
+    part: Optional[tuple[int, int]] = None,
+) -> Generator[Request, None, Tensor]:
+    """The math of ``sharded_newton_schulz`` as a generator: it yields ``(SUM, t)`` where ``t``
+    must be summed in place over all shards and ``(GATHER, poly)`` where the other places' rows
+    of a split polynomial must be filled in, and returns this shard of ``NS_k(X)``. A caller can
+    so run several matrices' iterations interleaved (one computes while another's sum is in
+    flight) without the math seeing any communication.
 
     With ``p(G) = b G + c G^2`` the step ``X <- a X + p(X X^T) X`` equals ``X <- a X + X
     p(X^T X)``. Row shards X_i (``dim=0``) take the right Gram ``X^T X = sum_i X_i^T X_i`` and
@@ -229,16 +298,18 @@ def sharded_newton_schulz(
     Args:
         x: this place's shard of the 2-D matrix X, in any float dtype (the result keeps it).
         dim: the dimension X is sharded along: 0 for row shards, 1 for column shards.
-        reduce: sums a tensor in place over all shards (e.g. an all-reduce over the TP group).
         steps: iterations k >= 1.
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
         precision: a name in ``PRECISIONS``: the dtype of the matmuls.
         eps: added to the Frobenius norm before dividing by it.
         reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
-        part: ``(p, k, gather)``: this place is the ``p``-th of ``k`` and computes only rows
-            ``cut(g, k)[p]`` of ``p(G)`` (``2 g^2 g/k`` FLOPs instead of ``2 g^3``);
-            ``gather(poly)`` fills the other places' rows of ``poly`` in place (an all-gather).
-            Used instead of ``reassociate`` (the caller decides, ``splits_polynomial``).
+        part: ``(p, k)``: this place is the ``p``-th of ``k`` and computes only rows
+            ``cut(g, k)[p]`` of ``p(G)`` (``2 g^2 g/k`` FLOPs instead of ``2 g^3``), then yields
+            ``(GATHER, poly)``. Used instead of ``reassociate`` (the caller decides,
+            ``splits_polynomial``).
+
+    Yields:
+        ``(SUM, tensor)`` and ``(GATHER, poly)`` requests, served in place before resuming.
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -246,15 +317,16 @@ def sharded_newton_schulz(
     dtype = compute_dtype(precision)
     buf = x.to(dtype, copy=True)
     sq = buf.float().square().sum()
-    reduce(sq)
+    yield SUM, sq
     buf.div_(sq.sqrt().to(dtype).add_(eps))
     for a, b, c in coefficient_set(coefficients).schedule(steps):
         gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
         gram = gram.float()
-        reduce(gram)
+        yield SUM, gram
         gram = gram.to(dtype)
         if part is not None:
             poly = _split_polynomial(gram, b, c, *part)
+            yield GATHER, poly
         elif reassociate and reassociates(buf.shape[1 - dim], buf.shape[dim]):
             buf = _reassociated_step(buf, gram, dim, a, b, c)
             continue
@@ -303,13 +375,13 @@ def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: b
     return not reassociate or -(-gram_side // parts) < -(-long_side // parts)
 
 
-def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int, gather) -> Tensor:
-    """``p(G) = b G + c G G``, rows ``cut(g, k)[p]`` computed here, the others gathered."""
+def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int) -> Tensor:
+    """``p(G) = b G + c G G``, rows ``cut(g, k)[p]`` computed here (the others to be
+    gathered)."""
     g = gram.shape[0]
     lo, hi = p * g // k, (p + 1) * g // k
     poly = torch.empty_like(gram)
     torch.addmm(gram[lo:hi], gram[lo:hi], gram, beta=b, alpha=c, out=poly[lo:hi])
-    gather(poly)
     return poly
 
 
