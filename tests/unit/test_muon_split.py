@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.core.optimizer import muon_split
-from megatron.core.optimizer.muon_split import Block, block_views, critical_path
+from megatron.core.optimizer.muon_split import ALL, POST, WAIT, Block, block_views, critical_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import projection  # noqa: E402
@@ -38,25 +38,38 @@ def test_block_views_and_range_match_brute_force(block):
         assert inside[start:end] == want
 
 
-def test_critical_path_waits_for_the_last_member_of_each_collective():
-    # rank 0 and 1 sum after 5 and 2 FLOPs (ends at 5); then all three meet: 5, 5 + 3, 10 -> 10;
-    # then rank 1 and 2 sum after 4 and 1 more (ends at 14).
-    everyone = (0, 1, 2)
+EVERYONE = (0, 1, 2)
+
+
+def test_critical_path_overlaps_a_posted_collective_with_the_main_threads_work():
+    # Ranks 0 and 1 post a sum after 5 and 2 FLOPs: it runs 5 -> 9 (sync = elements) while
+    # rank 0 computes 3 more (5 -> 8); rank 0 waits until 9, the all-to-all ends when the last
+    # arrives. Blocking on the sum instead would end rank 0 at 5 + 4 + 3 = 12.
     traces = [
-        [(5, (0, 1), 1), (0, everyone, 0)],
-        [(2, (0, 1), 1), (3, everyone, 0), (4, (1, 2), 1)],
-        [(10, everyone, 0), (1, (1, 2), 1)],
+        [(5, POST, (0, 1), 4), (3, WAIT, (0, 1), 4), (0, ALL, EVERYONE, 0)],
+        [(2, POST, (0, 1), 4), (0, WAIT, (0, 1), 4), (0, ALL, EVERYONE, 0)],
+        [(1, ALL, EVERYONE, 0)],
     ]
-    assert critical_path(traces) == 14
-    assert critical_path(traces, sync=lambda members, n: n) == 15  # sums last 1: 6, 10, 15
+    assert critical_path(traces, sync=lambda members, n: n) == 9
+    assert critical_path(traces) == 8  # free links: the sum ends when its last member posts
+
+
+def test_critical_path_serves_a_ranks_posts_one_at_a_time_in_order():
+    # Rank 0 posts to (0, 1), then (0, 2); rank 1 posts late (6): its sum runs 6 -> 8, and only
+    # then does rank 0's communication thread start the sum with rank 2 (8 -> 10), although
+    # rank 2 posted at 0.
+    traces = [
+        [(1, POST, (0, 1), 2), (0, POST, (0, 2), 2), (0, WAIT, (0, 1), 2), (0, WAIT, (0, 2), 2)],
+        [(6, POST, (0, 1), 2), (0, WAIT, (0, 1), 2)],
+        [(0, POST, (0, 2), 2), (0, WAIT, (0, 2), 2)],
+    ]
+    traces = [t + [(0, ALL, EVERYONE, 0)] for t in traces]
+    assert critical_path(traces, sync=lambda members, n: n) == 10
 
 
 def test_critical_path_refuses_a_schedule_that_waits_in_a_circle():
-    traces = [
-        [(0, (0, 1), 1), (0, (0, 2), 1)],
-        [(0, (1, 2), 1), (0, (0, 1), 1)],
-        [(0, (0, 2), 1), (0, (1, 2), 1)],
-    ]
+    posts = [((0, 1), (0, 2)), ((1, 2), (0, 1)), ((0, 2), (1, 2))]  # no one global order
+    traces = [[(0, POST, m, 1) for m in mine] + [(0, WAIT, m, 1) for m in mine] for mine in posts]
     with pytest.raises(AssertionError, match="circle"):
         critical_path(traces)
 

@@ -11,16 +11,19 @@ ranks, and a rank may hold none of it. Newton-Schulz needs whole matrices. Per s
    Newton-Schulz FLOPs on the step's critical path (``muon_plan.py``);
 3. per *exchange* (all Muon buckets of one DP group; dense and expert params have different DP
    groups) one ``all_to_all`` sends every piece of every matrix (block) to its owner;
-4. each rank runs its gang blocks (in the plan's gang order; the squared norm and one Gram matrix
-   per iteration summed over the gang, ``_gang_sum``, and where the gang splits its polynomial
-   the members' rows of it gathered, ``_gang_gather``), then its whole matrices one after the
-   other, all through the tensor-parallel orthogonalizer (which makes them TP-global in exact TP
-   modes: owners agree across TP ranks because bucket layouts do); one ``all_to_all`` returns
-   each rank exactly its pieces;
+4. each rank runs its gang blocks, all in flight together (``_run_gangs``): their iterations
+   interleaved in rounds on the main thread, each block's collectives (the squared norm and one
+   Gram matrix per iteration summed over the gang, ``_gang_sum``, and where the gang splits its
+   polynomial the members' rows of it gathered, ``_gang_gather``) served one at a time by a
+   communication thread, so one block's sum overlaps the other blocks' matmuls; then its whole
+   matrices one after the other, all through the tensor-parallel orthogonalizer (which makes
+   them TP-global in exact TP modes: owners agree across TP ranks because bucket layouts do);
+   one ``all_to_all`` returns each rank exactly its pieces;
 5. each rank applies weight decay and the scaled update to its shards (in ``Muon``).
 
 Schedule. The exchanges are the only DP-wide synchronizations and gang collectives the only
-others, so the Newton-Schulz time on the critical path is ``plan.critical_path_flops()``: with
+others, so the Newton-Schulz time on the critical path is ``plan.critical_path_flops()``
+(``muon_split.critical_path`` of the main and communication threads' schedule): with
 one exchange per DP group every rank works through all it owns whatever the DDP bucket size,
 and gangs keep the busiest rank near total / dp where one matrix alone would exceed it
 (``plan.efficiency()`` = ideal / critical path, ideal = total / dp). ``plan.with_window(1)`` is
@@ -38,9 +41,10 @@ the elements of the matrices (blocks) it owns, the exchange buffers hold at most
 elements at a time (the send buffer, which the communication library may hold until its work is
 released, and the receive buffer, reused for the results when both directions use one dtype; the
 return receive buffer replaces the forward one; held parts of split matrices are assembled into
-one more shard-sized copy), plus the working set of ONE owned unit while it is orthogonalized.
-Balanced owners make ``O ~ S ~ M/dp`` (M = Muon elements of the DP group): ~``2 M/dp`` exchange
-elements + the largest owned unit's working set; tests measure the peak against this bound.
+one more shard-sized copy), plus the working sets of its gang blocks (in flight together, each
+~``1/k`` of a matrix) or of ONE whole matrix while it is orthogonalized. Balanced owners make
+``O ~ S ~ M/dp`` (M = Muon elements of the DP group): ~``2 M/dp`` exchange elements + the larger
+of those working sets; tests measure the peak against this bound.
 
 Bytes. Only owners receive matrices (blocks): per step a rank moves (sends + receives, each
 direction) its own shard plus what it owns, ~``4 M/dp`` elements in all, against ``2 M`` for an
@@ -59,6 +63,7 @@ and ``offset`` is the shard's first element within the flattened TP-local matrix
 import dataclasses
 import functools
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,7 +78,7 @@ from .muon_functional import (
     MatrixFn,
     MuonParamInfo,
     Orthogonalizer,
-    orthogonalize_sharded,
+    orthogonalize_sharded_steps,
     timed,
 )
 from .muon_plan import (
@@ -85,9 +90,9 @@ from .muon_plan import (
     ns_cost,
     tp_ns_cost,
 )
-from .muon_split import NSCostModel, Unit, block_views, cut, node_layout, ring_traffic
+from .muon_split import NSCostModel, block_views, cut, node_layout, ring_traffic
 from .muon_tp import TPOrthogonalizer, all_gather_ranges, ortho_spec_of
-from .newton_schulz import compute_dtype
+from .newton_schulz import GATHER, SUM, compute_dtype
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -186,43 +191,105 @@ class DistributedMuonOrthogonalizer:
     def _orthogonalize_owned(
         self, ex: Exchange, receives: list[Piece], received: Tensor, matrix_fn
     ):
-        """NS of each owned unit in turn (gang blocks first, in the plan's gang order, then whole
-        matrices); results laid out like ``received`` (same pieces, same order), in the return
-        dtype: over ``received`` itself when the dtypes agree."""
+        """NS of the owned units: gang blocks together, interleaved (``_run_gangs``), then
+        whole matrices one at a time; results laid out like ``received`` (same pieces, same
+        order), in the return dtype: over ``received`` itself when the dtypes agree."""
         same = self.return_dtype == self.forward_dtype
         results = received if same else torch.empty_like(received, dtype=self.return_dtype)
         at = _offsets_by_matrix(receives)
         gangs = [i for i in ex.gangs if i in at]
-        for i in gangs + [i for i in at if i not in set(gangs)]:
-            slot = self.plan.matrices[i]
-            unit = slot.unit_of(self.plan.rank)
-            block = received.new_empty(unit.block.shape, dtype=self.update_dtype)
-            flat = block.view(-1)
-            for p, offset in at[i]:
-                flat[p.lo : p.hi] = received[offset : offset + p.size]
-            orth = self._orthogonalize(ex, slot, unit, block, matrix_fn).reshape(-1)
-            del block, flat
-            for p, offset in at[i]:
-                results[offset : offset + p.size] = orth[p.lo : p.hi]
+        if gangs:
+            blocks = [self._assemble(i, at[i], received) for i in gangs]
+            orths = self._run_gangs(ex, gangs, blocks, matrix_fn)
+            del blocks
+            for i, orth in zip(gangs, orths):
+                self._scatter(at[i], orth.reshape(-1), results)
+            del orths
+        for i in [i for i in at if i not in set(gangs)]:
+            block = self._assemble(i, at[i], received)
+            orth = self.inner([block], [self.plan.matrices[i].info], matrix_fn)[0]
+            del block
+            self._scatter(at[i], orth.reshape(-1), results)
         return results
 
-    def _orthogonalize(self, ex: Exchange, slot: MatrixSlot, unit: Unit, block, matrix_fn):
-        """``s * NS`` of an owned unit: a whole matrix through the TP orthogonalizer, or this
-        rank's block of a gang, the Gram matrices summed over the gang (``_gang_sum``)."""
-        if not unit.gang:
-            return self.inner([block], [slot.info], matrix_fn)[0]
-        members, tp = unit.members, self._sharing(slot.info)
-        reduce = functools.partial(self._gang_sum, ex, members, tp)
-        part = None
-        if unit.splits:  # the gang splits its polynomials by rows (``NSCostModel.splits``)
-            gather = functools.partial(self._gang_gather, ex, members, tp)
-            part = (members.index(self.plan.rank), len(members), gather)
-        gang_fn = functools.partial(
-            _gang_blocks, spec=ortho_spec_of(matrix_fn), axis=unit.axis, reduce=reduce, part=part
-        )
-        if isinstance(self.inner, TPOrthogonalizer):  # gathers the block over TP first
-            return self.inner([block], [slot.info], gang_fn)[0]
-        return gang_fn([block], [slot.info])[0]
+    def _assemble(self, i: int, pieces: list, received: Tensor) -> Tensor:
+        """This rank's unit of matrix ``i`` from its received pieces, in the update dtype."""
+        unit = self.plan.matrices[i].unit_of(self.plan.rank)
+        block = received.new_empty(unit.block.shape, dtype=self.update_dtype)
+        flat = block.view(-1)
+        for p, offset in pieces:
+            flat[p.lo : p.hi] = received[offset : offset + p.size]
+        return block
+
+    @staticmethod
+    def _scatter(pieces: list, orth: Tensor, results: Tensor) -> None:
+        for p, offset in pieces:
+            results[offset : offset + p.size] = orth[p.lo : p.hi]
+
+    def _run_gangs(self, ex: Exchange, gangs: list[int], blocks: list[Tensor], matrix_fn):
+        """``s * NS`` of this rank's gang blocks, all in flight together: each block's
+        iteration (``orthogonalize_sharded_steps``) runs on this thread, its sums and gathers
+        over the gang on a communication thread (``_interleave``), so one block's collective
+        overlaps the others' matmuls. In the ``duplicated`` TP mode the blocks are TP-gathered
+        all first and sliced after (``TPOrthogonalizer.together``): the main thread runs no
+        collective while the communication thread does."""
+        slots = [self.plan.matrices[i] for i in gangs]
+        units = [slot.unit_of(self.plan.rank) for slot in slots]
+        spec = ortho_spec_of(matrix_fn)
+
+        def gang_fn(updates: list[Tensor], infos: list) -> list[Tensor]:
+            steps, serve = [], []
+            for u, info, unit in zip(updates, infos, units):
+                members = unit.members
+                part = (members.index(self.plan.rank), len(members)) if unit.splits else None
+                steps.append(orthogonalize_sharded_steps(u, info, spec, unit.axis, True, part))
+                tp = self._sharing(info)
+                serve.append(
+                    {
+                        SUM: functools.partial(self._gang_sum, ex, members, tp),
+                        GATHER: functools.partial(self._gang_gather, ex, members, tp),
+                    }
+                )
+            return self._interleave(steps, serve, [unit.members for unit in units])
+
+        infos = [slot.info for slot in slots]
+        if isinstance(self.inner, TPOrthogonalizer):
+            return self.inner.together(blocks, infos, gang_fn)
+        return gang_fn(blocks, infos)
+
+    def _interleave(self, steps: list, serve: list[dict], members: list[tuple]) -> list[Tensor]:
+        """Run the generators ``steps`` (gang order) in rounds: in each, every unit still
+        running waits for its last request to be served, computes up to its next request and
+        posts it to a communication thread, which serves posts one at a time in post order
+        (``muon_split.pipelined`` is this schedule; ``critical_path`` its time). Every member of
+        a gang posts its requests in the same global order (round, gang order), so the rings of
+        different gangs never wait on each other in a circle; the thread lives for this call
+        only (none is left when a process forks)."""
+        out: list = [None] * len(steps)
+        pending: list = [None] * len(steps)
+        live = list(range(len(steps)))
+        stream = _current_stream(self.device)
+        with ThreadPoolExecutor(1, "muon-gang", _use_stream, (stream,)) as pool:
+            while live:
+                for i in list(live):
+                    if pending[i] is not None:
+                        self._wait(pending[i], members[i])
+                    try:
+                        kind, t = next(steps[i]) if pending[i] is None else steps[i].send(None)
+                    except StopIteration as done:
+                        out[i] = done.value
+                        live.remove(i)
+                        continue
+                    pending[i] = self._post(pool, serve[i][kind], t, members[i])
+        return out
+
+    def _post(self, pool, serve, t: Tensor, members: tuple) -> tuple[Future, Tensor]:
+        """Hand ``serve(t)`` (a gang collective over ``members``) to the communication thread."""
+        return pool.submit(serve, t), t
+
+    def _wait(self, posted: tuple[Future, Tensor], members: tuple) -> None:
+        """Wait until a posted collective is done (re-raising what it raised)."""
+        posted[0].result()
 
     def _sharing(self, info):
         """The TP group whose ranks orthogonalize the same gathered block (``duplicated`` mode),
@@ -401,16 +468,6 @@ def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
         work.wait()
 
 
-def _gang_blocks(updates, infos, spec, axis: int, reduce, part) -> list[Tensor]:
-    """``matrix_fn`` of a gang member: its blocks' share of ``s * NS`` (pure math, a sum and a
-    gather in): the polynomial split by rows where the Gram is the short side, else reassociated
-    where the block is narrower than its Gram (``muon_split.NSCostModel.member``)."""
-    return [
-        orthogonalize_sharded(u, info, spec, axis, reduce, reassociate=True, part=part)
-        for u, info in zip(updates, infos)
-    ]
-
-
 def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int]]]:
     """{owned matrix: [(piece, offset in the received buffer)]}, matrices in first-seen order."""
     out: dict[int, list] = {}
@@ -419,6 +476,20 @@ def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int
         out.setdefault(p.matrix, []).append((p, at))
         at += p.size
     return out
+
+
+def _current_stream(device):
+    """The accelerator stream the caller runs on (None on CPU): the communication thread uses
+    it too, so its collectives and adds are ordered after the matmuls that produced their
+    input and before those that consume their output."""
+    if device is None or torch.device(device).type == "cpu":
+        return None
+    return torch.accelerator.current_stream(device)
+
+
+def _use_stream(stream) -> None:
+    if stream is not None:
+        torch.accelerator.set_stream(stream)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -11,12 +11,14 @@ block is contiguous in the block's order, so the key is unique). A rank sends it
 that order (grouped by destination, as ``all_to_all_single`` needs) and an owner receives its
 pieces in that order (grouped by source), so both sides of every link agree by construction.
 
-Counted figures. ``plan.trace(rank)`` lists, per collective the rank takes part in, the matmul
-FLOPs it runs before it: per exchange the forward all-to-all, the sums and gathers of its gangs
-(in the plan's gang order; a gather's size is a ``muon_split.Gather``), then its whole matrices
-and the return all-to-all.
-``critical_path_flops()`` runs those traces (``muon_split.critical_path``: a collective ends when
-its last member arrives); without gangs it is the sum over exchanges of the busiest rank.
+Counted figures. ``plan.trace(rank)`` lists what the rank's main thread does at each point where
+it meets communication, with the matmul FLOPs it runs before: per exchange the forward
+all-to-all, the posts of its gangs' sums and gathers to its communication thread and the waits
+for them (units interleaved in rounds, ``muon_split.pipelined``; a gather's size is a
+``muon_split.Gather``), then its whole matrices and the return all-to-all.
+``critical_path_flops()`` runs those traces (``muon_split.critical_path``: a gang collective
+starts when every member's communication thread is free for it, an all-to-all when its last
+member arrives); without gangs it is the sum over exchanges of the busiest rank.
 ``sync_points()`` counts exchanges plus gang collectives; ``traffic`` the elements moved by the
 all-to-alls, ``sum_traffic`` the bytes of the gang collectives; ``transient_bytes`` bounds the
 exchange's memory.
@@ -29,7 +31,14 @@ from typing import Optional
 
 from .muon_functional import MuonParamInfo
 from .muon_placement import BUNDLES, TARGETS, Work, assign_units
-from .muon_split import NSCostModel, Unit, critical_path, exchange_schedule, member_events
+from .muon_split import (
+    ALL,
+    NSCostModel,
+    Unit,
+    critical_path,
+    exchange_schedule,
+    member_events,
+)
 from .newton_schulz import splits_polynomial
 
 
@@ -320,12 +329,13 @@ class MuonExchangePlan:
         return [sum(f[r] for f in per_ex) for r in range(self.world)]
 
     def trace(self, rank: int) -> list[tuple]:
-        """What ``rank`` executes in a step: each collective as ``(matmul FLOPs before it,
-        members, elements)``: per exchange the forward all-to-all, its gangs' sums (gangs in
-        ``ex.gangs`` order), then its whole matrices and the return all-to-all."""
+        """What ``rank``'s main thread executes in a step, as ``(matmul FLOPs before, op,
+        members, elements)`` entries (``muon_split.exchange_schedule``): per exchange the forward
+        all-to-all, the posts of its gang collectives and the waits for them, then its whole
+        matrices and the return all-to-all."""
         everyone, out = tuple(range(self.world)), []
         for ex in self.exchanges:
-            out.append((0.0, everyone, 0))
+            out.append((0.0, ALL, everyone, 0))
             out += self._schedule(ex)[rank]
         return out
 
@@ -422,8 +432,9 @@ class MuonExchangePlan:
 
     def transient_bytes(self, forward_itemsize, return_itemsize, working_set, rank=None) -> int:
         """Upper bound of the exchange's transient memory on ``rank`` (module docstring):
-        the largest phase of one exchange, plus ``working_set(slot, unit)`` of its largest
-        owned unit (bytes NS holds while orthogonalizing it).
+        the largest phase of one exchange, plus the working sets (``working_set(slot, unit)``:
+        bytes NS holds while orthogonalizing a unit) of all its gang blocks together (they are
+        in flight at once, ``muon_distopt._run_gangs``) or of its largest whole matrix.
 
         Args:
             forward_itemsize: bytes per element of the forward exchange.
@@ -441,7 +452,9 @@ class MuonExchangePlan:
             held = sum(p.size for p in ex.sends(rank))
             owned = sum(p.size for p in ex.receives(rank))
             mine = [(self.matrices[i], self.matrices[i].unit_of(rank)) for i in ex.matrices]
-            work = max((working_set(m, u) for m, u in mine if u is not None), default=0)
+            sets = [(bool(u.gang), working_set(m, u)) for m, u in mine if u is not None]
+            # gang blocks are all in flight together, then whole matrices one at a time
+            work = max(sum(b for gang, b in sets if gang), *(b for gang, b in sets if not gang), 0)
             results = 0 if f == r else owned * r  # else written over the received pieces
             # Held parts of split matrices come back in pieces and are assembled into a copy.
             split = sum(p.size for p in ex.sends(rank) if len(self.matrices[p.matrix].units) > 1)

@@ -20,13 +20,18 @@ After the sum a member of ``r`` lines runs one of three forms (``_after_sum``):
 Where units run (stacked or disjoint gangs, the plan chosen for time at an assumed link) is
 ``muon_placement``; this module is the cost model they are weighed with.
 
-Schedule on every rank, between the two all-to-alls of an exchange: first its gangs, in the
-plan's gang order (the same total order on every rank, so no two gangs wait on each other in a
-circle), then its whole matrices back to back. ``critical_path`` runs that schedule: a
-collective ends when its last participant arrives; the step's NS critical path is when the
-return all-to-all can start.
+Schedule on every rank, between the two all-to-alls of an exchange: first its gang units, all in
+flight together (``pipelined``): in rounds, each unit computes up to its next collective and
+posts it to the rank's communication thread, which serves posts one at a time in one global
+order (round, the plan's gang order), so no two gangs wait on each other in a circle and one
+unit's collective overlaps the others' matmuls; then its whole matrices back to back.
+``critical_path`` runs that schedule: a posted collective starts when every member's
+communication thread is free for it; the step's NS critical path is when the return all-to-all
+can start.
 """
 
+import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -292,6 +297,8 @@ class NSCostModel:
             flops += 2.0 * g * g * lines + sum(e for e in events if isinstance(e, float))
         return self.steps * flops
 
+    # The planner asks the same sizes many times; bounded, and models are few and small.
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019
     def busiest(self, info, axis: int, local: int, k: int, with_link: bool = False) -> float:
         """What the busiest of ``k`` members sharing ``local`` TP-local lines (equal cut)
         spends on the matrix: its matmul FLOPs, plus (``with_link``) its collectives' link time
@@ -462,11 +469,17 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
     return out
 
 
+# What a rank's main thread does at a point of its trace (``exchange_schedule``): hand a gang
+# collective to the communication thread, wait for one it handed over earlier, or run a
+# collective of its own (an all-to-all over the whole DP group).
+POST, WAIT, ALL = "post", "wait", "all"
+
+
 def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, model) -> list:
-    """What every rank runs between the two all-to-alls of one exchange: its gang collectives as
-    ``(matmul FLOPs before it, members, elements)``, gangs in ``gangs`` order, then its whole
-    matrices and the return all-to-all ``(FLOPs, everyone, 0)``. The one source of the plan's
-    ``trace`` and of the planner's ``span``.
+    """What every rank's main thread runs between the two all-to-alls of one exchange, as a
+    trace of ``(matmul FLOPs before it, op, members, elements)``: its gang units interleaved
+    (``pipelined``), then its whole matrices and the return all-to-all ``(FLOPs, ALL,
+    everyone, 0)``. The one source of the plan's ``trace`` and of the planner's ``span``.
 
     Args:
         infos: each matrix's TP-global ``MuonParamInfo``.
@@ -476,26 +489,70 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
         model: the cost model (unused without gangs).
 
     Returns:
-        One list of collectives per rank.
+        One trace per rank.
     """
-    traces: list[list] = [[] for _ in range(world)]
-    flops = [0.0] * world
+    held: list[list] = [[] for _ in range(world)]
     for i in gangs:
         for u in units[i]:
-            for event in member_events(model, infos[i], u.axis, u.lines, u.part):
-                if isinstance(event, float):
-                    flops[u.owner] += event
-                else:
-                    traces[u.owner].append((flops[u.owner], u.members, event))
-                    flops[u.owner] = 0.0
+            held[u.owner].append(
+                (u.members, member_events(model, infos[i], u.axis, u.lines, u.part))
+            )
+    whole = [0.0] * world
     for matrix_units in units:
         for u in matrix_units:
             if not u.gang:
-                flops[u.owner] += u.cost
-    everyone = tuple(range(world))
+                whole[u.owner] += u.cost
+    everyone, traces = tuple(range(world)), []
     for r in range(world):
-        traces[r].append((flops[r], everyone, 0))
+        trace, tail = pipelined(held[r])
+        traces.append(trace + [(tail + whole[r], ALL, everyone, 0)])
     return traces
+
+
+def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
+    """The main thread's trace of a rank running its gang units interleaved, in rounds
+    (``muon_distopt.run_interleaved``): in round ``j`` each unit still running (in gang order)
+    waits for its collective ``j - 1``, computes up to its collective ``j`` and posts it to the
+    communication thread, which serves posts one at a time in order. While one unit's sum is in
+    flight, the rank computes the others'. Every member posts a gang's collectives in the same
+    global order (round, gang order), so no two gangs wait on each other in a circle.
+
+    Args:
+        held: per gang unit of the rank (gang order), ``(members, member_events)``.
+
+    Returns:
+        ``(FLOPs before, POST or WAIT, members, elements)`` entries, and the FLOPs after the
+        last one (the last units' tails).
+    """
+    live = [(members, *_rounds(events)) for members, events in held]
+    trace, flops, j = [], 0.0, 0
+    while live:
+        for unit in list(live):
+            members, segments, collectives = unit
+            if j:
+                trace.append((flops, WAIT, members, collectives[j - 1]))
+                flops = 0.0
+            flops += segments[j]
+            if j < len(collectives):
+                trace.append((flops, POST, members, collectives[j]))
+                flops = 0.0
+            else:
+                live.remove(unit)
+        j += 1
+    return trace, flops
+
+
+def _rounds(events: list) -> tuple[list[float], list[int]]:
+    """A member's events as FLOPs segments and collectives: ``segments[j]`` runs before
+    collective ``j``, ``segments[-1]`` after the last."""
+    segments, collectives = [0.0], []
+    for e in events:
+        if isinstance(e, float):
+            segments[-1] += e
+        else:
+            collectives.append(e)
+            segments.append(0.0)
+    return segments, collectives
 
 
 def split_count(model: NSCostModel, w, target: float, world: int) -> tuple[int, int]:
@@ -544,35 +601,110 @@ def critical_path(
     work: Callable[[float], float] = float,
     sync: Callable[[tuple, int], float] = lambda members, n: 0.0,
 ) -> float:
-    """When the last collective of a schedule ends. ``traces[r]``: rank r's collectives in order,
-    each ``(flops before it, members, elements)``; a collective starts when its last member
-    arrives (after ``work(flops)``) and lasts ``sync(members, elements)``. The k-th collective
-    of a member set on one rank is the k-th on every member (they run one order).
+    """When the last rank's main thread ends a schedule (``exchange_schedule``'s traces).
+
+    Each rank has a main thread, which runs ``traces[r]`` in order, and a communication
+    thread, which serves the main thread's posts one at a time in post order. An entry
+    ``(flops, op, members, elements)`` first runs ``work(flops)`` on the main thread, then:
+    ``POST`` hands a collective to the communication thread and goes on; ``WAIT`` waits for
+    the end of the rank's oldest collective not yet waited for (posts and waits come in one
+    order); ``ALL`` is a collective of the main threads themselves (an all-to-all). A posted
+    collective starts when every member's communication thread has it next and is free, and
+    lasts ``sync(members, elements)``; an ``ALL`` starts when its last member arrives. The
+    k-th collective over a member set on one rank is the k-th on every member (they post in
+    one global order).
 
     Args:
-        traces: per rank, its collectives as (flops before it, members tuple, elements).
+        traces: per rank, its main thread's entries (flops before, op, members, elements).
         work: seconds (or any time unit) that a count of FLOPs takes.
         sync: time a collective over ``members`` of ``elements`` elements takes.
 
     Returns:
-        The time the last rank finishes its last collective.
+        The time the last main thread finishes its last entry.
     """
-    clock, at = [0.0] * len(traces), [0] * len(traces)
-    seen: list[dict] = [{} for _ in traces]
-    arrived: dict[tuple, dict[int, float]] = {}
-    ready = list(range(len(traces)))
-    while ready:
-        r = ready.pop()
-        while at[r] < len(traces[r]):
-            flops, members, n = traces[r][at[r]]
-            key = (members, seen[r].get(members, 0))
-            arrived.setdefault(key, {})[r] = clock[r] + work(flops)
-            if len(arrived[key]) < len(members):
-                break  # resumed by the last member to arrive
-            end = max(arrived.pop(key).values()) + sync(members, n)
-            for m in members:
-                clock[m], at[m] = end, at[m] + 1
-                seen[m][members] = seen[m].get(members, 0) + 1
-            ready += [m for m in members if m != r]
-    assert all(a == len(t) for a, t in zip(at, traces)), "the schedule waits in a circle"
-    return max(clock, default=0.0)
+    return _Schedule(traces, work, sync).run()
+
+
+class _Schedule:
+    """``critical_path``'s event-driven run: ranks run until they wait on something unknown;
+    a collective resolves once every member has posted it and has it first in line."""
+
+    def __init__(self, traces, work, sync):
+        n = len(traces)
+        self.traces, self.work, self.sync = traces, work, sync
+        self.clock, self.at, self.charged = [0.0] * n, [0] * n, [False] * n
+        self.free = [0.0] * n  # when each communication thread is free
+        self.line = [deque() for _ in range(n)]  # posted, unresolved keys, in order
+        self.ends: list[list] = [[] for _ in range(n)]  # end of each post (None: unresolved)
+        self.waited, self.seen = [0] * n, [dict() for _ in range(n)]
+        self.posts: dict[tuple, dict[int, tuple]] = {}  # key: {rank: (time, index, elements)}
+        self.arrived: dict[tuple, dict[int, float]] = {}
+        self.ready = list(range(n))
+
+    def run(self) -> float:
+        while self.ready:
+            self._advance(self.ready.pop())
+        done = all(a == len(t) for a, t in zip(self.at, self.traces))
+        assert done, "the schedule waits in a circle"
+        return max(self.clock, default=0.0)
+
+    def _key(self, r: int, members: tuple, kind: str) -> tuple:
+        count = self.seen[r].get((kind, members), 0)
+        self.seen[r][(kind, members)] = count + 1
+        return (kind, members, count)
+
+    def _advance(self, r: int) -> None:
+        trace = self.traces[r]
+        while self.at[r] < len(trace):
+            flops, op, members, n = trace[self.at[r]]
+            if not self.charged[r]:
+                self.clock[r] += self.work(flops)
+                self.charged[r] = True
+            if op == WAIT:
+                end = self.ends[r][self.waited[r]]
+                if end is None:
+                    return  # resumed when that collective resolves
+                self.clock[r] = max(self.clock[r], end)
+                self.waited[r] += 1
+            elif op == POST:
+                key = self._key(r, members, POST)
+                self.posts.setdefault(key, {})[r] = (self.clock[r], len(self.ends[r]), n)
+                self.line[r].append(key)
+                self.ends[r].append(None)
+                self._resolve(key)
+            else:
+                key = self._key(r, members, ALL)
+                self.arrived.setdefault(key, {})[r] = self.clock[r]
+                if len(self.arrived[key]) < len(members):
+                    self._next(r)
+                    return  # resumed by the last member to arrive
+                end = max(self.arrived.pop(key).values()) + self.sync(members, n)
+                for m in members:
+                    self.clock[m] = end
+                    if m != r:
+                        self.ready.append(m)
+            self._next(r)
+
+    def _next(self, r: int) -> None:
+        self.at[r] += 1
+        self.charged[r] = False
+
+    def _resolve(self, key: tuple) -> None:
+        """Resolve ``key`` if it is due, then whatever that makes due (a work list)."""
+        todo = [key]
+        while todo:
+            key = todo.pop()
+            posts, members = self.posts.get(key, {}), key[1]
+            due = len(posts) == len(members) and all(self.line[m][0] == key for m in members)
+            if not due:
+                continue
+            start = max(max(t, self.free[m]) for m, (t, _, _) in posts.items())
+            end = start + self.sync(members, next(iter(posts.values()))[2])
+            for m, (_, i, _) in self.posts.pop(key).items():
+                self.line[m].popleft()
+                self.free[m], self.ends[m][i] = end, end
+                if self.waited[m] == i and self.at[m] < len(self.traces[m]):
+                    if self.traces[m][self.at[m]][1] == WAIT and self.charged[m]:
+                        self.ready.append(m)  # it was waiting for this one
+                if self.line[m]:
+                    todo.append(self.line[m][0])

@@ -72,6 +72,35 @@ class TPOrthogonalizer:
                 out[i] = self._sharded(u, info, matrix_fn)
         return out
 
+    def together(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
+        """As a call, but ``matrix_fn`` sees all matrices at once (e.g. to interleave their
+        iterations): every TP-sharded one is all-gathered first and sliced after, so no TP
+        collective runs while ``matrix_fn`` does. Only the ``duplicated`` mode (and unsharded
+        params): the others never hand a whole matrix to ``matrix_fn``.
+
+        Args:
+            updates: this rank's shards (or whole matrices).
+            infos: their TP-global infos.
+            matrix_fn: the function of all gathered matrices at once.
+
+        Returns:
+            The results, laid out like ``updates``.
+        """
+        groups = [self._group(info) for info in infos]
+        if self.mode != "duplicated" and any(g is not None for g in groups):
+            raise ValueError(f"together() needs muon_tp_mode 'duplicated', not {self.mode!r}")
+        with timed(self.timers, NS_TIMER):
+            full = [
+                u if g is None else all_gather_dim(u, info.partition_dim, g)
+                for u, info, g in zip(updates, infos, groups)
+            ]
+            out = matrix_fn(full, infos)
+            del full
+            return [
+                o if g is None else o.chunk(g.size(), dim=info.partition_dim)[g.rank()]
+                for o, info, g in zip(out, infos, groups)
+            ]
+
     def _group(self, info):
         """The process group sharding this param, None when it is whole on this rank."""
         group = self.groups.get(getattr(info, "expert", False))
