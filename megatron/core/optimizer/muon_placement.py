@@ -14,14 +14,17 @@ plan on every rank):
   fits ``dp`` ranks is found by bisection and dynamic programming. No rank waits for a gang it is
   not in. Where the nodes are known, gangs fit one node or fill whole nodes.
 
-Ties go to ranks that already hold most of a matrix (fewer bytes moved). The candidate with the
-shortest critical path wins (``span``: ``muon_split.critical_path`` of the schedule with every
-gang collective at the model's link cost, plus the all-to-all's busiest rank), "no splits"
-included. The link cost is a planning assumption (``muon_split.LINK_FLOPS_PER_BYTE``,
+Ties go to ranks that already hold most of a matrix (fewer bytes moved). Both kinds are shaped
+twice, with the model's link cost and with free links (``_shapers``). The candidate with the
+shortest critical path wins (``span``: ``muon_split.critical_path`` of the schedule the
+optimizer runs, gang units interleaved with their collectives in flight on a communication
+thread, every gang collective at the model's link cost, plus the all-to-all's busiest rank),
+"no splits" included. The link cost is a planning assumption (``muon_split.LINK_FLOPS_PER_BYTE``,
 H100-class); it only chooses among exact plans, and a free link (0) gives the plan shortest in
 FLOPs.
 """
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -78,8 +81,10 @@ def assign_units(
     if model is None:
         targets, bundles = (math.inf,), ()
     total = sum(w.cost for w in works)
-    candidates = [_assign(works, world, model, f * total / max(world, 1)) for f in targets]
-    candidates += [bundle_units(works, world, model, n) for n in bundles]
+    candidates = []
+    for shape in _shapers(model):  # placements shaped at the link cost and blind to it
+        candidates += [_assign(works, world, shape, f * total / max(world, 1)) for f in targets]
+        candidates += [bundle_units(works, world, shape, n) for n in bundles]
     best = None
     for units, gangs in (c for c in candidates if c is not None):
         length = span(works, units, gangs, world, model)
@@ -132,6 +137,16 @@ def exchange_elements(works: list[Work], units, world: int) -> tuple[list[int], 
                     sent[holder] += max(hi - lo, 0)
                     received[u.owner] += max(hi - lo, 0)
     return sent, received
+
+
+def _shapers(model: Optional[NSCostModel]) -> list:
+    """The cost models candidates are shaped with: ``model``, and where its links cost
+    anything the same model with free links (placements shortest in FLOPs, which the
+    communication thread's overlap can make the fastest too); all are timed with ``model``."""
+    if model is None or not (model.link_flops_per_byte or model.tp_link_flops_per_byte):
+        return [model]
+    free = dataclasses.replace(model, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
+    return [model, free]
 
 
 def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
