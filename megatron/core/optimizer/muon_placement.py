@@ -25,6 +25,7 @@ FLOPs.
 """
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ def assign_units(
     """Units of each matrix and the gang order (matrix indices) of the best choice; no model:
     no splits. Candidates: stacked gangs at each split target (``_assign``) and disjoint gangs
     of at most ``n`` matrices for each ``n`` in ``bundles`` (``bundle_units``); the shortest
-    critical path wins, gang collectives charged at the model's link cost (``span``).
+    critical path wins, gang collectives charged at the model's link cost (``span``); among
+    equally short ones, the one with the shortest FLOP critical path (the better balanced).
 
     Args:
         works: the Muon matrices of one exchange, as the planner sees them.
@@ -88,14 +90,18 @@ def assign_units(
     best = None
     for units, gangs in (c for c in candidates if c is not None):
         length = span(works, units, gangs, world, model)
-        if best is None or length < best[2]:
+        if best is None or length < best[2] and not math.isclose(length, best[2], rel_tol=1e-9):
             best = (units, gangs, length)
+        elif math.isclose(length, best[2], rel_tol=1e-9) and model is not None:
+            flops = functools.partial(span, works, world=world, model=model, link=False)
+            if flops(units, gangs) < flops(best[0], best[1]):  # a tie: fewer FLOPs on the path
+                best = (units, gangs, length)
     return best[0], best[1]
 
 
-def span(works: list[Work], units, gangs: list[int], world: int, model) -> float:
+def span(works: list[Work], units, gangs: list[int], world: int, model, link=True) -> float:
     """The critical path of an assignment, gang collectives at ``model.sync_flops``: every rank
-    runs its gang units in ``gangs`` order, then its whole matrices (``exchange_schedule``).
+    runs its gang units interleaved, then its whole matrices (``exchange_schedule``).
 
     Args:
         works: the matrices.
@@ -103,12 +109,13 @@ def span(works: list[Work], units, gangs: list[int], world: int, model) -> float
         gangs: the split matrices' indices, in the order every rank runs them.
         world: the DP group's size.
         model: the cost model (None: no gangs, no link cost).
+        link: charge the gang collectives and the all-to-all (else: FLOPs only).
 
     Returns:
         FLOP units: matmul FLOPs plus link time expressed in FLOPs.
     """
     traces = exchange_schedule([w.info for w in works], units, gangs, world, model)
-    if model is None:
+    if model is None or not link:
         return critical_path(traces)
     moved = max(max(pair) for pair in zip(*exchange_elements(works, units, world)))
     exchange = moved * model.exchange_itemsizes * model.link_flops_per_byte
