@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron.core.optimizer import muon_split
+from megatron.core.optimizer.muon_distopt import CommStreams
 from megatron.core.optimizer.muon_split import ALL, POST, WAIT, Block, block_views, critical_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -169,3 +170,42 @@ def test_a_gang_splits_its_polynomial_where_it_saves_time():
     slow = dataclasses.replace(model, link_flops_per_byte=1e6)
     assert free.splits(info, 0, info.shape[0], 8) and not slow.splits(info, 0, info.shape[0], 8)
     assert free.busiest(info, 0, info.shape[0], 8) < slow.busiest(info, 0, info.shape[0], 8)
+
+
+class _FakeStream:
+    """Stands for an accelerator stream: logs what is recorded on it and what it waits for."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def record_event(self):
+        event = f"{self.name}-event-{len(self.log)}"
+        self.log.append(("record", self.name, event))
+        return event
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event))
+
+
+def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer():
+    """On an accelerator the communication thread works on a stream of its own: it waits for an
+    event recorded on the compute stream at the post, and the compute stream waits for an event
+    recorded after the collective (``muon_distopt.CommStreams``; no GPU here, so fake streams
+    check the protocol). On CPU every step is a no-op."""
+    log: list = []
+    streams = CommStreams(_FakeStream("compute", log), _FakeStream("comm", log))
+    ready = streams.ready()
+    done = streams.serve(lambda t: log.append(("serve", t)), "gram", ready)
+    streams.done(done)
+    assert log == [
+        ("record", "compute", ready),
+        ("wait", "comm", ready),
+        ("serve", "gram"),
+        ("record", "comm", done),
+        ("wait", "compute", done),
+    ]
+    cpu = CommStreams.of(torch.device("cpu"))
+    served = []
+    assert cpu.serve(served.append, "gram", cpu.ready()) is None and served == ["gram"]
+    cpu.enter()
+    cpu.done(None)

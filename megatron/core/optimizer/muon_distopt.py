@@ -129,6 +129,7 @@ class DistributedMuonOrthogonalizer:
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
         self.timers = getattr(inner, "timers", None)  # Megatron's: times the all-to-alls
         self.sum_bytes = 0.0  # of the last step's gang sums (ring model)
+        self.streams: Optional[CommStreams] = None  # made at the first step with gangs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -268,8 +269,9 @@ class DistributedMuonOrthogonalizer:
         out: list = [None] * len(steps)
         pending: list = [None] * len(steps)
         live = list(range(len(steps)))
-        stream = _current_stream(self.device)
-        with ThreadPoolExecutor(1, "muon-gang", _use_stream, (stream,)) as pool:
+        if self.streams is None:
+            self.streams = CommStreams.of(self.device)
+        with ThreadPoolExecutor(1, "muon-gang", self.streams.enter) as pool:
             while live:
                 for i in list(live):
                     if pending[i] is not None:
@@ -285,11 +287,11 @@ class DistributedMuonOrthogonalizer:
 
     def _post(self, pool, serve, t: Tensor, members: tuple) -> tuple[Future, Tensor]:
         """Hand ``serve(t)`` (a gang collective over ``members``) to the communication thread."""
-        return pool.submit(serve, t), t
+        return pool.submit(self.streams.serve, serve, t, self.streams.ready()), t
 
     def _wait(self, posted: tuple[Future, Tensor], members: tuple) -> None:
         """Wait until a posted collective is done (re-raising what it raised)."""
-        posted[0].result()
+        self.streams.done(posted[0].result())
 
     def _sharing(self, info):
         """The TP group whose ranks orthogonalize the same gathered block (``duplicated`` mode),
@@ -478,18 +480,47 @@ def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int
     return out
 
 
-def _current_stream(device):
-    """The accelerator stream the caller runs on (None on CPU): the communication thread uses
-    it too, so its collectives and adds are ordered after the matmuls that produced their
-    input and before those that consume their output."""
-    if device is None or torch.device(device).type == "cpu":
-        return None
-    return torch.accelerator.current_stream(device)
+class CommStreams:
+    """How the communication thread's work is ordered against the main thread's matmuls on an
+    accelerator: it runs on a stream of its own (so its transfers and ring adds do not queue
+    behind matmuls posted later, as ``muon_split.critical_path`` assumes), after an event the
+    main thread records on its compute stream when it posts a tensor, and the main thread's
+    stream waits for an event recorded after the collective before it uses the tensor again.
+    A tensor is only touched by the other side between those events, and is freed by the main
+    thread after its wait, so the caching allocator cannot hand its memory to the other stream
+    early. On CPU (``compute`` None) every method is a no-op: gloo's collectives are done when
+    they return."""
 
+    def __init__(self, compute=None, comm=None):
+        self.compute, self.comm = compute, comm
 
-def _use_stream(stream) -> None:
-    if stream is not None:
-        torch.accelerator.set_stream(stream)
+    @classmethod
+    def of(cls, device) -> "CommStreams":
+        """The streams for ``device``: none on CPU, else its current stream and a new one."""
+        if device is None or torch.device(device).type == "cpu":
+            return cls()
+        return cls(torch.accelerator.current_stream(device), torch.Stream(device=device))
+
+    def enter(self) -> None:
+        """The communication thread's initializer: its current stream is ``comm``."""
+        if self.comm is not None:
+            torch.accelerator.set_stream(self.comm)
+
+    def ready(self):
+        """Main thread, at a post: an event after the work that produced the tensor."""
+        return self.compute.record_event() if self.compute is not None else None
+
+    def serve(self, serve, t: Tensor, ready):
+        """Communication thread: ``serve(t)`` after ``ready``; an event after it."""
+        if ready is not None:
+            self.comm.wait_event(ready)
+        serve(t)
+        return self.comm.record_event() if self.comm is not None else None
+
+    def done(self, event) -> None:
+        """Main thread, at a wait: its stream waits for the collective's ``event``."""
+        if event is not None:
+            self.compute.wait_event(event)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
