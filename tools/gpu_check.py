@@ -53,6 +53,35 @@ def check_ns_speed(device: str) -> str:
     return f"NS 4096x4096 bf16: ours {ours * 1e3:.2f} ms, torch.optim.Muon {theirs * 1e3:.2f} ms"
 
 
+def check_comm_streams(device: str) -> str:
+    """The gang communication thread's stream protocol (``muon_distopt.CommStreams``) on the
+    device: a tensor produced by a long matmul chain on the compute stream is changed in place on
+    the communication thread's own stream, and the compute stream reads it after the wait. A
+    missing event would read a stale or half-written tensor (the chain is long enough to still
+    be running when the thread starts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron.core.optimizer.muon_distopt import CommStreams
+
+    streams = CommStreams.of(torch.device(device))
+    x = torch.randn(2048, 2048, device=device) / 2048**0.5
+    want = x.clone()
+    for _ in range(20):
+        want = want @ x
+    want = (want * 3).cpu()
+    with ThreadPoolExecutor(1, "check", streams.enter) as pool:
+        for _ in range(5):
+            t = x.clone()
+            for _ in range(20):
+                t = t @ x
+            posted = pool.submit(streams.serve, lambda y: y.mul_(3), t, streams.ready())
+            streams.done(posted.result())
+            got = t.cpu()
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), "stream order broken"
+    own = streams.comm is not None and streams.comm != streams.compute
+    return f"communication thread on {'its own stream' if own else 'no stream (CPU)'}: ordered"
+
+
 def _time(fn, device: str, repeats: int = 10) -> float:
     fn()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -133,13 +162,14 @@ def main() -> int:
 
         cpu_mode.enable()
     failed = 0
-    for check in (check_newton_schulz, check_ns_speed, check_training_resume):
+    checks = (check_newton_schulz, check_ns_speed, check_comm_streams, check_training_resume)
+    for check in checks:
         try:
             print(f"PASS {check.__name__}: {check(device)}", flush=True)
         except Exception as err:  # report every check, then fail
             failed += 1
             print(f"FAIL {check.__name__}: {type(err).__name__}: {err}"[:4000], flush=True)
-    print(f"{3 - failed} passed, {failed} failed")
+    print(f"{len(checks) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

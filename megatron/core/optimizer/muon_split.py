@@ -511,11 +511,11 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
 
 def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
     """The main thread's trace of a rank running its gang units interleaved, in rounds
-    (``muon_distopt.run_interleaved``): in round ``j`` each unit still running (in gang order)
-    waits for its collective ``j - 1``, computes up to its collective ``j`` and posts it to the
-    communication thread, which serves posts one at a time in order. While one unit's sum is in
-    flight, the rank computes the others'. Every member posts a gang's collectives in the same
-    global order (round, gang order), so no two gangs wait on each other in a circle.
+    (``DistributedMuonOrthogonalizer._interleave``): in round ``j`` each unit still running (in
+    gang order) waits for its collective ``j - 1``, computes up to its collective ``j`` and posts
+    it to the communication thread, which serves posts one at a time in order. While one unit's
+    sum is in flight, the rank computes the others'. Every member posts a gang's collectives in
+    the same global order (round, gang order), so no two gangs wait on each other in a circle.
 
     Args:
         held: per gang unit of the rank (gang order), ``(members, member_events)``.
