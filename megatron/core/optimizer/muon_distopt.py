@@ -511,7 +511,16 @@ class CommStreams:
         return self.compute.record_event() if self.compute is not None else None
 
     def serve(self, serve, t: Tensor, ready):
-        """Communication thread: ``serve(t)`` after ``ready``; an event after it."""
+        """Communication thread: ``serve(t)`` after ``ready``.
+
+        Args:
+            serve: the collective, in place on ``t`` (``_gang_sum`` or ``_gang_gather``).
+            t: the tensor the main thread posted.
+            ready: the event ``ready()`` gave at the post (None on CPU).
+
+        Returns:
+            An event recorded after the collective (None on CPU), for ``done``.
+        """
         if ready is not None:
             self.comm.wait_event(ready)
         serve(t)
