@@ -158,7 +158,7 @@ def _counted_split_step(nodes=(), disjoint=False):
     everyone = tuple(range(plan.world))
     _mark(ortho, "_all_to_all", lambda *a, **k: (ALL, everyone, 0), counter, trace)
     _mark(ortho, "_post", lambda pool, serve, t, m: (POST, m, t.numel()), counter, trace)
-    _mark(ortho, "_wait", lambda posted, m: (WAIT, m, posted[1].numel()), counter, trace)
+    _mark(ortho, "_wait", lambda p: (WAIT, p.members, p.tensor.numel()), counter, trace)
     peaks = record_peaks(ortho)
     count_optimizer_step(optimizer, counter)
     train_step(spec, model, optimizer, global_batches(spec, 1)[0])

@@ -275,7 +275,7 @@ class DistributedMuonOrthogonalizer:
             while live:
                 for i in list(live):
                     if pending[i] is not None:
-                        self._wait(pending[i], members[i])
+                        self._wait(pending[i])
                     try:
                         kind, t = next(steps[i]) if pending[i] is None else steps[i].send(None)
                     except StopIteration as done:
@@ -285,13 +285,13 @@ class DistributedMuonOrthogonalizer:
                     pending[i] = self._post(pool, serve[i][kind], t, members[i])
         return out
 
-    def _post(self, pool, serve, t: Tensor, members: tuple) -> tuple[Future, Tensor]:
+    def _post(self, pool, serve, t: Tensor, members: tuple) -> "Posted":
         """Hand ``serve(t)`` (a gang collective over ``members``) to the communication thread."""
-        return pool.submit(self.streams.serve, serve, t, self.streams.ready()), t
+        return Posted(pool.submit(self.streams.serve, serve, t, self.streams.ready()), t, members)
 
-    def _wait(self, posted: tuple[Future, Tensor], members: tuple) -> None:
+    def _wait(self, posted: "Posted") -> None:
         """Wait until a posted collective is done (re-raising what it raised)."""
-        self.streams.done(posted[0].result())
+        self.streams.done(posted.future.result())
 
     def _sharing(self, info):
         """The TP group whose ranks orthogonalize the same gathered block (``duplicated`` mode),
@@ -478,6 +478,16 @@ def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int
         out.setdefault(p.matrix, []).append((p, at))
         at += p.size
     return out
+
+
+@dataclass(frozen=True)
+class Posted:
+    """A gang collective handed to the communication thread: its future (an event or None),
+    the tensor it works on in place, the gang's members."""
+
+    future: Future
+    tensor: Tensor
+    members: tuple[int, ...]
 
 
 class CommStreams:
