@@ -132,18 +132,22 @@ def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: i
     return total
 
 
-def ns_seconds(plan: MuonExchangePlan, rate: float, link: float, tp_link: float) -> float:
+def ns_seconds(
+    plan: MuonExchangePlan, rate: float, link: float, tp_link: float, latency: float = 0.0
+) -> float:
     """The plan's NS critical path in seconds: matmuls at ``rate``, each gang collective as a
     ring over a duplex link (``NSCostModel.ring_bytes``: a fp32 sum ``2 (k - 1) / k`` of the
     tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype; ``1 / tp`` of it
-    per TP rank where TP ranks share the block, then an all-gather over TP at ``tp_link``)."""
+    per TP rank where TP ranks share the block, then an all-gather over TP at ``tp_link``),
+    plus ``latency`` seconds per dependent ring step (``NSCostModel.ring_steps``)."""
     traces = [plan.trace(r) for r in range(plan.world)]
 
     def ring(members: tuple, elements: int) -> float:
         if not elements:
             return 0.0
         slow, fast = plan.model.ring_bytes(members, elements)
-        return slow / link + (fast + plan.model.tp_bytes(elements)) / tp_link
+        steps = plan.model.ring_steps(members, elements) * latency
+        return slow / link + (fast + plan.model.tp_bytes(elements)) / tp_link + steps
 
     return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
 
@@ -165,11 +169,12 @@ def project(model: str, dp: int, a) -> dict:
         ns_itemsize=a.ns_bytes,
         exchange_itemsizes=forward + a.exchange_bytes,
         nodes=tuple(r // max(1, a.gpus_per_node // tp) for r in range(dp)),
+        step_latency_flops=rate * a.step_latency_us * 1e-6,
     )
     plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), link_model)
     unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
     # The plan a planner blind to the link would choose: shortest FLOP critical path.
-    free = dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
+    free = dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0, step_latency_flops=0.0)
     flop_only = plan.rebuilt(model=dataclasses.replace(link_model, **free))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
     return {
@@ -180,12 +185,12 @@ def project(model: str, dp: int, a) -> dict:
         "gpus": dp * tp,
         "buckets": len(plan.buckets),
         "step": 6 * total * a.tokens / (dp * tp * rate),
-        "ns": ns_seconds(plan, rate, link, tp_link),
+        "ns": ns_seconds(plan, rate, link, tp_link, a.step_latency_us * 1e-6),
         "ns_flops": plan.critical_path_flops() / rate,
         "efficiency": plan.efficiency(),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
         "comm": exchange_seconds(plan, forward, a.exchange_bytes, link),
-        "flop_ns": ns_seconds(flop_only, rate, link, tp_link),
+        "flop_ns": ns_seconds(flop_only, rate, link, tp_link, a.step_latency_us * 1e-6),
         "flop_ns_flops": flop_only.critical_path_flops() / rate,
         "flop_efficiency": flop_only.efficiency(),
         "unsplit_ns": unsplit.critical_path_flops() / rate,
@@ -239,6 +244,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--gpus-per-node", type=int, default=8, help="NVLink domain; DP ranks fill nodes in order"
     )
+    parser.add_argument(
+        "--step-latency-us",
+        type=float,
+        default=0.0,
+        help="latency of one ring step of a gang collective (0: bytes only)",
+    )
     parser.add_argument("--tokens", type=int, default=4 * 1024 * 1024, help="global batch")
     parser.add_argument("--exchange-bytes", type=int, default=4, help="4 fp32 (default), 2 bf16")
     parser.add_argument("--ns-bytes", type=int, default=2, help="NS matmul dtype: 2 bf16 (default)")
@@ -258,6 +269,7 @@ def main(argv=None) -> list[dict]:
         f"{a.link_gbps:g} Gb/s links, {a.tokens:,} tokens/step, exchange {a.exchange_bytes} B/elt "
         f"(forward {min(a.exchange_bytes, a.ns_bytes)} B), {NS_STEPS} NS steps, TP mode "
         f"{a.tp_mode}, {'one bucket' if a.one_bucket else 'DDP buckets (overlap)'}, no overlap"
+        + (f", {a.step_latency_us:g} us per gang ring step" if a.step_latency_us else "")
     )
     print(markdown(rows))
     return rows

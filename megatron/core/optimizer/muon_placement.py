@@ -150,10 +150,10 @@ def _shapers(model: Optional[NSCostModel]) -> list:
     """The cost models candidates are shaped with: ``model``, and where its links cost
     anything the same model with free links (placements shortest in FLOPs, which the
     communication thread's overlap can make the fastest too); all are timed with ``model``."""
-    if model is None or not (model.link_flops_per_byte or model.tp_link_flops_per_byte):
+    free = dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0, step_latency_flops=0.0)
+    if model is None or all(getattr(model, k) == v for k, v in free.items()):
         return [model]
-    free = dataclasses.replace(model, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
-    return [model, free]
+    return [model, dataclasses.replace(model, **free)]
 
 
 def _assign(works: list[Work], world: int, model: NSCostModel, target: float):

@@ -169,6 +169,9 @@ class NSCostModel:
     # The node of each DP rank (ranks of one node share its fast link, as TP does); empty:
     # unknown, every gang collective is a ring over the slow link.
     nodes: tuple[int, ...] = ()
+    # The latency of one ring step (a send to the next member and a receive from the previous),
+    # in matmul FLOPs; 0: collectives cost their bytes only.
+    step_latency_flops: float = 0.0
 
     def ring_bytes(self, members: tuple, elements: int) -> tuple[float, float]:
         """Bytes a member sends (and as many receives) in one gang collective, as rings move
@@ -232,7 +235,28 @@ class NSCostModel:
             return 0.0
         slow, fast = self.ring_bytes(members, elements)
         fast += self.tp_bytes(elements)
-        return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte
+        latency = self.ring_steps(members, elements) * self.step_latency_flops
+        return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte + latency
+
+    def ring_steps(self, members: tuple, elements: int) -> int:
+        """Dependent ring steps of one gang collective (``muon_distopt``'s rings): ``passes (k -
+        1)`` in one ring, ``2 (m - 1) + 2 (n - 1)`` hierarchically (reduce-scatter and
+        all-gather in a node, all-reduce over the nodes), one more for the TP all-gather of a
+        sliced collective.
+
+        Args:
+            members: the gang's ranks.
+            elements: the collective's elements (a ``Sum`` or ``Gather``).
+
+        Returns:
+            Steps, each one send and one receive per member.
+        """
+        m, n = self.layout(members)
+        if m > 1 and n > 1:
+            steps = 2 * (m - 1) + 2 * (n - 1)
+        else:
+            steps = _passes(elements) * (max(m, n) - 1)
+        return steps + (self.tp_bytes(elements) > 0)
 
     def sharing(self, info) -> int:
         """TP ranks that hold the same gathered gang block (``duplicated`` mode), else 1."""
