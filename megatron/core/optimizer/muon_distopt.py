@@ -271,7 +271,8 @@ class DistributedMuonOrthogonalizer:
         live = list(range(len(steps)))
         if self.streams is None:
             self.streams = CommStreams.of(self.device)
-        with ThreadPoolExecutor(1, "muon-gang", self.streams.enter) as pool:
+        pool = ThreadPoolExecutor(1, "muon-gang", self.streams.enter)
+        try:
             while live:
                 for i in list(live):
                     if pending[i] is not None:
@@ -283,6 +284,12 @@ class DistributedMuonOrthogonalizer:
                         live.remove(i)
                         continue
                     pending[i] = self._post(pool, serve[i][kind], t, members[i])
+        except BaseException:
+            # Raise now: a posted collective may wait for peers forever, and joining the
+            # thread would hide the error behind a hang.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         return out
 
     def _post(self, pool, serve, t: Tensor, members: tuple) -> "Posted":

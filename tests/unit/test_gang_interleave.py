@@ -1,0 +1,77 @@
+"""The gang blocks' interleaving (``DistributedMuonOrthogonalizer._interleave``) without ranks:
+the order the communication thread serves requests in, and errors that surface at once."""
+
+import threading
+
+import pytest
+import torch
+
+from megatron.core.optimizer.muon_distopt import DistributedMuonOrthogonalizer
+from megatron.core.optimizer.newton_schulz import SUM
+
+
+def _unit(name: str, requests: int, log: list):
+    """A unit that posts ``requests`` sums, logging each step it computes."""
+    for j in range(requests):
+        log.append(("compute", name, j))
+        yield SUM, torch.tensor([float(j)])
+    log.append(("compute", name, requests))
+    return name
+
+
+def _orthogonalizer() -> DistributedMuonOrthogonalizer:
+    return DistributedMuonOrthogonalizer(None, None, "fp32", device=torch.device("cpu"))
+
+
+def test_units_run_in_rounds_and_requests_are_served_in_one_order():
+    """Round j: each unit still running waits for its request j - 1, computes, posts request j;
+    the thread serves posts in post order: (round, unit order), the order every gang member
+    uses, so rings of different gangs never wait on each other in a circle."""
+    log: list = []
+    served = lambda name: lambda t: log.append(("serve", name, int(t.item())))  # noqa: E731
+    steps = [_unit("a", 3, log), _unit("b", 1, log), _unit("c", 2, log)]
+    serve = [{SUM: served(n)} for n in "abc"]
+    out = _orthogonalizer()._interleave(steps, serve, [(0, 1), (0, 2), (0, 3)])
+    assert out == ["a", "b", "c"]
+    order = [(name, j) for kind, name, j in log if kind == "serve"]
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2)]
+    # a unit's step j + 1 runs only after its request j was served
+    for kind, name, j in log:
+        if kind == "compute" and j:
+            assert log.index(("serve", name, j - 1)) < log.index((kind, name, j))
+    assert not [t for t in threading.enumerate() if t.name.startswith("muon-gang")]
+
+
+def test_an_error_on_the_main_thread_surfaces_while_a_collective_still_waits():
+    """A unit that fails while another's collective waits for peers that never come: the error
+    is raised at once (joining the communication thread would hang and hide it)."""
+    release = threading.Event()
+
+    def failing():
+        raise RuntimeError("out of memory")
+        yield  # a generator function
+
+    steps = [_unit("a", 1, []), failing()]
+    serve = [{SUM: lambda t: release.wait(60)}, {}]
+    result: list = []
+
+    def run():
+        try:
+            _orthogonalizer()._interleave(steps, serve, [(0, 1), (0, 2)])
+        except RuntimeError as err:
+            result.append(err)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    caller.join(timeout=20)
+    release.set()  # let the communication thread end
+    assert not caller.is_alive(), "the error waited for the blocked collective"
+    assert result and "out of memory" in str(result[0])
+
+
+def test_an_error_in_a_collective_surfaces_on_the_main_thread():
+    def broken(t):
+        raise ConnectionError("peer gone")
+
+    with pytest.raises(ConnectionError, match="peer gone"):
+        _orthogonalizer()._interleave([_unit("a", 2, [])], [{SUM: broken}], [(0, 1)])
