@@ -87,16 +87,19 @@ def assign_units(
     for shape in _shapers(model):  # placements shaped at the link cost and blind to it
         candidates += [_assign(works, world, shape, f * total / max(world, 1)) for f in targets]
         candidates += [bundle_units(works, world, shape, n) for n in bundles]
-    best = None
+    flops = functools.partial(span, works, world=world, model=model, link=False)
+    best = None  # [length, FLOP critical path (None until a tie needs it), units, gangs]
     for units, gangs in (c for c in candidates if c is not None):
         length = span(works, units, gangs, world, model)
-        if best is None or length < best[2] and not math.isclose(length, best[2], rel_tol=1e-9):
-            best = (units, gangs, length)
-        elif math.isclose(length, best[2], rel_tol=1e-9) and model is not None:
-            flops = functools.partial(span, works, world=world, model=model, link=False)
-            if flops(units, gangs) < flops(best[0], best[1]):  # a tie: fewer FLOPs on the path
-                best = (units, gangs, length)
-    return best[0], best[1]
+        if best is not None and model is not None and math.isclose(length, best[0], rel_tol=1e-9):
+            if best[1] is None:
+                best[1] = flops(best[2], best[3])
+            mine = flops(units, gangs)
+            if mine < best[1]:  # a tie: fewer FLOPs on the path
+                best = [length, mine, units, gangs]
+        elif best is None or length < best[0]:
+            best = [length, None, units, gangs]
+    return best[2], best[3]
 
 
 def span(works: list[Work], units, gangs: list[int], world: int, model, link=True) -> float:
