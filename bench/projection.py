@@ -13,13 +13,17 @@ It models the schedule the optimizer executes, with the optimizer's own planning
 * the plan: ``muon_distopt.MuonExchangePlan`` on those buckets, costs from
   ``muon_distopt.tp_ns_cost`` for the TP mode (owners, exchanges, pieces as on a real run; a test
   ties this layout to a real DDP buffer and the plan to the optimizer's);
-* Newton-Schulz time = ``plan.critical_path_flops()`` (sum over sync points of the busiest
-  rank) / (peak * mfu); exchange time = per exchange and direction, the busiest rank's
-  max(sent, received) bytes / link (full duplex), forward in the NS dtype's width where narrower.
+* Newton-Schulz time = every rank's trace (``plan.trace``: its gang blocks interleaved, their
+  collectives posted to a communication thread, then its whole matrices) run by
+  ``muon_split.critical_path`` (``ns_seconds``): matmuls at peak * mfu, gang collectives at the
+  links' bandwidth (plus ``--step-latency-us`` per ring step); exchange time = per exchange and
+  direction, the busiest rank's max(sent, received) bytes / link (full duplex), forward in the NS
+  dtype's width where narrower.
 
 Per GPU and step: model = 6 N tokens / (gpus * peak * mfu). Baseline (gather-everything): every
-rank orthogonalizes every matrix and all-gathers M (dp-1)/dp bytes. No overlap of Muon with
-anything (an upper bound on the visible overhead), no latency terms, TP traffic (NVLink) left out.
+rank orthogonalizes every matrix and all-gathers M (dp-1)/dp bytes. No overlap of Muon with the
+model's work (an upper bound on the visible overhead), no latency terms unless asked for, the TP
+modes' own traffic (NVLink) left out.
 """
 
 import argparse
@@ -159,7 +163,7 @@ def project(model: str, dp: int, a) -> dict:
     infos = [info for _, _, info in params if info is not None]
     total = sum(math.prod(shape) * (tp if len(shape) == 2 else 1) for _, shape, _ in params)
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
-    tp_link = a.tp_link_gbps / 8 * 1e9
+    tp_link, latency = a.tp_link_gbps / 8 * 1e9, a.step_latency_us * 1e-6
     forward = min(a.exchange_bytes, a.ns_bytes)
     link_model = cost_model(
         tp,
@@ -169,7 +173,7 @@ def project(model: str, dp: int, a) -> dict:
         ns_itemsize=a.ns_bytes,
         exchange_itemsizes=forward + a.exchange_bytes,
         nodes=tuple(r // max(1, a.gpus_per_node // tp) for r in range(dp)),
-        step_latency_flops=rate * a.step_latency_us * 1e-6,
+        step_latency_flops=rate * latency,
     )
     plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), link_model)
     unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
@@ -185,12 +189,12 @@ def project(model: str, dp: int, a) -> dict:
         "gpus": dp * tp,
         "buckets": len(plan.buckets),
         "step": 6 * total * a.tokens / (dp * tp * rate),
-        "ns": ns_seconds(plan, rate, link, tp_link, a.step_latency_us * 1e-6),
+        "ns": ns_seconds(plan, rate, link, tp_link, latency),
         "ns_flops": plan.critical_path_flops() / rate,
         "efficiency": plan.efficiency(),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
         "comm": exchange_seconds(plan, forward, a.exchange_bytes, link),
-        "flop_ns": ns_seconds(flop_only, rate, link, tp_link, a.step_latency_us * 1e-6),
+        "flop_ns": ns_seconds(flop_only, rate, link, tp_link, latency),
         "flop_ns_flops": flop_only.critical_path_flops() / rate,
         "flop_efficiency": flop_only.efficiency(),
         "unsplit_ns": unsplit.critical_path_flops() / rate,
