@@ -6,8 +6,8 @@ plan on every rank):
 
 * stacked gangs (``_assign``): for a few targets (multiples of total / dp) each matrix above the
   target gets the smallest ``k`` whose busiest member's work is <= the target; gangs are placed
-  largest first on the least-loaded ranks (a rank may be in several, one after the other), then
-  whole matrices by longest-processing-time greedy;
+  largest first on the least-loaded ranks (a rank may be in several: its load adds them up; they
+  run interleaved, which ``span`` times), then whole matrices by longest-processing-time greedy;
 * disjoint gangs (``bundle_units``): the matrices in decreasing cost are cut into runs, each run
   either whole on one rank or (at most ``n`` matrices) on a gang of its own ranks, every member an
   equal block of each matrix of the run; the smallest per-rank bound (FLOPs plus link time) that
@@ -161,7 +161,7 @@ def _shapers(model: Optional[NSCostModel]) -> list:
 
 def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
     """Stacked gangs: matrices above ``target`` split over the least-loaded ranks (a rank may
-    join several gangs, one after the other), then whole matrices by LPT greedy."""
+    join several gangs: its load adds them up), then whole matrices by LPT greedy."""
     loads = [0.0] * world
     units: list = [None] * len(works)
     gangs = []
