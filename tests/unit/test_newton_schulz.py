@@ -9,10 +9,16 @@ import torch
 from megatron.core.optimizer.newton_schulz import (
     COEFFICIENT_SETS,
     POLAR_EXPRESS_PUBLISHED,
+    SUM,
     newton_schulz,
+    pack_symmetric,
+    packed_size,
     reassociates,
+    serve,
     sharded_newton_schulz,
+    sharded_newton_schulz_steps,
     splits_polynomial,
+    unpack_symmetric,
 )
 
 SHAPES = [(64, 96), (96, 64), (80, 80), (4, 48, 32), (2, 3, 24, 40)]  # wide, tall, square, batched
@@ -208,3 +214,35 @@ def test_split_polynomial_matches_float64_reference(shape, dim, cuts):
     torch.testing.assert_close(got.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-5)
     broken = _sharded(x, dim, cuts, False, split=True, drop_gather=True)
     assert not torch.allclose(broken.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 8, 33])
+def test_packed_symmetric_holds_each_upper_element_once(g):
+    """``pack_symmetric`` keeps exactly the upper triangle (diagonal included): its values are
+    the triangle's, each once; unpacking restores the matrix exactly; packing is linear
+    elementwise, so a sum of packs over shards unpacks to the sum of the matrices (what a gang's
+    Gram sum relies on), bit for bit."""
+    upper = torch.randperm(g * g).float().view(g, g).triu()  # distinct values
+    a = upper + upper.triu(1).mT
+    packed = pack_symmetric(a)
+    assert packed.numel() == packed_size(g) == g * (g + 1) // 2
+    want = a[tuple(torch.triu_indices(g, g))]
+    assert torch.equal(packed.sort().values, want.sort().values)
+    assert torch.equal(unpack_symmetric(packed, torch.float32), a)
+    b = torch.randn(g, g)
+    b = b + b.mT
+    total = unpack_symmetric(pack_symmetric(a) + pack_symmetric(b), torch.float32)
+    assert torch.equal(total, a + b)
+    assert unpack_symmetric(packed, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_sharded_steps_sum_packed_grams():
+    """A sharded iteration asks for its squared norm and one packed Gram per step to be summed:
+    ``1 + steps * g (g + 1) / 2`` elements in all (half of the ``g^2`` a whole Gram would move);
+    one shard, whose sums are no-ops, equals ``newton_schulz`` (fp32, same tolerance as above)."""
+    x = _randn((24, 40))
+    sizes = []
+    steps = sharded_newton_schulz_steps(x, 1, 5, "quintic", "fp32", 1e-7)
+    got = serve(steps, {SUM: lambda t: sizes.append(t.numel())})
+    assert sizes == [1] + [packed_size(24)] * 5
+    torch.testing.assert_close(got, newton_schulz(x, 5, "quintic", "fp32", 1e-7), rtol=0, atol=1e-5)

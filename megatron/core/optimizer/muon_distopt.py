@@ -48,8 +48,9 @@ of those working sets; tests measure the peak against this bound.
 
 Bytes. Only owners receive matrices (blocks): per step a rank moves (sends + receives, each
 direction) its own shard plus what it owns, ~``4 M/dp`` elements in all, against ``2 M`` for an
-all-gather plus reduce-scatter; gangs add ``steps`` fp32 Gram sums of ``g x g`` (``g`` the short
-side) per block, and as many gathers of the polynomial (NS dtype) where they split it
+all-gather plus reduce-scatter; gangs add ``steps`` fp32 Gram sums of ``g (g + 1) / 2`` (the
+upper triangle of ``g x g``, ``g`` the short side) per block, and as many gathers of the
+polynomial (NS dtype) where they split it
 (``plan.sum_bytes_per_step``). Nothing here does arithmetic on the matrices; ``Muon`` hands the
 math in as ``matrix_fn``; the only collectives are in ``_all_to_all``, ``_gang_sum`` and
 ``_gang_gather`` (point to point inside the DP group: a gang needs no process group).

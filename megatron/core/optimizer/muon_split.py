@@ -5,7 +5,8 @@ busiest orthogonalizes a whole fused fc1. A matrix whose NS work exceeds a rank'
 therefore cut into ``k`` blocks along its long side (rows of a tall matrix, columns of a wide one
 and of a fused QKV weight, whose Q/K/V blocks are wide or square), one block per member of a
 *gang* of ``k`` DP ranks. Each member iterates on its block; only the squared norm and one Gram
-matrix per step, ``g x g`` with ``g`` the short side, are summed over the gang
+matrix per step, ``g x g`` with ``g`` the short side, are summed over the gang, the Gram as its
+upper triangle (``g (g + 1) / 2`` elements, ``newton_schulz.pack_symmetric``)
 (``muon_functional.orthogonalize_sharded``, the math the ``distributed`` TP mode runs over TP).
 After the sum a member of ``r`` lines runs one of three forms (``_after_sum``):
 
@@ -38,7 +39,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from .newton_schulz import reassociates, splits_polynomial
+from .newton_schulz import packed_size, reassociates, splits_polynomial
 
 # Planning default: matmul FLOPs per byte through a gang member's link, H100-class: 40% of
 # 990 TFLOP/s bf16 over 400 Gb/s (50 GB/s) per direction. It only chooses among exact plans.
@@ -489,7 +490,7 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
         out.append(Sum(1, tp))  # the squared norm
         for _ in range(model.steps):
             after = _after_sum(g, lines, info.shape[axis], part, tp)
-            out += [2.0 * g * g * lines, Sum(g * g, tp), *after]
+            out += [2.0 * g * g * lines, Sum(packed_size(g), tp), *after]
     return out
 
 

@@ -12,7 +12,8 @@ splits the rows (ColumnParallelLinear: QKV, fc1), d = 1 the columns (RowParallel
 * ``distributed``: each rank iterates on its own shard; only Gram matrices and the Frobenius
   norm cross ranks. With ``p(G) = b G + c G^2`` the step ``X <- a X + p(X X^T) X`` equals
   ``X <- a X + X p(X^T X)``. Row shards X_i (d = 0) take the right Gram
-  ``X^T X = sum_i X_i^T X_i`` (all-reduce, n x n) and update ``X_i <- a X_i + X_i p(X^T X)``;
+  ``X^T X = sum_i X_i^T X_i`` (all-reduce of its upper triangle, n x n) and update
+  ``X_i <- a X_i + X_i p(X^T X)``;
   column shards (d = 1) take ``X X^T = sum_j X_j X_j^T`` (m x m) and ``X_j <- a X_j + p(X X^T)
   X_j``. Each rank computes ``ceil(g / tp)`` rows of ``p(G)`` (``g`` the Gram side) and one
   all-gather assembles it (``gather_rows``), so no rank forms the whole ``2 g^3`` polynomial.

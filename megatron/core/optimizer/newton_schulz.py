@@ -288,7 +288,9 @@ def sharded_newton_schulz_steps(
     update ``X_i <- a X_i + X_i p(X^T X)``; column shards (``dim=1``) the left Gram ``X X^T =
     sum_j X_j X_j^T`` and ``X_j <- a X_j + p(X X^T) X_j``. Only the squared norm and one Gram
     matrix per step are reduced, summed in fp32 (one rounding to the compute dtype after the sum
-    instead of one per shard). Same polynomial and normalization as ``newton_schulz``.
+    instead of one per shard), the Gram as its upper triangle (``pack_symmetric``: half the
+    bytes; each shard's Gram is symmetric, so is the sum). Same polynomial and normalization as
+    ``newton_schulz``.
 
     ``reassociate``: where the shard has fewer lines ``l`` (``x.shape[dim]``) than the Gram side
     ``g`` (``reassociates``), the step is applied as ``X_j <- a X_j + G (b X_j + c G X_j)`` (rows:
@@ -321,9 +323,11 @@ def sharded_newton_schulz_steps(
     buf.div_(sq.sqrt().to(dtype).add_(eps))
     for a, b, c in coefficient_set(coefficients).schedule(steps):
         gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
-        gram = gram.float()
-        yield SUM, gram
-        gram = gram.to(dtype)
+        packed = pack_symmetric(gram)
+        del gram
+        yield SUM, packed
+        gram = unpack_symmetric(packed, dtype)
+        del packed
         if part is not None:
             poly = _split_polynomial(gram, b, c, *part)
             yield GATHER, poly
@@ -336,6 +340,73 @@ def sharded_newton_schulz_steps(
             torch.addmm(buf, buf, poly, beta=a) if dim == 0 else torch.addmm(buf, poly, buf, beta=a)
         )
     return buf.to(x.dtype)
+
+
+def packed_size(side: int) -> int:
+    """Elements of a packed symmetric ``side x side`` matrix (``pack_symmetric``).
+
+    Args:
+        side: the matrix's side g.
+
+    Returns:
+        ``g (g + 1) / 2``: its upper triangle, diagonal included.
+    """
+    return side * (side + 1) // 2
+
+
+def pack_symmetric(a: Tensor) -> Tensor:
+    """A symmetric matrix's upper triangle, diagonal included, as one fp32 vector of
+    ``packed_size(g)`` elements: what a sum of Gram matrices needs to move (half of the whole).
+
+    Layout (LAPACK's rectangular full packing, by halves ``t = g // 2``, ``s = g - t``): a
+    ``(t + 1) x s`` rectangle whose upper triangle is the trailing block ``A22``'s and whose
+    strict lower triangle is the leading block ``A11``'s lower triangle shifted down a row, then
+    ``A12`` (``t x s``). A few elementwise copies, no index tensors (which would outweigh it).
+
+    Args:
+        a: a square (symmetric) matrix, any float dtype; only one triangle of each block is read.
+
+    Returns:
+        A new contiguous fp32 vector; ``unpack_symmetric`` restores the matrix.
+    """
+    g = a.shape[0]
+    t, s = g // 2, g - g // 2
+    out = torch.empty(packed_size(g), dtype=torch.float32, device=a.device)
+    rect = out[: (t + 1) * s].view(t + 1, s)
+    rect[:s].copy_(a[t:, t:]).triu_()
+    rect[s:].zero_()
+    rect[1:, :t].add_(a[:t, :t].tril())
+    out[(t + 1) * s :].view(t, s).copy_(a[:t, t:])
+    return out
+
+
+def unpack_symmetric(packed: Tensor, dtype: torch.dtype) -> Tensor:
+    """The symmetric matrix ``pack_symmetric`` packed, in ``dtype`` (one rounding per element).
+
+    Args:
+        packed: the packed vector (e.g. after summing it over shards).
+        dtype: the result's dtype.
+
+    Returns:
+        A new ``g x g`` matrix.
+    """
+    g = round(((8 * packed.numel() + 1) ** 0.5 - 1) / 2)
+    t, s = g // 2, g - g // 2
+    rect = packed[: (t + 1) * s].view(t + 1, s)
+    out = torch.empty((g, g), dtype=dtype, device=packed.device)
+    _symmetrize(out[t:, t:], rect[:s].triu(), upper=True)
+    _symmetrize(out[:t, :t], rect[1:, :t].tril(), upper=False)
+    corner = packed[(t + 1) * s :].view(t, s)
+    out[:t, t:].copy_(corner)
+    out[t:, :t].copy_(corner.mT)
+    return out
+
+
+def _symmetrize(out: Tensor, half: Tensor, upper: bool) -> None:
+    """``out = half + half^T`` less the doubled diagonal: ``half`` is a (upper or lower)
+    triangle with the diagonal, the rest zeros."""
+    out.copy_(half)
+    out.add_((half.triu(1) if upper else half.tril(-1)).mT)
 
 
 def reassociates(gram_side: int, lines: int) -> bool:
