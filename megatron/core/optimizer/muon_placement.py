@@ -6,8 +6,9 @@ plan on every rank):
 
 * stacked gangs (``_assign``): for a few targets (multiples of total / dp) each matrix above the
   target gets the smallest ``k`` whose busiest member's work is <= the target; gangs are placed
-  largest first on the least-loaded ranks (a rank may be in several: its load adds them up; they
-  run interleaved, which ``span`` times), then whole matrices by longest-processing-time greedy;
+  largest first on the least-loaded ranks, of one node where the nodes are known and it has
+  ``k`` (a rank may be in several: its load adds them up; they run interleaved, which ``span``
+  times), then whole matrices by longest-processing-time greedy;
 * disjoint gangs (``bundle_units``): the matrices in decreasing cost are cut into runs, each run
   either whole on one rank or (at most ``n`` matrices) on a gang of its own ranks, every member an
   equal block of each matrix of the run; the smallest per-rank bound (FLOPs plus link time) that
@@ -181,16 +182,35 @@ def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
 
 
 def _gang(w: Work, k: int, axis: int, loads: list[float], model: NSCostModel) -> list[Unit]:
-    """``k`` least-loaded ranks (holders first on ties), blocks in the order the members hold
-    the matrix; they all start when the last is free and end together (one sum per step)."""
+    """``k`` least-loaded ranks (holders first on ties; of one node, ``_least_loaded``), blocks
+    in the order the members hold the matrix; they all start when the last is free and end
+    together (one sum per step)."""
     none = (math.inf, 0)
-    members = sorted(range(len(loads)), key=lambda r: (loads[r], -w.held.get(r, none)[1], r))[:k]
+    members = _least_loaded(w, k, loads, model.nodes)
     members.sort(key=lambda r: (w.held.get(r, none)[0], r))
     units = gang_units(w, members, axis, model)
     end = max(loads[m] for m in members) + max(u.cost for u in units)
     for m in members:
         loads[m] = end
     return units
+
+
+def _least_loaded(w: Work, k: int, loads: list[float], nodes: tuple) -> list[int]:
+    """The ``k`` least-loaded ranks (holders of more of ``w`` first on ties); where the nodes
+    are known and one holds ``k`` ranks, from the node where the ``k``-th least-loaded is least
+    loaded, so the gang's collectives stay on the node's fast link."""
+    none = (math.inf, 0)
+
+    def order(ranks):
+        return sorted(ranks, key=lambda r: (loads[r], -w.held.get(r, none)[1], r))[:k]
+
+    by_node: dict[int, list[int]] = {}
+    for r, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(r)
+    fits = [order(ranks) for ranks in by_node.values() if len(ranks) >= k]
+    if not fits:
+        return order(range(len(loads)))
+    return min(fits, key=lambda ms: (max(loads[r] for r in ms), sum(loads[r] for r in ms), ms))
 
 
 def whole_unit(w: Work, owner: int) -> Unit:
