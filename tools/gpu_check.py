@@ -53,6 +53,23 @@ def check_ns_speed(device: str) -> str:
     return f"NS 4096x4096 bf16: ours {ours * 1e3:.2f} ms, torch.optim.Muon {theirs * 1e3:.2f} ms"
 
 
+def check_packed_gram(device: str) -> str:
+    """A gang's Gram sum moves the packed upper triangle: packing and unpacking on the device
+    restore the matrix exactly; their time beside the Gram matmul's is reported."""
+    from megatron.core.optimizer.newton_schulz import pack_symmetric, unpack_symmetric
+
+    g = 4096 if device == "cuda" else 256  # ``--device cpu`` tests the script, quickly
+    x = torch.randn(g, 2 * g, device=device, dtype=torch.bfloat16)
+    gram = x @ x.mT
+    for dtype in (torch.float32, torch.bfloat16):
+        want = gram.triu() + gram.triu(1).mT
+        got = unpack_symmetric(pack_symmetric(gram), dtype)
+        assert torch.equal(got, want.to(dtype)), f"packed Gram round trip ({dtype}) differs"
+    packing = _time(lambda: unpack_symmetric(pack_symmetric(gram), torch.bfloat16), device)
+    matmul = _time(lambda: x @ x.mT, device)
+    return f"pack + unpack {g}^2: {packing * 1e3:.2f} ms; its Gram matmul {matmul * 1e3:.2f} ms"
+
+
 def check_comm_streams(device: str) -> str:
     """The gang communication thread's stream protocol (``muon_distopt.CommStreams``) on the
     device: a tensor produced by a long matmul chain on the compute stream is changed in place on
@@ -162,7 +179,13 @@ def main() -> int:
 
         cpu_mode.enable()
     failed = 0
-    checks = (check_newton_schulz, check_ns_speed, check_comm_streams, check_training_resume)
+    checks = (
+        check_newton_schulz,
+        check_ns_speed,
+        check_packed_gram,
+        check_comm_streams,
+        check_training_resume,
+    )
     for check in checks:
         try:
             print(f"PASS {check.__name__}: {check(device)}", flush=True)
