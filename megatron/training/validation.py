@@ -43,7 +43,17 @@ POSITIVE = (
     ("tensorboard_log_interval", "--tensorboard-log-interval"),
     ("tensorboard_queue_size", "--tensorboard-queue-size"),
     ("log_memory_interval", "--log-memory-interval"),
+    ("muon_plan_nvlink_domain", "--muon-plan-nvlink-domain"),
 )
+
+# Rates and bandwidths: > 0; for the bandwidths inf means a free link (the planner then weighs
+# FLOPs alone).
+POSITIVE_FLOATS = (
+    ("muon_plan_tflops", "--muon-plan-tflops"),
+    ("muon_plan_dp_link_gbps", "--muon-plan-dp-link-gbps"),
+    ("muon_plan_nvlink_gbps", "--muon-plan-nvlink-gbps"),
+)
+INFINITE_OK = ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps")
 
 # Flags whose only effect is on TensorBoard's output: without --tensorboard-dir they would do
 # nothing, so they are refused rather than ignored.
@@ -54,6 +64,16 @@ TENSORBOARD_ONLY = (
     ("log_loss_scale_to_tensorboard", "--no-log-loss-scale-to-tensorboard"),
     ("tensorboard_log_interval", "--tensorboard-log-interval"),
     ("tensorboard_queue_size", "--tensorboard-queue-size"),
+)
+
+
+# Muon settings of the DistributedOptimizer's exchange and plan: without it they do nothing.
+DISTOPT_ONLY = (
+    "muon_distopt_exchange_dtype",
+    "muon_plan_tflops",
+    "muon_plan_dp_link_gbps",
+    "muon_plan_nvlink_gbps",
+    "muon_plan_nvlink_domain",
 )
 
 
@@ -495,7 +515,8 @@ def _check_finite(args) -> None:
     for flag in FLAGS:
         value = getattr(args, flag.attr, None)
         if flag.attr in args.given and isinstance(value, float) and not math.isfinite(value):
-            raise ArgumentsError(f"{flag.names[0]} must be a finite number, got {value}")
+            if not (flag.attr in INFINITE_OK and value == math.inf):
+                raise ArgumentsError(f"{flag.names[0]} must be a finite number, got {value}")
     if not args.lr > 0:
         raise ArgumentsError(
             f"--lr must be > 0, got {args.lr} (a zero learning rate trains nothing)"
@@ -517,6 +538,10 @@ def _check_table(args) -> None:
         value = getattr(args, attr)
         if value is not None and value < 1:
             raise ArgumentsError(f"{flag} must be >= 1, got {value}")
+    for attr, flag in POSITIVE_FLOATS:
+        value = getattr(args, attr)
+        if value is not None and not value > 0:
+            raise ArgumentsError(f"{flag} must be > 0, got {value}")
     for is_bad, message in UNSUPPORTED:
         if is_bad(args):
             raise ArgumentsError(message)
@@ -646,10 +671,11 @@ def _check_optimizer_specific(args) -> None:
             f"{', '.join(muon)} configure Muon, but --optimizer is {args.optimizer!r}: "
             "add --optimizer muon or drop them"
         )
-    if "muon_distopt_exchange_dtype" in args.given and not args.use_distributed_optimizer:
+    distopt = sorted(first[d] for d in args.given if d in DISTOPT_ONLY)
+    if distopt and not args.use_distributed_optimizer:
         raise ArgumentsError(
-            "--muon-exchange-dtype sets the DistributedOptimizer's momentum exchange: it needs "
-            "--use-distributed-optimizer"
+            f"{', '.join(distopt)} configure the DistributedOptimizer's Muon exchange and plan: "
+            "add --use-distributed-optimizer or drop them"
         )
 
 

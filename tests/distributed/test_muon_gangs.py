@@ -44,7 +44,7 @@ from tiny_gpt import (
     train_step,
 )
 
-from megatron.core.optimizer import muon_distopt
+from megatron.core.optimizer import muon_distopt, muon_split
 from megatron.core.optimizer.muon_plan import working_set_bytes
 from megatron.core.optimizer.muon_split import ALL, POST, WAIT, critical_path
 
@@ -332,3 +332,30 @@ def test_disjoint_gangs_match_one_process_and_run_the_plans_schedule():
         train, 4, args=(spec, STEPS), kwargs={**kwargs, "optimizer_hook": _bundle}
     )
     assert_close_runs(ref, got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+
+
+def _planning_model(**overrides):
+    """The cost model the optimizer planned with, built from ``OptimizerConfig`` overrides."""
+    spec = TinyGPT()
+    model = build_model(spec, distopt=True, bucket_size=BUCKET)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON, **overrides)
+    (distopt,) = distopts(optimizer)
+    m = distopt.muon_plan.model
+    return m.link_flops_per_byte, m.tp_link_flops_per_byte, m.nodes
+
+
+def test_plan_settings_reach_the_planner():
+    """``--muon-plan-*`` (``OptimizerConfig.muon_plan_*``) set the machine the DP=4 plan is
+    weighed on: free links (inf) cost 0 per byte, and an NVLink domain of 2 GPUs puts ranks
+    0, 1 and 2, 3 in two domains; unset, the built-in H100-class figures and one domain per host
+    (this machine: one)."""
+    settings = dict(
+        muon_plan_dp_link_gbps=math.inf, muon_plan_nvlink_gbps=math.inf, muon_plan_nvlink_domain=2
+    )
+    for got in run_distributed(_planning_model, 4, kwargs=settings):
+        assert got == (0.0, 0.0, (0, 0, 1, 1))
+    slow = dict(muon_plan_tflops=100.0, muon_plan_dp_link_gbps=8.0)
+    for got in run_distributed(_planning_model, 4, kwargs=slow):
+        assert got[:2] == (100e12 / 1e9, 100e12 / 450e9) and got[2] == (0, 0, 0, 0)
+    default = muon_split.LINK_FLOPS_PER_BYTE, muon_split.TP_LINK_FLOPS_PER_BYTE, (0, 0, 0, 0)
+    assert run_distributed(_planning_model, 4)[0] == default

@@ -373,7 +373,8 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
         "cli",
         "--mock-data --optimizer muon --muon-exchange-dtype bf16",
         2,
-        "--muon-exchange-dtype sets the DistributedOptimizer's momentum exchange: it needs",
+        "--muon-exchange-dtype configure the DistributedOptimizer's Muon exchange and plan: add "
+        "--use-distributed-optimizer",
     ),
     (
         "cpu_offload_is_not_optimizer",

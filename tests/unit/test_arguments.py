@@ -2,6 +2,7 @@
 dest/type/default/choices), aliases, refusals, and cross-flag validation, as tables."""
 
 import hashlib
+import math
 import re
 from pathlib import Path
 
@@ -150,6 +151,10 @@ MUON_CLI_DEFAULTS = [  # flags_core_v0.16.1.tsv, then main_muon_flags.tsv for ma
     ("muon_use_syrk", False),
     ("muon_matched_adamw_rms", None),  # ours: off
     ("muon_distopt_exchange_dtype", "fp32"),  # ours: off (the exchange in the main dtype)
+    ("muon_plan_tflops", None),  # ours: the planner's built-in machine
+    ("muon_plan_dp_link_gbps", None),
+    ("muon_plan_nvlink_gbps", None),
+    ("muon_plan_nvlink_domain", None),
 ]
 
 
@@ -241,6 +246,10 @@ ALIASES = [
     ("--muon-coefficient-type simple", "muon_coefficient_type", "simple"),
     ("--muon-matched-adamw-rms none", "muon_matched_adamw_rms", None),
     ("--muon-scale-mode unit_rms_norm", "muon_matched_adamw_rms", None),  # upstream's rule
+    ("--muon-plan-dp-link-gbps inf", "muon_plan_dp_link_gbps", math.inf),  # a free link
+    ("--muon-plan-nvlink-gbps 7200", "muon_plan_nvlink_gbps", 7200.0),
+    ("--muon-plan-tflops 800", "muon_plan_tflops", 800.0),
+    ("--muon-plan-nvlink-domain 72", "muon_plan_nvlink_domain", 72),
     ("--num-experts 4", "num_experts", 4),
 ]
 
@@ -264,6 +273,22 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--optimizer muon --muon-use-nesterov --no-muon-nesterov", 1, ["conflicting"]),
     ("--optimizer lion", 1, ["--optimizer", "invalid choice"]),
     ("--optimizer muon --muon-tp-mode sideways", 1, ["--muon-tp-mode", "duplicated"]),
+    ("--optimizer muon --muon-plan-nvlink-domain 8", 1, ["--muon-plan-nvlink-domain", "add --use"]),
+    (
+        "--optimizer muon --use-distributed-optimizer --muon-plan-tflops 0",
+        1,
+        ["--muon-plan-tflops must be > 0, got 0.0"],
+    ),
+    (
+        "--optimizer muon --use-distributed-optimizer --muon-plan-tflops inf",
+        1,
+        ["--muon-plan-tflops must be a finite number"],
+    ),
+    (
+        "--optimizer muon --use-distributed-optimizer --muon-plan-dp-link-gbps nan",
+        1,
+        ["--muon-plan-dp-link-gbps must be a finite number"],
+    ),
     ("--transformer-impl transformer_engine", 1, ["--transformer-impl transformer_engine"]),
     ("--sequence-parallel", 1, ["--sequence-parallel"]),
     ("--attention-backend flash", 1, ["--attention-backend"]),

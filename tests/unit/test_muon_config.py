@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import importlib.util
 import inspect
+import math
 import tarfile
 from pathlib import Path
 
@@ -29,6 +30,10 @@ OURS_OFF = {
     "muon_coefficient_type": "quintic",  # what upstream 0.16.1 runs (TensorParallelMuon's default)
     "muon_matched_adamw_rms": None,
     "muon_distopt_exchange_dtype": "fp32",
+    "muon_plan_tflops": None,  # None: the planner's built-in (H100-class) machine
+    "muon_plan_dp_link_gbps": None,
+    "muon_plan_nvlink_gbps": None,
+    "muon_plan_nvlink_domain": None,
 }
 
 
@@ -112,6 +117,12 @@ BAD = [
     (dict(muon_matched_adamw_rms=-1.0), ["muon_matched_adamw_rms", "None or a float > 0"]),
     (dict(muon_use_nesterov="yes"), ["muon_use_nesterov", "bool"]),
     (dict(muon_split_qkv=1), ["muon_split_qkv", "bool"]),
+    (dict(muon_plan_tflops=0.0), ["muon_plan_tflops", "finite number > 0"]),
+    (dict(muon_plan_tflops=math.inf), ["muon_plan_tflops", "finite"]),
+    (dict(muon_plan_dp_link_gbps=-1.0), ["muon_plan_dp_link_gbps", "inf: a free link"]),
+    (dict(muon_plan_nvlink_gbps=math.nan), ["muon_plan_nvlink_gbps", "> 0"]),
+    (dict(muon_plan_nvlink_domain=0), ["muon_plan_nvlink_domain", "int >= 1"]),
+    (dict(muon_plan_nvlink_domain=8.0), ["muon_plan_nvlink_domain", "int >= 1"]),
     # matched RMS fixes the scale: combining it with upstream's scale knobs is ambiguous
     # giving both scale rules explicitly is an error: two rules for one number
     (
@@ -143,6 +154,7 @@ GOOD = [
     dict(muon_matched_adamw_rms=None, muon_scale_mode="unit_rms_norm", muon_extra_scale_factor=2),
     dict(muon_coefficient_type="polar_express", muon_fp32_matmul_prec="highest"),
     dict(muon_distopt_exchange_dtype="bf16", muon_momentum=0.0, muon_num_ns_steps=1),
+    dict(muon_plan_tflops=800.0, muon_plan_dp_link_gbps=math.inf, muon_plan_nvlink_domain=72),
 ]
 
 

@@ -6,6 +6,7 @@ path, and plans at projection scale that cover every element once and never leng
 
 import dataclasses
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -123,11 +124,11 @@ def test_gangs_shorten_the_critical_path_and_the_plan_is_deterministic(plan_1b_d
 
 @pytest.fixture(scope="module")
 def flops_only_1b_dp256(plan_1b_dp256):
-    """The plan a planner blind to the link chooses (``link_flops_per_byte=0``)."""
-    free = dataclasses.replace(
-        plan_1b_dp256.model, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0
-    )
-    return plan_1b_dp256.rebuilt(model=free)
+    """The plan a planner blind to the link chooses: what ``--muon-plan-dp-link-gbps inf
+    --muon-plan-nvlink-gbps inf`` asks for (links that cost 0 FLOPs per byte)."""
+    links = muon_split.PlanLinks(dp_link_gbps=math.inf, nvlink_gbps=math.inf).link_costs()
+    assert links == dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
+    return plan_1b_dp256.rebuilt(model=dataclasses.replace(plan_1b_dp256.model, **links))
 
 
 def test_flops_only_plan_balances_with_disjoint_split_gangs(flops_only_1b_dp256):

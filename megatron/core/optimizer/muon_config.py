@@ -9,6 +9,7 @@ The seed's recipe (matched AdamW RMS 0.2, Nesterov, Keller Jordan's ``simple`` c
 the exact ``duplicated`` TP mode) is not a default: it is a set of flags, see the README.
 """
 
+import math
 from typing import Literal, Optional
 
 TPMode = Literal["blockwise", "duplicated", "distributed"]
@@ -37,6 +38,8 @@ DEFAULT_COEFFICIENTS: CoefficientType = "quintic"
 # Ours: off unless asked for.
 DEFAULT_MATCHED_ADAMW_RMS: Optional[float] = None
 DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
+# The DistOpt Muon planner's machine (``muon_split.PlanLinks``): None, the built-in H100-class one.
+DEFAULT_PLAN_FIGURE = None
 DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / (||X||_F + eps)
 
 
@@ -113,12 +116,31 @@ def validate_muon_config(config) -> None:
     _require(ok, "muon_num_ns_steps", steps, "be at least 1 (an int >= 1)")
     factor = config.muon_extra_scale_factor
     _require(factor > 0, "muon_extra_scale_factor", factor, "be a float > 0")
+    _validate_plan(config)
     rms = config.muon_matched_adamw_rms
     _require(rms is None or rms > 0, "muon_matched_adamw_rms", rms, "be None or a float > 0")
     try:
         resolve_scale(rms, config.muon_scale_mode, factor)
     except ValueError as err:
         raise ValueError(f"OptimizerConfig muon_matched_adamw_rms/muon_scale_mode: {err}") from None
+
+
+def _validate_plan(config) -> None:
+    """The planner's machine: rates and bandwidths > 0 (inf: a free link), a domain of GPUs."""
+    rate = config.muon_plan_tflops
+    ok = rate is None or (_is_number(rate) and 0 < rate < math.inf)
+    _require(ok, "muon_plan_tflops", rate, "be None or a finite number > 0")
+    for name in ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps"):
+        value = getattr(config, name)
+        ok = value is None or (_is_number(value) and value > 0)
+        _require(ok, name, value, "be None or a number > 0 (inf: a free link)")
+    domain = config.muon_plan_nvlink_domain
+    ok = domain is None or (isinstance(domain, int) and not isinstance(domain, bool) and domain > 0)
+    _require(ok, "muon_plan_nvlink_domain", domain, "be None or an int >= 1 (GPUs)")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:

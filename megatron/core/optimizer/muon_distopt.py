@@ -91,7 +91,15 @@ from .muon_plan import (
     ns_cost,
     tp_ns_cost,
 )
-from .muon_split import NSCostModel, block_views, cut, node_layout, ring_traffic
+from .muon_split import (
+    DEFAULT_LINKS,
+    NSCostModel,
+    PlanLinks,
+    block_views,
+    cut,
+    node_layout,
+    ring_traffic,
+)
 from .muon_tp import TPOrthogonalizer, all_gather_ranges, ortho_spec_of
 from .newton_schulz import GATHER, SUM, compute_dtype
 
@@ -659,6 +667,21 @@ def host_nodes(group) -> tuple[int, ...]:
     return tuple(ids[name] for name in names)
 
 
+def domain_nodes(group, size: int) -> tuple[int, ...]:
+    """The NVLink domain of every rank of ``group`` where ``size`` consecutive global ranks
+    share one (``--muon-plan-nvlink-domain``; ranks numbered node-major, as torchrun and Slurm
+    number them). No collective.
+
+    Args:
+        group: the DP process group.
+        size: GPUs per NVLink domain.
+
+    Returns:
+        One domain id per rank of ``group``, in group rank order.
+    """
+    return tuple(r // size for r in torch.distributed.get_process_group_ranks(group))
+
+
 def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8):
     """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
 
@@ -684,7 +707,13 @@ def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int 
     return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
 
 
-def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = None) -> None:
+def attach(
+    distopt,
+    muon,
+    exchange_dtype: str = "fp32",
+    window: Optional[int] = None,
+    links: PlanLinks = DEFAULT_LINKS,
+) -> None:
     """Make ``muon`` (the DistributedOptimizer's inner optimizer) step DP-sharded params exactly.
 
     Called once from ``DistributedOptimizer.__init__`` after it replaced the inner optimizer's
@@ -697,6 +726,7 @@ def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = 
         muon: its inner Muon optimizer; modified in place.
         exchange_dtype: dtype of the forward exchange, in ``EXCHANGE_DTYPES`` ("fp32", "bf16").
         window: Muon elements per exchange; None: one exchange per DP group.
+        links: the machine the planner assumes (``muon_split.PlanLinks``).
     """
     specs = muon.ortho_specs()
     if len(specs) > 1:
@@ -709,9 +739,15 @@ def attach(distopt, muon, exchange_dtype: str = "fp32", window: Optional[int] = 
     muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
     back = _itemsize(DTYPES.get(exchange_dtype, torch.float32))  # unknown: refused below
     sizes = (_itemsize(ns_dtype), min(back, _itemsize(ns_dtype)) + back)
-    model = cost_model(muon.orthogonalizer, steps, *sizes)
+    model = dataclasses.replace(
+        cost_model(muon.orthogonalizer, steps, *sizes), **links.link_costs()
+    )
     if distopt.buffers:  # gangs within a node, or spread evenly over nodes, ring over NVLink
-        model = dataclasses.replace(model, nodes=host_nodes(distopt.buffers[0].data_parallel_group))
+        group = distopt.buffers[0].data_parallel_group
+        size = links.nvlink_domain
+        model = dataclasses.replace(
+            model, nodes=domain_nodes(group, size) if size else host_nodes(group)
+        )
     plan = build_plan(distopt, muon.param_info.get, model, window)
     muon.param_info = shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None

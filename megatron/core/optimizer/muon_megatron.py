@@ -31,6 +31,7 @@ from .muon_config import EXCHANGE_DTYPES, TP_MODES, validate_muon_config
 from .muon_distopt import attach
 from .muon_functional import MuonParamInfo
 from .muon_optimizer import Muon
+from .muon_split import DEFAULT_LINKS, PlanLinks
 from .muon_tp import TPOrthogonalizer
 
 
@@ -237,6 +238,12 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
     optimizer = MegatronMuon(
         split_param_groups(param_groups),
         distopt_exchange_dtype=config.muon_distopt_exchange_dtype,
+        distopt_plan_links=PlanLinks(
+            config.muon_plan_tflops,
+            config.muon_plan_dp_link_gbps,
+            config.muon_plan_nvlink_gbps,
+            config.muon_plan_nvlink_domain,
+        ),
         param_info=infos,
         orthogonalizer=TPOrthogonalizer(
             config.muon_tp_mode, tp_groups(pg_collection), timers=config.timers
@@ -296,16 +303,24 @@ class MegatronMuon(Muon):
     Args:
         params: param groups (``use_muon`` picks the rule), as for ``Muon``.
         distopt_exchange_dtype: dtype of the momentum exchanged over DP ranks ('fp32', 'bf16').
+        distopt_plan_links: the machine the DistOpt planner assumes (``muon_split.PlanLinks``).
         **kwargs: ``Muon``'s settings.
     """
 
-    def __init__(self, params, distopt_exchange_dtype: str = "fp32", **kwargs) -> None:
+    def __init__(
+        self,
+        params,
+        distopt_exchange_dtype: str = "fp32",
+        distopt_plan_links: PlanLinks = DEFAULT_LINKS,
+        **kwargs,
+    ) -> None:
         if distopt_exchange_dtype not in EXCHANGE_DTYPES:
             raise ValueError(
                 f"distopt_exchange_dtype must be one of {list(EXCHANGE_DTYPES)}, "
                 f"got {distopt_exchange_dtype!r}"
             )
         self.distopt_exchange_dtype = distopt_exchange_dtype
+        self.distopt_plan_links = distopt_plan_links
         self.group_infos: list[list[MuonParamInfo]] = []
         super().__init__(params, **kwargs)
         built = self.param_info
@@ -318,7 +333,7 @@ class MegatronMuon(Muon):
         Args:
             distopt: the ``DistributedOptimizer`` that just sharded this optimizer's params.
         """
-        attach(distopt, self, self.distopt_exchange_dtype)
+        attach(distopt, self, self.distopt_exchange_dtype, links=self.distopt_plan_links)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``Muon.add_param_group``, remembering the group's infos by position."""

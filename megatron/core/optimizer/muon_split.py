@@ -32,6 +32,7 @@ can start.
 """
 
 import functools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,39 @@ from .newton_schulz import packed_size, reassociates, splits_polynomial
 LINK_FLOPS_PER_BYTE = 0.4 * 990e12 / 50e9
 # ... and per byte through the TP group's link (NVLink, 450 GB/s per direction).
 TP_LINK_FLOPS_PER_BYTE = 0.4 * 990e12 / 450e9
+
+
+@dataclass(frozen=True)
+class PlanLinks:
+    """The machine the planner weighs gang collectives and the exchange on (``--muon-plan-*``);
+    None: the H100-class default above. Only the choice among exact plans depends on it."""
+
+    tflops: Optional[float] = None  # achieved matmul TFLOP/s per GPU (default 396)
+    dp_link_gbps: Optional[float] = None  # per GPU and direction between nodes (default 400)
+    nvlink_gbps: Optional[float] = None  # per GPU and direction inside a node (default 3600)
+    nvlink_domain: Optional[int] = None  # GPUs sharing NVLink (default: those on one host)
+
+    def link_costs(self) -> dict:
+        """``NSCostModel``'s ``link_flops_per_byte`` and ``tp_link_flops_per_byte`` for these
+        figures: the matmul FLOPs one byte's transfer takes; an infinite bandwidth costs 0 (the
+        planner then balances FLOPs alone where both are).
+
+        Returns:
+            The two fields (``LINK_FLOPS_PER_BYTE`` and ``TP_LINK_FLOPS_PER_BYTE`` where nothing
+            is set).
+        """
+        rate = (self.tflops or 0.4 * 990) * 1e12
+
+        def per_byte(gbps: float) -> float:
+            return 0.0 if math.isinf(gbps) else rate / (gbps / 8 * 1e9)
+
+        return dict(
+            link_flops_per_byte=per_byte(self.dp_link_gbps or 400.0),
+            tp_link_flops_per_byte=per_byte(self.nvlink_gbps or 3600.0),
+        )
+
+
+DEFAULT_LINKS = PlanLinks()
 
 
 @dataclass(frozen=True)
