@@ -38,7 +38,7 @@ from megatron.core.optimizer.muon_plan import (
     ns_cost,
     tp_ns_cost,
 )
-from megatron.core.optimizer.muon_split import NSCostModel, critical_path
+from megatron.core.optimizer.muon_split import NSCostModel, PlanLinks, critical_path
 
 # name: (layers, hidden, ffn, heads, kv heads, vocab, tp); Llama 3.2 1B, Llama 3 8B / 70B shapes.
 MODELS = {
@@ -165,11 +165,11 @@ def project(model: str, dp: int, a) -> dict:
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
     tp_link, latency = a.tp_link_gbps / 8 * 1e9, a.step_latency_us * 1e-6
     forward = min(a.exchange_bytes, a.ns_bytes)
+    links = PlanLinks(rate / 1e12, a.link_gbps, a.tp_link_gbps)  # what --muon-plan-* would say
     link_model = cost_model(
         tp,
         a.tp_mode,
-        link_flops_per_byte=rate / link,
-        tp_link_flops_per_byte=rate / tp_link,
+        **links.link_costs(),
         ns_itemsize=a.ns_bytes,
         exchange_itemsizes=forward + a.exchange_bytes,
         nodes=tuple(r // max(1, a.gpus_per_node // tp) for r in range(dp)),
