@@ -56,6 +56,16 @@ def muon_optimizers(optimizer) -> list:
     return found
 
 
+def plans(optimizer) -> list:
+    """The exchange plans of Megatron's optimizer: one per DistributedOptimizer running Muon."""
+    out = []
+    for muon in muon_optimizers(optimizer):
+        plan = getattr(muon.orthogonalizer, "plan", None)
+        if plan is not None:
+            out.append(plan)
+    return out
+
+
 def counted(optimizer) -> list:
     """[bytes the last step's exchange moved, bytes of its gang collectives, NS FLOPs per step]
     of this rank."""

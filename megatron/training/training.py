@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing, failures, memory
+from . import checkpointing, failures, memory, muon_figures
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
@@ -205,6 +205,9 @@ def pretrain(
     model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider, config)
     state = TrainState(num_params=count_parameters(model))
     print_rank_0(f" > number of parameters: {state.num_params}")
+    if torch.distributed.get_rank() == 0:  # rank 0's DP group; built at start, every step runs it
+        for plan in muon_figures.plans(optimizer):
+            print(f" > {plan.summary()}", flush=True)
     if args.load:
         checkpointing.load(args, model, optimizer, scheduler, state)
     update_num_microbatches(state.consumed_train_samples, consistency_check=False)

@@ -104,7 +104,8 @@ def test_timers_memory_throughput_progress_and_muon_figures(tmp_path):
     TensorBoard (> 0, Muon's NS and exchange among them), CPU memory (RSS > 0), world size,
     no loss scale, per-step scalars every 2nd step equal to the console's, throughput = the
     model FLOPs counted by hand / time, progress.txt lines, and Muon's bytes and FLOPs equal
-    to the exchange plan of bench/projection.py for this layout (the busiest of the 2 ranks)."""
+    to the exchange plan of bench/projection.py for this layout (the busiest of the 2 ranks),
+    whose summary the log prints at start."""
     save, tb = str(tmp_path / "save"), str(tmp_path / "tb")
     args = _drop(TINY, "--num-layers", "--hidden-size", "--num-attention-heads", "--log-interval")
     args += LLAMA + LOG_FLAGS + ["--optimizer", "muon", "--use-distributed-optimizer"]
@@ -173,8 +174,10 @@ def _check_muon_figures(stdout: str, scalars: dict) -> None:
 
     params = projection.model_params(*LLAMA_SHAPE.values())
     # the run's sizes: bf16 Newton-Schulz, bf16 out and fp32 back (the plan chooses by them)
-    ns = projection.cost_model(1, "duplicated", ns_itemsize=2, exchange_itemsizes=2 + 4)
+    sizes = dict(ns_itemsize=2, exchange_itemsizes=2 + 4)
+    ns = projection.cost_model(1, "duplicated", nodes=(0, 0), **sizes)  # both ranks on this host
     plan = projection.build_plan(params, 2, None, ns)
+    assert f" > {plan.summary()}\n" in stdout  # printed once at start, by rank 0
     # default --muon-fp32-matmul-prec medium: bf16 Newton-Schulz, so bf16 goes out, fp32 back
     moved = max(plan.bytes_per_step(2, 4, rank=r) for r in range(2))
     flops = max(plan.ns_flops_per_rank())

@@ -120,6 +120,9 @@ def test_gangs_shorten_the_critical_path_and_the_plan_is_deterministic(plan_1b_d
         p.key + (p.lo, p.hi) for p in plan.exchanges[0].pieces
     ]
     assert plan.sync_points() > plan.rebuilt(model=None).sync_points() == len(plan.exchanges)
+    split = sum(len(m.units) > 1 for m in plan.matrices)
+    line = f"64 matrices, 256 DP ranks, 1 exchange(s), {split} split over gangs of "
+    assert line in plan.summary() and f"efficiency {plan.efficiency():.3f}," in plan.summary()
 
 
 @pytest.fixture(scope="module")

@@ -373,6 +373,25 @@ class MuonExchangePlan:
             out += [(unit.members, e) for e in events if not isinstance(e, float)]
         return out
 
+    def summary(self) -> str:
+        """The plan in one line, for the training log: its matrices, DP ranks (and nodes, where
+        known), exchanges, which matrices split over gangs of how many ranks, the counted NS
+        FLOP efficiency and the sync points per step.
+
+        Returns:
+            One line of text.
+        """
+        split = [m for m in self.matrices if len(m.units) > 1]
+        sizes = "/".join(str(k) for k in sorted({len(m.units) for m in split}))
+        nodes = len(set(self.model.nodes)) if self.model is not None and self.model.nodes else 0
+        where = f"{self.world} DP ranks" + (f" on {nodes} node(s)" if nodes else "")
+        gangs = f"{len(split)} split over gangs of {sizes} ranks" if split else "none split"
+        return (
+            f"Muon exchange plan: {len(self.matrices)} matrices, {where}, "
+            f"{len(self.exchanges)} exchange(s), {gangs}; NS FLOP efficiency "
+            f"{self.efficiency():.3f}, {self.sync_points()} sync points per step"
+        )
+
     def sync_points(self) -> int:
         """Exchanges (DP-wide) plus gang collectives (within a gang) per step."""
         return len(self.exchanges) + sum(len(self.gang_sums(ex)) for ex in self.exchanges)
