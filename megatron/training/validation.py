@@ -88,6 +88,12 @@ def _has_te() -> bool:
 
 UNSUPPORTED = (
     (
+        lambda a: "rerun_mode" in a.given and a.rerun_mode != "disabled",
+        "--rerun-mode validate_results and report_stats are not supported here: this stack has "
+        "no rerun state machine (re-running a step to tell transient from persistent faults); "
+        "use --rerun-mode disabled or drop the flag",
+    ),
+    (
         lambda a: a.transformer_impl == "transformer_engine" and not _has_te(),
         "--transformer-impl transformer_engine: Transformer Engine is not installed here; "
         "use --transformer-impl local",
