@@ -164,14 +164,14 @@ def project(model: str, dp: int, a) -> dict:
     total = sum(math.prod(shape) * (tp if len(shape) == 2 else 1) for _, shape, _ in params)
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
     tp_link, latency = a.tp_link_gbps / 8 * 1e9, a.step_latency_us * 1e-6
-    forward = min(a.exchange_bytes, a.ns_bytes)
+    forward, back = wire_bytes(a)
     links = PlanLinks(rate / 1e12, a.link_gbps, a.tp_link_gbps)  # what --muon-plan-* would say
     link_model = cost_model(
         tp,
         a.tp_mode,
         **links.link_costs(),
         ns_itemsize=a.ns_bytes,
-        exchange_itemsizes=forward + a.exchange_bytes,
+        exchange_itemsizes=forward + back,
         nodes=tuple(r // max(1, a.gpus_per_node // tp) for r in range(dp)),
         step_latency_flops=rate * latency,
     )
@@ -193,13 +193,13 @@ def project(model: str, dp: int, a) -> dict:
         "ns_flops": plan.critical_path_flops() / rate,
         "efficiency": plan.efficiency(),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
-        "comm": exchange_seconds(plan, forward, a.exchange_bytes, link),
+        "comm": exchange_seconds(plan, forward, back, link),
         "flop_ns": ns_seconds(flop_only, rate, link, tp_link, latency),
         "flop_ns_flops": flop_only.critical_path_flops() / rate,
         "flop_efficiency": flop_only.efficiency(),
         "unsplit_ns": unsplit.critical_path_flops() / rate,
         "unsplit_efficiency": unsplit.efficiency(),
-        "unsplit_comm": exchange_seconds(unsplit, forward, a.exchange_bytes, link),
+        "unsplit_comm": exchange_seconds(unsplit, forward, back, link),
         "base_ns": sum(ns_cost(i, NS_STEPS) for i in infos) / rate,
         "base_comm": muon_bytes * (dp - 1) / dp / link,
     }
@@ -237,6 +237,13 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.1f} ms"
 
 
+def wire_bytes(a) -> tuple[int, int]:
+    """Bytes per element the exchange moves out and back (``muon_distopt.exchange_dtypes``):
+    out the narrower of the exchange and NS dtypes; back the NS dtype where it is narrower than
+    fp32 (unscaled NS output, holders scale it), else the exchange dtype."""
+    return min(a.exchange_bytes, a.ns_bytes), a.ns_bytes if a.ns_bytes < 4 else a.exchange_bytes
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peak-tflops", type=float, default=990.0, help="H100 bf16 dense")
@@ -270,8 +277,9 @@ def main(argv=None) -> list[dict]:
     rows = [project(m, dp, a) for m in MODELS for dp in a.dps]
     print(
         f"PROJECTION: {a.peak_tflops:g} TFLOP/s x {a.mfu:g} achieved (model and NS), "
-        f"{a.link_gbps:g} Gb/s links, {a.tokens:,} tokens/step, exchange {a.exchange_bytes} B/elt "
-        f"(forward {min(a.exchange_bytes, a.ns_bytes)} B), {NS_STEPS} NS steps, TP mode "
+        f"{a.link_gbps:g} Gb/s links, {a.tokens:,} tokens/step, exchange %d B/elt out, %d B back, "
+        % wire_bytes(a)
+        + f"{NS_STEPS} NS steps, TP mode "
         f"{a.tp_mode}, {'one bucket' if a.one_bucket else 'DDP buckets (overlap)'}, no overlap"
         + (f", {a.step_latency_us:g} us per gang ring step" if a.step_latency_us else "")
     )

@@ -121,17 +121,21 @@ def test_negative_control_broken_gather_misses_the_reference():
 # ------------------------------------------------------------------ bf16 and the exchange dtype
 
 
-def _bf16_ns(exchange: str, force_fp32_forward: bool):
+def _exchange_run(exchange: str, force_fp32: bool = False, precision: str = "bf16"):
+    """Params, wire dtypes and exchange bytes after 3 steps at DP=4; ``force_fp32``: the
+    exchange as before it followed the NS dtype (fp32 both ways, owners scale)."""
+
     def hook(optimizer):
         for distopt in distopts(optimizer):
             ortho = distopt.optimizer.orthogonalizer
-            record["forward"] = str(ortho.forward_dtype)
-            if force_fp32_forward:
-                ortho.forward_dtype = torch.float32
+            if force_fp32:
+                ortho.forward_dtype = ortho.return_dtype = torch.float32
+                ortho.scale_at_holder = False
+            record["wire"] = (str(ortho.forward_dtype), str(ortho.return_dtype))
             record["ortho"] = ortho
 
     record = {}
-    kwargs = dict(muon_fp32_matmul_prec="bf16", muon_distopt_exchange_dtype=exchange)
+    kwargs = dict(muon_fp32_matmul_prec=precision, muon_distopt_exchange_dtype=exchange)
     _, params, _ = train(
         TinyGPT(),
         STEPS,
@@ -141,14 +145,16 @@ def _bf16_ns(exchange: str, force_fp32_forward: bool):
         optimizer_hook=hook,
         **{**MUON, **kwargs},
     )
-    return params, record["forward"], record["ortho"].bytes_moved
+    return params, record["wire"], record["ortho"].bytes_moved
 
 
 def _bf16_exchanges():
     return {
-        "auto": _bf16_ns("fp32", force_fp32_forward=False),
-        "fp32": _bf16_ns("fp32", force_fp32_forward=True),
-        "bf16": _bf16_ns("bf16", force_fp32_forward=False),
+        "auto": _exchange_run("fp32"),
+        "fp32": _exchange_run("fp32", force_fp32=True),
+        "bf16": _exchange_run("bf16"),
+        "fp32 NS, fp32": _exchange_run("fp32", precision="fp32"),
+        "fp32 NS, bf16": _exchange_run("bf16", precision="fp32"),
     }
 
 
@@ -159,26 +165,37 @@ def bf16_exchange_runs():
 
 def test_bf16_newton_schulz_exchanges_bf16_with_the_same_numbers_as_fp32():
     """NS in bf16 casts its input first, so moving bf16 instead of fp32 to the owners rounds the
-    same values once, at another place: bit-identical params at 3/4 of the bytes (the return
-    exchange stays fp32: the scaled update is fp32)."""
+    same values once, at another place; its output is bf16 values, so owners return it unscaled
+    in bf16 and holders scale it (the same fp32 product): bit-identical params at half the bytes
+    of the fp32 exchange, whatever ``muon_distopt_exchange_dtype`` says. Negative control of the
+    comparison: the fp32-NS run differs."""
     for rank in bf16_exchange_runs():
-        (auto, forward, auto_bytes), (fp32, _, fp32_bytes) = rank["auto"], rank["fp32"]
-        assert forward == "torch.bfloat16"
+        (auto, wire, auto_bytes), (fp32, fp32_wire, fp32_bytes) = rank["auto"], rank["fp32"]
+        assert wire == ("torch.bfloat16", "torch.bfloat16") and fp32_wire[1] == "torch.float32"
         assert all(torch.equal(auto[k], fp32[k]) for k in fp32)
-        assert auto_bytes * 4 == fp32_bytes * 3 > 0
+        assert auto_bytes * 2 == fp32_bytes > 0
+        bf16, _, bf16_bytes = rank["bf16"]
+        assert all(torch.equal(bf16[k], fp32[k]) for k in fp32) and bf16_bytes == auto_bytes
+        other = rank["fp32 NS, fp32"][0]
+        assert not all(torch.equal(other[k], fp32[k]) for k in fp32)
 
 
-def test_bf16_exchange_dtype_rounds_only_the_update():
-    """``muon_distopt_exchange_dtype='bf16'``: the returned update is rounded to bf16 (8 bits:
-    relative error <= 2^-9 per element); over 3 steps the changed params change the gradients,
-    and params end ~4% (of the update) from the fp32 exchange's, measured; 0.1 leaves 2.5x
-    margin and sits far below a broken exchange (~1)."""
+def test_bf16_exchange_dtype_with_fp32_newton_schulz_rounds_both_ways():
+    """``muon_distopt_exchange_dtype='bf16'`` with fp32 NS: the momentum sent and the scaled
+    update returned are rounded to bf16 (8 bits: relative error <= 2^-9 per element); over 3
+    steps the changed params change the gradients, and params end ~4.7% (of the update) from
+    the fp32 exchange's, measured; 0.1 leaves 2x margin and sits far below a broken exchange
+    (~1)."""
     initial, _, _ = reference("fp32")
     for rank in bf16_exchange_runs():
-        fp32, bf16 = rank["fp32"][0], rank["bf16"][0]
+        (fp32, wire32, bytes32), (bf16, wire16, bytes16) = (
+            rank["fp32 NS, fp32"],
+            rank["fp32 NS, bf16"],
+        )
+        assert wire32 == ("torch.float32",) * 2 and wire16 == ("torch.bfloat16",) * 2
         errors = update_rel_error(initial, fp32, bf16)
         assert 0 < max(errors.values()) <= 0.1
-        assert rank["bf16"][2] * 2 == rank["fp32"][2] * 1  # 2 B both ways vs 4 B both ways
+        assert bytes16 * 2 == bytes32  # 2 B both ways vs 4 B both ways
 
 
 # ------------------------------------------------------------------------- counted figures

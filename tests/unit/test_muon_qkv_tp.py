@@ -1,5 +1,7 @@
 """QKV split, pluggable orthogonalizers fed shards, and upstream's TensorParallelMuon."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,11 @@ from megatron.core.optimizer.muon import (
     MuonParamInfo,
     TensorParallelMuon,
 )
-from megatron.core.optimizer.muon_functional import OrthoSpec, orthogonalize_matrices
+from megatron.core.optimizer.muon_functional import (
+    OrthoSpec,
+    orthogonalize_matrices,
+    scale_flat_,
+)
 from megatron.core.optimizer.newton_schulz import newton_schulz
 
 # GQA: 3 query groups, 2 query heads per group, head_dim 4, hidden 24.
@@ -52,6 +58,25 @@ def test_qkv_split_equals_manual_per_block_ns(scale_mode):
     torch.testing.assert_close(got, _manual_qkv(u, spec), rtol=0, atol=1e-6)
     whole = orthogonalize_matrices([u], [MuonParamInfo(tuple(u.shape))], spec)[0]
     assert (got - whole).abs().max() > 0.05  # splitting really changes the result
+
+
+@pytest.mark.parametrize("split", [SPLIT, None])
+def test_scaling_flat_pieces_afterwards_is_bit_identical(split):
+    """The DistOpt exchange returns unscaled bf16 NS output and holders scale their pieces
+    (``scale_flat_``): per Q/K/V block (``unit_rms_norm``: a different s per block), for pieces
+    cut anywhere (inside a row, across groups), the same bits as ``orthogonalize``'s scale."""
+    u = _randn(QKV_ROWS, HIDDEN)
+    info = MuonParamInfo(tuple(u.shape), split)
+    spec = OrthoSpec(5, "quintic", "bf16", 1e-7, "unit_rms_norm", 0.7)
+    (want,) = orthogonalize_matrices([u], [info], spec)
+    (raw,) = orthogonalize_matrices([u], [info], dataclasses.replace(spec, apply_scale=False))
+    assert torch.equal(raw.bfloat16().float(), raw)  # bf16 NS output: exact in bf16
+    flat = raw.reshape(-1)
+    cuts = [0, 5, HIDDEN * 7 + 3, HIDDEN * sum(SPLIT) + 11, flat.numel()]
+    for lo, hi in zip(cuts, cuts[1:]):
+        got = scale_flat_(flat[lo:hi].bfloat16().float(), info, lo, HIDDEN, spec)
+        assert torch.equal(got, want.reshape(-1)[lo:hi])
+    assert not torch.equal(raw, want)  # the scale is not 1
 
 
 def test_qkv_split_with_mha_batches_all_three_blocks():

@@ -32,9 +32,11 @@ the former schedule (one owner per matrix, bucket by bucket), kept to show the d
 Precision. The forward exchange moves the dtype Newton-Schulz consumes when that is narrower than
 the configured exchange dtype: NS casts its input first, so rounding before or after the exchange
 is the same rounding (bf16 NS moves bf16, exactly). Owners assemble matrices (blocks) in the
-update dtype (fp32 main params), so the scale is applied as in one process; the return exchange
-moves the configured dtype (fp32: exact; bf16: rounds the update, as asked). Gangs sum their Gram
-partials in fp32, which only reorders fp32 sums.
+update dtype (fp32 main params). NS's output is values of its dtype: with bf16 NS the owners
+return it unscaled in bf16, exactly, and each holder applies the scale to its piece (the same
+fp32 product the owner would run, ``exchange_dtypes``); with fp32 NS the owners scale and the
+return moves the configured dtype (fp32: exact; bf16: rounds the update, as asked). Gangs sum
+their Gram partials in fp32, which only reorders fp32 sums.
 
 Memory, per rank and exchange (``plan.transient_bytes``): with S its own Muon shard elements and O
 the elements of the matrices (blocks) it owns, the exchange buffers hold at most ``S + O``
@@ -80,6 +82,7 @@ from .muon_functional import (
     MuonParamInfo,
     Orthogonalizer,
     orthogonalize_sharded_steps,
+    scale_flat_,
     timed,
 )
 from .muon_plan import (
@@ -131,8 +134,8 @@ class DistributedMuonOrthogonalizer:
                 f"muon exchange dtype {exchange_dtype!r} unknown; allowed: {list(EXCHANGE_DTYPES)}"
             )
         self.plan, self.inner = plan, inner
-        self.return_dtype = DTYPES[exchange_dtype]
-        self.forward_dtype = min((self.return_dtype, ns_dtype), key=_itemsize)
+        wire = exchange_dtypes(exchange_dtype, ns_dtype, update_dtype)
+        self.forward_dtype, self.return_dtype, self.scale_at_holder = wire
         self.update_dtype = update_dtype  # DistOpt's main params (fp32)
         self.device = device  # of the grad buffers: where a rank without Muon shards exchanges
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
@@ -142,7 +145,7 @@ class DistributedMuonOrthogonalizer:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype results come back in (what ``muon_distopt_exchange_dtype`` names)."""
+        """The dtype results come back in (``exchange_dtypes``)."""
         return self.return_dtype
 
     def __call__(
@@ -154,9 +157,16 @@ class DistributedMuonOrthogonalizer:
         assert all(u.dtype == self.update_dtype for u in updates), "updates in the main dtype"
         device = updates[0].device if updates else self.device
         self.bytes_moved, self.sum_bytes, out = 0, 0.0, {}
+        owner_fn = _unscaled(matrix_fn) if self.scale_at_holder else matrix_fn
         for ex in self.plan.exchanges:
-            out.update(self._run(ex, by_matrix, matrix_fn, device))
-        return [out[info.matrix].view(u.shape).to(u.dtype) for u, info in zip(updates, infos)]
+            out.update(self._run(ex, by_matrix, owner_fn, device))
+        results = [out[info.matrix].view(u.shape).to(u.dtype) for u, info in zip(updates, infos)]
+        if self.scale_at_holder:  # the owner's product, here: bit-identical
+            spec = ortho_spec_of(matrix_fn)
+            for r, info in zip(results, infos):
+                cols = self.plan.matrices[info.matrix].local_shape[1]
+                scale_flat_(r.view(-1), info, info.offset, cols, spec)
+        return results
 
     def _run(self, ex: Exchange, by_matrix: dict, matrix_fn, device) -> dict[int, Tensor]:
         """One sync point: pieces to owners, owners' NS, result pieces back to their holders."""
@@ -375,6 +385,37 @@ class DistributedMuonOrthogonalizer:
         rank = self.plan.rank  # counted from the split sizes used, self-copies excluded
         self.bytes_moved += (sum(send) + sum(recv) - send[rank] - recv[rank]) * _itemsize(dtype)
         return out
+
+
+def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: torch.dtype):
+    """The dtypes the exchange moves: (forward, return, whether holders apply the scale).
+
+    Forward: the narrower of ``exchange_dtype`` and the NS dtype (NS casts its input first, so
+    a narrower NS dtype rounds the same values, only earlier). Return: where NS computes in a
+    dtype narrower than the update's (bf16 NS, fp32 main params) its unscaled output is exactly
+    that dtype's values, so owners return it unscaled in the NS dtype and holders apply the
+    scale (``muon_functional.scale_flat_``: the owner's product, bit-identical); else the
+    scaled update in ``exchange_dtype``.
+
+    Args:
+        exchange_dtype: ``muon_distopt_exchange_dtype`` ("fp32" or "bf16").
+        ns_dtype: Newton-Schulz's compute dtype.
+        update_dtype: the dtype of the updates (DistOpt's fp32 main params).
+
+    Returns:
+        (forward dtype, return dtype, scale at the holder).
+    """
+    named = DTYPES[exchange_dtype]
+    forward = min((named, ns_dtype), key=_itemsize)
+    if _itemsize(ns_dtype) < _itemsize(update_dtype):
+        return forward, ns_dtype, True
+    return forward, named, False
+
+
+def _unscaled(matrix_fn):
+    """Muon's ``orthogonalize_matrices`` partial with the scale left out (``apply_scale``)."""
+    spec = dataclasses.replace(ortho_spec_of(matrix_fn), apply_scale=False)
+    return functools.partial(matrix_fn.func, spec=spec)
 
 
 def node_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group, nodes) -> None:
@@ -724,7 +765,8 @@ def attach(
     Args:
         distopt: the ``DistributedOptimizer`` being built.
         muon: its inner Muon optimizer; modified in place.
-        exchange_dtype: dtype of the forward exchange, in ``EXCHANGE_DTYPES`` ("fp32", "bf16").
+        exchange_dtype: the exchange's dtype where NS does not set it, in ``EXCHANGE_DTYPES``
+            ("fp32", "bf16"; ``exchange_dtypes``).
         window: Muon elements per exchange; None: one exchange per DP group.
         links: the machine the planner assumes (``muon_split.PlanLinks``).
     """
@@ -737,8 +779,9 @@ def attach(
     steps = specs[0].steps if specs else 0
     ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
     muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
-    back = _itemsize(DTYPES.get(exchange_dtype, torch.float32))  # unknown: refused below
-    sizes = (_itemsize(ns_dtype), min(back, _itemsize(ns_dtype)) + back)
+    dtype = exchange_dtype if exchange_dtype in DTYPES else "fp32"  # unknown: refused below
+    forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
+    sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
     model = dataclasses.replace(
         cost_model(muon.orthogonalizer, steps, *sizes), **links.link_costs()
     )

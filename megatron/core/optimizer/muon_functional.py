@@ -106,6 +106,9 @@ class OrthoSpec:
     eps: float
     scale_mode: str
     scale_factor: float
+    # False: ``orthogonalize`` returns NS_k(U) unscaled, for a caller that scales it elsewhere
+    # (``scale_flat_``: the DistOpt exchange returns bf16 NS output, exact, and holders scale).
+    apply_scale: bool = True
 
     def scale(self, rows: int, cols: int) -> float:
         """The update scale ``s`` of a (block of) global shape ``rows x cols``.
@@ -404,7 +407,38 @@ def _local_ns_blocks(blocks: list[Tensor], spec: OrthoSpec) -> list[Tensor]:
 def _scale_(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
     # Scaled after the cast back to x's dtype (not folded into the bf16 polynomial) so that the
     # update rounds exactly as torch.optim.Muon's ``add_(O, alpha=-lr * s)``, up to fp32 ulps.
-    return x.mul_(spec.scale(*shape))
+    return x.mul_(spec.scale(*shape)) if spec.apply_scale else x
+
+
+def scale_flat_(x: Tensor, info: MuonParamInfo, start: int, cols: int, spec: OrthoSpec) -> Tensor:
+    """``orthogonalize``'s scale applied in place to a flat piece of an unscaled update (one
+    Q/K/V block's scale to each of its rows): the same elementwise product the owner would have
+    done, so the result is bit-identical wherever it runs.
+
+    Args:
+        x: elements ``[start, start + x.numel())`` of the row-major matrix (a shard).
+        info: the whole matrix's global shape and Q/K/V split.
+        start: the flat position of ``x[0]`` in the matrix (TP-local, ``cols`` columns).
+        cols: the matrix's column count.
+        spec: the scale settings.
+
+    Returns:
+        ``x``, scaled.
+    """
+    if info.qkv_split is None:
+        return x.mul_(spec.scale(*info.shape))
+    split, end = info.qkv_split, start + x.numel()
+    groups = info.shape[0] // sum(split)
+    scales = [spec.scale(groups * r, info.shape[1]) for r in split]
+    group = sum(split) * cols  # elements of one query group's rows
+    for g in range(start // group, -(-end // group)):
+        at = g * group
+        for r, s in zip(split, scales):
+            lo, hi = max(at, start), min(at + r * cols, end)
+            if hi > lo:
+                x[lo - start : hi - start].mul_(s)
+            at += r * cols
+    return x
 
 
 # ----------------------------------------------------------------------------- stage 3
