@@ -16,17 +16,17 @@ plan on every rank):
   not in. Where the nodes are known, gangs fit one node or fill whole nodes.
 
 Ties go to ranks that already hold most of a matrix (fewer bytes moved). Both kinds are shaped
-twice, with the model's link cost and with free links (``_shapers``). The candidate with the
-shortest critical path wins (``span``: ``muon_split.critical_path`` of the schedule the
-optimizer runs, gang units interleaved with their collectives in flight on a communication
-thread, every gang collective at the model's link cost, plus the all-to-all's busiest rank),
-"no splits" included. The link cost is a planning assumption (``muon_split.LINK_FLOPS_PER_BYTE``,
-H100-class); it only chooses among exact plans, and a free link (0) gives the plan shortest in
-FLOPs.
+twice, with the model's link cost and with free links (``_shapers``). Each is timed (``span``:
+``muon_split.critical_path`` of the schedule the optimizer runs, gang units interleaved with
+their collectives in flight on a communication thread, every gang collective at the model's
+link cost, plus the all-to-all's busiest rank), "no splits" included; among those within
+``TIME_SLACK`` (2%) of the shortest, the one shortest in FLOPs wins (the link time is a model,
+the FLOPs are exact). The link cost is a planning assumption (``muon_split.PlanLinks``,
+H100-class unless set); it only chooses among exact plans, and a free link (0) gives the plan
+shortest in FLOPs.
 """
 
 import dataclasses
-import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -44,6 +44,10 @@ from .muon_split import (
 
 # Targets tried, in multiples of total / dp (math.inf: no split).
 TARGETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, math.inf)
+# Candidates within this fraction of the fastest modeled time count as equally fast: the link
+# time is a model (bandwidth at an assumed machine), the FLOPs are exact, so among them the one
+# with the shortest FLOP critical path (the better balanced) wins.
+TIME_SLACK = 0.02
 # Disjoint gangs tried: at most this many matrices share one gang's members (``bundle_units``).
 BUNDLES = (1, 2, 3)
 
@@ -67,9 +71,10 @@ def assign_units(
 ):
     """Units of each matrix and the gang order (matrix indices) of the best choice; no model:
     no splits. Candidates: stacked gangs at each split target (``_assign``) and disjoint gangs
-    of at most ``n`` matrices for each ``n`` in ``bundles`` (``bundle_units``); the shortest
-    critical path wins, gang collectives charged at the model's link cost (``span``); among
-    equally short ones, the one with the shortest FLOP critical path (the better balanced).
+    of at most ``n`` matrices for each ``n`` in ``bundles`` (``bundle_units``); among those whose
+    critical path (gang collectives charged at the model's link cost, ``span``) is within
+    ``TIME_SLACK`` of the shortest, the one with the shortest FLOP critical path (the better
+    balanced) wins, the first on ties.
 
     Args:
         works: the Muon matrices of one exchange, as the planner sees them.
@@ -88,19 +93,13 @@ def assign_units(
     for shape in _shapers(model):  # placements shaped at the link cost and blind to it
         candidates += [_assign(works, world, shape, f * total / max(world, 1)) for f in targets]
         candidates += [bundle_units(works, world, shape, n) for n in bundles]
-    flops = functools.partial(span, works, world=world, model=model, link=False)
-    best = None  # [length, FLOP critical path (None until a tie needs it), units, gangs]
-    for units, gangs in (c for c in candidates if c is not None):
-        length = span(works, units, gangs, world, model)
-        if best is not None and model is not None and math.isclose(length, best[0], rel_tol=1e-9):
-            if best[1] is None:
-                best[1] = flops(best[2], best[3])
-            mine = flops(units, gangs)
-            if mine < best[1]:  # a tie: fewer FLOPs on the path
-                best = [length, mine, units, gangs]
-        elif best is None or length < best[0]:
-            best = [length, None, units, gangs]
-    return best[2], best[3]
+    timed = [(span(works, *c, world, model), c) for c in candidates if c is not None]
+    fastest = min(length for length, _ in timed)
+    if model is None:
+        return next(c for length, c in timed if length == fastest)
+    near = [c for length, c in timed if length <= fastest * (1 + TIME_SLACK)]
+    flops = [span(works, *c, world, model, link=False) for c in near]
+    return near[flops.index(min(flops))]  # the first of the best balanced
 
 
 def span(works: list[Work], units, gangs: list[int], world: int, model, link=True) -> float:
