@@ -121,7 +121,7 @@ def test_negative_control_broken_gather_misses_the_reference():
 # ------------------------------------------------------------------ bf16 and the exchange dtype
 
 
-def _exchange_run(exchange: str, force_fp32: bool = False, precision: str = "bf16"):
+def _exchange_run(exchange: str, force_fp32: bool = False, precision: str = "bf16", **overrides):
     """Params, wire dtypes and exchange bytes after 3 steps at DP=4; ``force_fp32``: the
     exchange as before it followed the NS dtype (fp32 both ways, owners scale)."""
 
@@ -136,6 +136,7 @@ def _exchange_run(exchange: str, force_fp32: bool = False, precision: str = "bf1
 
     record = {}
     kwargs = dict(muon_fp32_matmul_prec=precision, muon_distopt_exchange_dtype=exchange)
+    kwargs.update(overrides)
     _, params, _ = train(
         TinyGPT(),
         STEPS,
@@ -178,6 +179,24 @@ def test_bf16_newton_schulz_exchanges_bf16_with_the_same_numbers_as_fp32():
         assert all(torch.equal(bf16[k], fp32[k]) for k in fp32) and bf16_bytes == auto_bytes
         other = rank["fp32 NS, fp32"][0]
         assert not all(torch.equal(other[k], fp32[k]) for k in fp32)
+
+
+def _holder_and_owner_scaled(tp_mode: str):
+    # unit_rms_norm: s = sqrt(m / n) differs between the Q and the K/V blocks
+    rule = dict(muon_matched_adamw_rms=None, muon_scale_mode="unit_rms_norm")
+    runs = [_exchange_run("fp32", force, muon_tp_mode=tp_mode, **rule) for force in (False, True)]
+    return [params for params, _, _ in runs]
+
+
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
+def test_holders_scale_the_bf16_return_bit_exactly_at_tp2(tp_mode):
+    """TP2 x DP2 with fused QKV and a different scale per Q/K/V block (``unit_rms_norm``): owners
+    returning unscaled bf16 NS output and holders scaling their TP-local shard pieces give the
+    same bits as owners scaling and returning fp32, in both exact TP modes (negative control,
+    checked by hand: one scale for the whole QKV matrix in ``scale_flat_`` fails it)."""
+    for by_holder, by_owner in run_distributed(_holder_and_owner_scaled, 4, tp=2, args=(tp_mode,)):
+        assert by_holder.keys() == by_owner.keys()
+        assert all(torch.equal(by_holder[k], by_owner[k]) for k in by_owner)
 
 
 def test_bf16_exchange_dtype_with_fp32_newton_schulz_rounds_both_ways():
