@@ -27,9 +27,11 @@ modes' own traffic (NVLink) left out.
 """
 
 import argparse
-import dataclasses
 import math
 
+import torch
+
+from megatron.core.optimizer.muon_distopt import exchange_dtypes
 from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
 from megatron.core.optimizer.muon_plan import (
     BucketSlot,
@@ -178,8 +180,7 @@ def project(model: str, dp: int, a) -> dict:
     plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), link_model)
     unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
     # The plan a planner blind to the link would choose: shortest FLOP critical path.
-    free = dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0, step_latency_flops=0.0)
-    flop_only = plan.rebuilt(model=dataclasses.replace(link_model, **free))
+    flop_only = plan.rebuilt(model=link_model.free_links())
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
     return {
         "model": model,
@@ -238,10 +239,13 @@ def _ms(seconds: float) -> str:
 
 
 def wire_bytes(a) -> tuple[int, int]:
-    """Bytes per element the exchange moves out and back (``muon_distopt.exchange_dtypes``):
-    out the narrower of the exchange and NS dtypes; back the NS dtype where it is narrower than
-    fp32 (unscaled NS output, holders scale it), else the exchange dtype."""
-    return min(a.exchange_bytes, a.ns_bytes), a.ns_bytes if a.ns_bytes < 4 else a.exchange_bytes
+    """Bytes per element the exchange moves out and back, by the optimizer's own rule
+    (``muon_distopt.exchange_dtypes``: out the narrower of the exchange and NS dtypes; back the
+    NS dtype where it is narrower than the fp32 update, else the exchange dtype)."""
+    names = {4: "fp32", 2: "bf16"}
+    dtypes = {4: torch.float32, 2: torch.bfloat16}
+    forward, back, _ = exchange_dtypes(names[a.exchange_bytes], dtypes[a.ns_bytes], torch.float32)
+    return forward.itemsize, back.itemsize
 
 
 def parse_args(argv=None):
@@ -262,8 +266,12 @@ def parse_args(argv=None):
         help="latency of one ring step of a gang collective (0: bytes only)",
     )
     parser.add_argument("--tokens", type=int, default=4 * 1024 * 1024, help="global batch")
-    parser.add_argument("--exchange-bytes", type=int, default=4, help="4 fp32 (default), 2 bf16")
-    parser.add_argument("--ns-bytes", type=int, default=2, help="NS matmul dtype: 2 bf16 (default)")
+    parser.add_argument(
+        "--exchange-bytes", type=int, choices=[4, 2], default=4, help="4 fp32 (default), 2 bf16"
+    )
+    parser.add_argument(
+        "--ns-bytes", type=int, choices=[2, 4], default=2, help="NS matmul dtype: 2 bf16 (default)"
+    )
     parser.add_argument(
         "--tp-mode", choices=["duplicated", "distributed", "blockwise"], default="duplicated"
     )

@@ -26,7 +26,6 @@ H100-class unless set); it only chooses among exact plans, and a free link (0) g
 shortest in FLOPs.
 """
 
-import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -153,10 +152,9 @@ def _shapers(model: Optional[NSCostModel]) -> list:
     """The cost models candidates are shaped with: ``model``, and where its links cost
     anything the same model with free links (placements shortest in FLOPs, which the
     communication thread's overlap can make the fastest too); all are timed with ``model``."""
-    free = dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0, step_latency_flops=0.0)
-    if model is None or all(getattr(model, k) == v for k, v in free.items()):
+    if model is None or model == model.free_links():
         return [model]
-    return [model, dataclasses.replace(model, **free)]
+    return [model, model.free_links()]
 
 
 def _assign(works: list[Work], world: int, model: NSCostModel, target: float):

@@ -31,6 +31,7 @@ communication thread is free for it; the step's NS critical path is when the ret
 can start.
 """
 
+import dataclasses
 import functools
 import math
 from collections import deque
@@ -228,6 +229,17 @@ class NSCostModel:
         """
         size = _itemsize(elements, self.ns_itemsize)
         return ring_traffic(_slice(elements), size, _passes(elements), self.layout(members))
+
+    def free_links(self) -> "NSCostModel":
+        """This model with links that cost nothing (no bytes, no latency): the one the planner
+        shapes FLOPs-only candidates with, and the FLOPs-only plan's.
+
+        Returns:
+            A copy; this model is unchanged.
+        """
+        return dataclasses.replace(
+            self, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0, step_latency_flops=0.0
+        )
 
     def layout(self, members: tuple) -> tuple[int, int]:
         """(members per node, nodes) of a gang (``node_layout`` on ``nodes``).
