@@ -301,14 +301,13 @@ def orthogonalize_steps(
     rows, cols = u.shape
     split = info.qkv_split
     per_group = u.view(rows // sum(split), sum(split), cols)
-    global_groups = info.shape[0] // sum(split)
     out = torch.empty(per_group.shape, dtype=u.dtype, device=u.device)
     starts = [sum(split[:i]) for i in range(len(split))]
     for r in dict.fromkeys(split):  # unique row counts (K and V, Q too under MHA): batched
         ids = [i for i, ri in enumerate(split) if ri == r]
         blocks = [per_group[:, starts[i] : starts[i] + r].reshape(-1, cols) for i in ids]
         for i, orth in zip(ids, (yield from ns_blocks(blocks))):
-            orth = _scale_(orth, (global_groups * r, info.shape[1]), spec)
+            orth = _scale_(orth, _block_shape(info, r), spec)
             out[:, starts[i] : starts[i] + r] = orth.view(-1, r, cols)
     return out.view(rows, cols)
 
@@ -410,6 +409,12 @@ def _scale_(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
     return x.mul_(spec.scale(*shape)) if spec.apply_scale else x
 
 
+def _block_shape(info: MuonParamInfo, rows: int) -> tuple[int, int]:
+    """The global shape of the Q/K/V block with ``rows`` rows per query group: what its scale
+    is computed from (``orthogonalize_steps``, ``scale_flat_``)."""
+    return info.shape[0] // sum(info.qkv_split) * rows, info.shape[1]
+
+
 def scale_flat_(x: Tensor, info: MuonParamInfo, start: int, cols: int, spec: OrthoSpec) -> Tensor:
     """``orthogonalize``'s scale applied in place to a flat piece of an unscaled update (one
     Q/K/V block's scale to each of its rows): the same elementwise product the owner would have
@@ -428,8 +433,7 @@ def scale_flat_(x: Tensor, info: MuonParamInfo, start: int, cols: int, spec: Ort
     if info.qkv_split is None:
         return x.mul_(spec.scale(*info.shape))
     split, end = info.qkv_split, start + x.numel()
-    groups = info.shape[0] // sum(split)
-    scales = [spec.scale(groups * r, info.shape[1]) for r in split]
+    scales = [spec.scale(*_block_shape(info, r)) for r in split]
     group = sum(split) * cols  # elements of one query group's rows
     for g in range(start // group, -(-end // group)):
         at = g * group
