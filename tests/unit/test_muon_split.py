@@ -214,6 +214,36 @@ class _FakeStream:
         self.log.append(("wait", self.name, event))
 
 
+def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
+    """1B at DP 1024, 8 ranks per node, disjoint gangs shaped at the link cost
+    (``bundle_units``): fc1's gang collectives set the time bound, under which the runs need
+    fewer ranks than there are. The spare ranks go, a gang size at a time (``sizes``: one node
+    or whole nodes), to the run executing the most FLOPs where its load stays within the bound
+    (``_Runs._spread``): every rank works, the FLOP critical path shortens (efficiency 0.598)
+    and the modeled time does not grow; the plan chosen is this one. Negative control: spare
+    ranks left idle (0.336)."""
+    dp = 1024
+    model = projection.cost_model(1, "duplicated", nodes=tuple(r // 8 for r in range(dp)))
+    params = projection.model_params(*projection.MODELS["1B"])
+    plan = projection.build_plan(params, dp, projection.ddp_bucket_size(dp), model)
+    works = [plan._work(plan.matrices[i]) for i in plan.exchanges[0].matrices]
+    ideal = sum(w.cost for w in works) / dp
+
+    def shaped():
+        units, gangs = muon_placement.bundle_units(works, dp, model, 1)
+        owners = {u.owner for matrix_units in units for u in matrix_units}
+        time = muon_placement.span(works, units, gangs, dp, model)
+        return time, ideal / muon_placement.span(works, units, gangs, dp, model, False), owners
+
+    time, efficiency, owners = shaped()
+    monkeypatch.setattr(muon_placement._Runs, "_steps", lambda self, runs: iter(()))
+    idle_time, idle_efficiency, idle_owners = shaped()
+    assert owners == set(range(dp)) and len(idle_owners) < dp
+    assert efficiency >= 0.55 > 0.4 > idle_efficiency
+    assert time <= idle_time
+    assert plan.efficiency() >= 0.55  # the plan chosen (one exchange: these are its matrices)
+
+
 def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer():
     """On an accelerator the communication thread works on a stream of its own: it waits for an
     event recorded on the compute stream at the post, and the compute stream waits for an event

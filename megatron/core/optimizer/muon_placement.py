@@ -333,20 +333,21 @@ class _Runs:
         self.order = sorted(range(len(works)), key=lambda i: (-works[i].cost, i))
         self.axes = [model.axis(w.info) for w in works]
         self.per_node = max(Counter(model.nodes).values(), default=0)  # DP ranks per node
-        self._busiest: dict[tuple[int, int], float] = {}
+        self._busiest: dict[tuple[int, int, bool], float] = {}
 
-    def load(self, ids: list[int], k: int) -> float:
+    def load(self, ids: list[int], k: int, link: bool = True) -> float:
         """FLOPs of the busiest member of a run over ``k`` ranks, its gangs' link time
-        included (``NSCostModel.busiest``; FLOPs alone with a free link)."""
+        included unless ``link`` is False (``NSCostModel.busiest``; FLOPs alone with a free
+        link)."""
         if k == 1:
             return sum(self.works[i].cost for i in ids)
         out = 0.0
         for i in ids:
-            if (i, k) not in self._busiest:
+            if (i, k, link) not in self._busiest:
                 w, a = self.works[i], self.axes[i]
-                cost = self.model.busiest(w.info, a, w.local_shape[a], k, with_link=True)
-                self._busiest[i, k] = cost
-            out += self._busiest[i, k]
+                cost = self.model.busiest(w.info, a, w.local_shape[a], k, with_link=link)
+                self._busiest[i, k, link] = cost
+            out += self._busiest[i, k, link]
         return out
 
     def most_ranks(self, ids: list[int]) -> int:
@@ -413,17 +414,35 @@ class _Runs:
         return runs
 
     def _spread(self, runs: list, spare: int) -> None:
-        """Give spare ranks, one at a time, to the run whose busiest member works most."""
-        for _ in range(spare):
+        """Give spare ranks to runs: first, one at a time, to the run whose busiest member
+        works most while that lowers it (the time bound); then, in steps to the next gang size
+        (``sizes``), to the run whose busiest member executes the most FLOPs, where that lowers
+        them and keeps its load within the bound: the same modeled time, better balanced."""
+        while spare:
+            load, n = max((self.load(ids, k), n) for n, (ids, k) in enumerate(runs))
+            ids, k = runs[n]
+            if k >= self.most_ranks(ids) or self.load(ids, k + 1) >= load:
+                break
+            runs[n][1], spare = k + 1, spare - 1
+        bound = max((self.load(ids, k) for ids, k in runs), default=0.0)
+        while spare:
+            grow = [(self.load(ids, k, link=False), n, k2) for n, (ids, k), k2 in self._steps(runs)]
             grow = [
-                (self.load(ids, k), n)
-                for n, (ids, k) in enumerate(runs)
-                if k < self.most_ranks(ids)
+                (flops, n, k2)
+                for flops, n, k2 in grow
+                if k2 - runs[n][1] <= spare
+                and self.load(runs[n][0], k2) <= bound
+                and self.load(runs[n][0], k2, link=False) < flops
             ]
             if not grow:
                 return
-            load, n = max(grow)
-            ids, k = runs[n]
-            if self.load(ids, k + 1) >= load:
-                return
-            runs[n][1] = k + 1
+            _, n, k2 = max(grow)
+            spare -= k2 - runs[n][1]
+            runs[n][1] = k2
+
+    def _steps(self, runs: list):
+        """(run index, run, its next gang size) for every run that can grow."""
+        for n, (ids, k) in enumerate(runs):
+            bigger = [s for s in self.sizes(self.most_ranks(ids)) if s > k]
+            if bigger:
+                yield n, (ids, k), bigger[0]
