@@ -256,7 +256,8 @@ def bundle_units(works: list[Work], world: int, model: NSCostModel, most: int):
     orthogonalized whole by one rank (cost <= the bound) or, at most ``most`` matrices, by a
     gang of its own ranks, each member an equal block of every matrix of the run (so no rank
     waits for a gang it is not in). The bound is the smallest (bisection) whose runs need at
-    most ``world`` ranks (``_Runs.cover``); ranks left over go to the busiest gangs.
+    most ``world`` ranks (``_Runs.cover``); ranks left over first lower that bound, then
+    balance FLOPs under it (``_Runs._spread``).
 
     Args:
         works: the Muon matrices of one exchange.
