@@ -59,6 +59,7 @@ from megatron.core.optimizer.muon_split import (
     Unit,
     block_views,
     critical_path,
+    cut,
     member_events,
 )
 
@@ -197,6 +198,13 @@ def works_of(plan: MuonExchangePlan, ex) -> list:
     return [plan._work(plan.matrices[i]) for i in ex.matrices]
 
 
+def assignment(plan: MuonExchangePlan, ex) -> tuple[list, list[int]]:
+    """``ex`` as the planner's ``assign_units`` returned it: units per matrix of the exchange,
+    the gang order as positions among them."""
+    at = {i: j for j, i in enumerate(ex.matrices)}
+    return [plan.matrices[i].units for i in ex.matrices], [at[i] for i in ex.gangs]
+
+
 # ------------------------------------------------------------------ the invariants
 
 
@@ -239,8 +247,9 @@ def _check_unit_pieces(plan, ex, i: int, u: Unit) -> int:
 
 
 def check_units(plan: MuonExchangePlan) -> None:
-    """2: every unit has >= 1 line; a gang's members are distinct, own one block each, in
-    gang order, all on the model's axis with their block's TP-gathered lines."""
+    """2: every unit has >= 1 line; a gang's members are distinct and own one block each,
+    near-equal and consecutive along the model's axis in gang order (``cut``: what the cost
+    model's busiest member assumes), with their block's TP-gathered lines."""
     for slot in plan.matrices:
         owners = [u.owner for u in slot.units]
         assert owners and len(set(owners)) == len(owners), f"{slot.name}: owners {owners}"
@@ -251,6 +260,10 @@ def check_units(plan: MuonExchangePlan) -> None:
             assert not u.gang and u.block == Block(0, slot.local_shape[0], 0, slot.local_shape[1])
             continue
         axis = plan.model.axis(slot.info)
+        spans = [
+            (u.block.r0, u.block.r1) if axis == 0 else (u.block.c0, u.block.c1) for u in slot.units
+        ]
+        assert spans == cut(slot.local_shape[axis], len(spans)), f"{slot.name}: blocks {spans}"
         for u in slot.units:
             assert u.gang == tuple(owners) and u.axis == axis is not None, f"{slot.name}: {u}"
             local = u.block.shape[axis]
@@ -289,6 +302,10 @@ def check_times(plan: MuonExchangePlan, unsplit: Optional[MuonExchangePlan]) -> 
     path = plan.critical_path_flops()  # asserts on a circular wait
     if model is not None:
         critical_path([plan.trace(r) for r in range(plan.world)], sync=model.sync_flops)
+    spans = 0.0  # what the planner weighed: each exchange's FLOP span, between two all-to-alls
+    for ex in plan.exchanges:
+        spans += span(works_of(plan, ex), *assignment(plan, ex), plan.world, model, link=False)
+    assert math.isclose(path, spans, rel_tol=REL), f"path {path} != the planner's spans {spans}"
     if unsplit is not None:
         _check_no_slower(plan, unsplit)
     ideal = sum(m.cost for m in plan.matrices) / plan.world
@@ -303,11 +320,9 @@ def _check_no_slower(plan: MuonExchangePlan, unsplit: MuonExchangePlan) -> None:
     model = plan.model
     for ex, base in zip(plan.exchanges, unsplit.exchanges, strict=True):
         assert ex.matrices == base.matrices
-        works, at = works_of(plan, ex), {i: j for j, i in enumerate(ex.matrices)}
-        units = [plan.matrices[i].units for i in ex.matrices]
-        mine = span(works, units, [at[i] for i in ex.gangs], plan.world, model)
-        units = [unsplit.matrices[i].units for i in ex.matrices]
-        theirs = span(works, units, [], plan.world, model)
+        works = works_of(plan, ex)
+        mine = span(works, *assignment(plan, ex), plan.world, model)
+        theirs = span(works, *assignment(unsplit, base), plan.world, model)
         assert mine <= theirs * (1 + TIME_SLACK), f"slower than no split: {mine} > {theirs}"
 
 
@@ -507,14 +522,13 @@ def _traffic_with_self_copies(plan) -> None:
     plan.traffic = traffic
 
 
+def _stale(plan) -> None:
+    plan.critical_path_flops()
+    _all_on_rank_0(plan)
+
+
 def _costlier(plan) -> None:
     plan.matrices[1].cost *= 10
-
-
-def _candidate(plan) -> tuple:
-    ex = plan.exchanges[0]
-    at = {i: j for j, i in enumerate(ex.matrices)}
-    return [plan.matrices[i].units for i in ex.matrices], [at[i] for i in ex.gangs]
 
 
 def _times(plan) -> None:
@@ -532,12 +546,13 @@ CONTROLS = [  # (invariant, what is broken, mutation, check, message)
     ("2", "a block of no line", lambda p: _unit(p, "p3", 0, block=Block(0, 3, 0, 0)),
      check_units, "p3"),
     ("2", "a rank in two gangs", lambda p: _unit(p, "p0", 1, owner=2, gang=(0, 2)),
-     lambda p: check_disjoint(*_candidate(p)), "two gangs"),
+     lambda p: check_disjoint(*assignment(p, p.exchanges[0])), "two gangs"),
     ("2", "gang order by rank", lambda p: p.exchanges[0].gangs.reverse(),
      lambda p: check_same(build(BASE, 3), p), "differently"),
     ("3", "a circular wait", _circle, _times, "circle"),
     ("3", "slower than no split", _all_on_rank_0, _times, "slower"),
     ("3", "a matrix costlier than its units run", _costlier, _times, "path"),
+    ("3", "a critical path cached before a change", _stale, _times, "planner's spans"),
     ("4", "gangs run in another order on one rank", lambda p: _reversed_on(p, 2), check_counts,
      "another order"),
     ("4", "a member's FLOPs miscounted", lambda p: _unit(p, "p1", 0, cost=1.0), check_counts,
