@@ -1,6 +1,8 @@
 """The gang blocks' interleaving (``DistributedMuonOrthogonalizer._interleave``) without ranks:
 the order the communication thread serves requests in, and errors that surface at once."""
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -75,3 +77,56 @@ def test_an_error_in_a_collective_surfaces_on_the_main_thread():
 
     with pytest.raises(ConnectionError, match="peer gone"):
         _orthogonalizer()._interleave([_unit("a", 2, [])], [{SUM: broken}], [(0, 1)])
+
+
+_BLOCKED_AT_EXIT = """
+import subprocess
+import sys
+import threading
+import torch
+from megatron.core.optimizer.muon_distopt import DistributedMuonOrthogonalizer
+from megatron.core.optimizer.newton_schulz import SUM
+
+def unit():
+    yield SUM, torch.zeros(1)
+
+def failing():
+    raise RuntimeError("out of memory")
+    yield
+
+peers = threading.Event()  # the peers of the posted sum never come
+ortho = DistributedMuonOrthogonalizer(None, None, "fp32", device=torch.device("cpu"))
+try:
+    ortho._interleave([unit(), failing()], [{SUM: lambda t: peers.wait()}, {}], [(0, 1), (0, 2)])
+finally:
+    print("raised", flush=True)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review s7b: after an error _interleave leaves the communication thread (a "
+    "ThreadPoolExecutor worker, non-daemon) blocked in its collective, and Python joins it at "
+    "exit: the failing rank hangs instead of exiting, so torchrun never sees the failure and "
+    "the job sits until the collective's timeout (our pretrain_gpt.py leaves by os._exit and is "
+    "spared; a training script of its own, e.g. Megatron-LM's, is not)",
+)
+def test_a_rank_whose_main_thread_fails_exits_while_a_collective_still_waits():
+    """The process whose main thread raised while its communication thread waits for peers that
+    never come (they failed too, or wait elsewhere) must exit with the error, not hang."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED_AT_EXIT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "raised"
+        rc = child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+    assert rc not in (None, 0), "the process did not exit after the error"
