@@ -165,8 +165,16 @@ class DistributedMuonOrthogonalizer:
             spec = ortho_spec_of(matrix_fn)
             for r, info in zip(results, infos):
                 cols = self.plan.matrices[info.matrix].local_shape[1]
-                scale_flat_(r.view(-1), info, info.offset, cols, spec)
+                scale_flat_(r.view(-1), self._scale_info(info.matrix), info.offset, cols, spec)
         return results
+
+    def _scale_info(self, i: int) -> MuonParamInfo:
+        """The info the owner's orthogonalizer scales matrix ``i``'s result by: the TP-local
+        slice's in the ``blockwise`` TP mode (``TPOrthogonalizer.scale_info``), else the
+        whole matrix's (its plan slot's TP-global info, which says how TP shards it)."""
+        slot = self.plan.matrices[i]
+        scale_info = getattr(self.inner, "scale_info", None)
+        return slot.info if scale_info is None else scale_info(slot.info, slot.local_shape)
 
     def _run(self, ex: Exchange, by_matrix: dict, matrix_fn, device) -> dict[int, Tensor]:
         """One sync point: pieces to owners, owners' NS, result pieces back to their holders."""

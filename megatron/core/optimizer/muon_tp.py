@@ -102,6 +102,23 @@ class TPOrthogonalizer:
                 for o, info, g in zip(out, infos, groups)
             ]
 
+    def scale_info(self, info, local_shape: tuple[int, int]) -> MuonParamInfo:
+        """The info whose shape (and Q/K/V split) the scale of ``info``'s update comes from: in
+        the ``blockwise`` mode a TP-sharded param's TP-local slice (orthogonalized as a matrix of
+        its own, ``_sharded``), else the whole matrix. Whoever scales an unscaled result (the
+        DistOpt holders of a bf16 return) must use this one.
+
+        Args:
+            info: the param's TP-global info.
+            local_shape: the param's TP-local 2-D shape.
+
+        Returns:
+            ``info`` itself, or the local slice's ``MuonParamInfo``.
+        """
+        if self.mode == "blockwise" and self._group(info) is not None:
+            return MuonParamInfo(tuple(local_shape), info.qkv_split)
+        return info
+
     def _group(self, info):
         """The process group sharding this param, None when it is whole on this rank."""
         group = self.groups.get(getattr(info, "expert", False))
