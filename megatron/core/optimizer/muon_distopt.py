@@ -731,6 +731,38 @@ def domain_nodes(group, size: int) -> tuple[int, ...]:
     return tuple(r // size for r in torch.distributed.get_process_group_ranks(group))
 
 
+def shared_layout(nodes: tuple[int, ...], groups: list) -> tuple[int, ...]:
+    """The node layout TP rank 0 of each of ``groups`` found, on all its ranks. The TP ranks of
+    a DP rank must run one plan (the ``duplicated`` and ``distributed`` modes gather or sum over
+    TP inside it), but a layout from global ranks or host names can differ between them: an
+    NVLink domain that is not a multiple of the TP size, a TP group across hosts. One
+    ``all_gather_object`` per group of more than one rank; every TP peer calls it at the same
+    point (``attach``, with the same params).
+
+    Args:
+        nodes: this rank's layout of its DP group (``domain_nodes`` or ``host_nodes``).
+        groups: the TP groups sharding this optimizer's Muon params (``_tp_groups``).
+
+    Returns:
+        The layout every rank of those groups plans with.
+    """
+    for group in groups:
+        got: list = [None] * group.size()
+        torch.distributed.all_gather_object(got, nodes, group=group)
+        nodes = got[0]
+    return nodes
+
+
+def _tp_groups(inner, infos: list) -> list:
+    """The TP (or expert TP) groups of more than one rank that shard ``infos``' params, in one
+    order on every rank (dense, then expert)."""
+    if not isinstance(inner, TPOrthogonalizer):
+        return []
+    experts = sorted({bool(getattr(info, "expert", False)) for info in infos})
+    groups = [inner.groups.get(expert) for expert in experts]
+    return [g for g in groups if g is not None and g.size() > 1]
+
+
 def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8):
     """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
 
@@ -796,9 +828,10 @@ def attach(
     if distopt.buffers:  # gangs within a node, or spread evenly over nodes, ring over NVLink
         group = distopt.buffers[0].data_parallel_group
         size = links.nvlink_domain
-        model = dataclasses.replace(
-            model, nodes=domain_nodes(group, size) if size else host_nodes(group)
-        )
+        nodes = domain_nodes(group, size) if size else host_nodes(group)
+        infos = [muon.param_info.get(p) for p in muon_params]
+        nodes = shared_layout(nodes, _tp_groups(muon.orthogonalizer, infos))
+        model = dataclasses.replace(model, nodes=nodes)
     plan = build_plan(distopt, muon.param_info.get, model, window)
     muon.param_info = shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
