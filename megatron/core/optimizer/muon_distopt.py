@@ -65,8 +65,11 @@ and ``offset`` is the shard's first element within the flattened TP-local matrix
 
 import dataclasses
 import functools
+import queue
 import socket
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
 
@@ -298,7 +301,7 @@ class DistributedMuonOrthogonalizer:
         live = list(range(len(steps)))
         if self.streams is None:
             self.streams = CommStreams.of(self.device)
-        pool = ThreadPoolExecutor(1, "muon-gang", self.streams.enter)
+        pool = CommThread(self.streams.enter)
         try:
             while live:
                 for i in list(live):
@@ -313,10 +316,10 @@ class DistributedMuonOrthogonalizer:
                     pending[i] = self._post(pool, serve[i][kind], t, members[i])
         except BaseException:
             # Raise now: a posted collective may wait for peers forever, and joining the
-            # thread would hide the error behind a hang.
-            pool.shutdown(wait=False, cancel_futures=True)
+            # thread would hide the error behind a hang (it is a daemon: exit does not join it).
+            pool.close(wait=False)
             raise
-        pool.shutdown(wait=True)
+        pool.close(wait=True)
         return out
 
     def _post(self, pool, serve, t: Tensor, members: tuple) -> "Posted":
@@ -543,6 +546,56 @@ def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int
         out.setdefault(p.matrix, []).append((p, at))
         at += p.size
     return out
+
+
+class CommThread:
+    """The communication thread of one ``_interleave`` call: serves submitted calls one at a
+    time in submission order. A daemon thread: a rank whose main thread failed while a posted
+    collective waits for peers that never come must still exit with its error (Python joins
+    other threads at exit, a ``ThreadPoolExecutor``'s worker included, and torchrun would see
+    a hang instead of a failure)."""
+
+    def __init__(self, initializer: Callable[[], None]):
+        self._posts: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(initializer,), name="muon-gang", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """``fn(*args)`` on the thread, after every call submitted before it.
+
+        Args:
+            fn: the call (e.g. ``CommStreams.serve``).
+            *args: its arguments.
+
+        Returns:
+            A future of its result (or of what it raised).
+        """
+        future: Future = Future()
+        self._posts.put((future, fn, args))
+        return future
+
+    def close(self, wait: bool) -> None:
+        """End the thread once it has served what was submitted; ``wait``: join it."""
+        self._posts.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self, initializer) -> None:
+        failed = None
+        try:
+            initializer()
+        except BaseException as err:  # every call fails with it: the main thread raises it
+            failed = err
+        while (post := self._posts.get()) is not None:
+            future, fn, args = post
+            try:
+                if failed is not None:
+                    raise failed
+                future.set_result(fn(*args))
+            except BaseException as err:
+                future.set_exception(err)
 
 
 @dataclass(frozen=True)
