@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from megatron.core.optimizer.muon_config import MAX_PLAN_TFLOPS, MIN_PLAN_GBPS
+
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
 REQUIRED = (
@@ -46,12 +48,14 @@ POSITIVE = (
     ("muon_plan_nvlink_domain", "--muon-plan-nvlink-domain"),
 )
 
-# Rates and bandwidths: > 0; for the bandwidths inf means a free link (the planner then weighs
-# FLOPs alone).
-POSITIVE_FLOATS = (
-    ("muon_plan_tflops", "--muon-plan-tflops"),
-    ("muon_plan_dp_link_gbps", "--muon-plan-dp-link-gbps"),
-    ("muon_plan_nvlink_gbps", "--muon-plan-nvlink-gbps"),
+# The planner's machine: a rate in (0, MAX_PLAN_TFLOPS], bandwidths >= MIN_PLAN_GBPS, where inf
+# means a free link (the planner then weighs FLOPs alone); past these a byte's cost overflows.
+_RATE = (lambda v: 0 < v <= MAX_PLAN_TFLOPS, f"in (0, {MAX_PLAN_TFLOPS:g}] (TFLOP/s per GPU)")
+_GBPS = (lambda v: v >= MIN_PLAN_GBPS, f">= {MIN_PLAN_GBPS:g} (Gb/s per GPU; inf: a free link)")
+PLAN_RANGES = (
+    ("muon_plan_tflops", "--muon-plan-tflops", *_RATE),
+    ("muon_plan_dp_link_gbps", "--muon-plan-dp-link-gbps", *_GBPS),
+    ("muon_plan_nvlink_gbps", "--muon-plan-nvlink-gbps", *_GBPS),
 )
 INFINITE_OK = ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps")
 
@@ -544,10 +548,10 @@ def _check_table(args) -> None:
         value = getattr(args, attr)
         if value is not None and value < 1:
             raise ArgumentsError(f"{flag} must be >= 1, got {value}")
-    for attr, flag in POSITIVE_FLOATS:
+    for attr, flag, ok, allowed in PLAN_RANGES:
         value = getattr(args, attr)
-        if value is not None and not value > 0:
-            raise ArgumentsError(f"{flag} must be > 0, got {value}")
+        if value is not None and not ok(value):
+            raise ArgumentsError(f"{flag} must be {allowed}, got {value}")
     for is_bad, message in UNSUPPORTED:
         if is_bad(args):
             raise ArgumentsError(message)

@@ -277,7 +277,17 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     (
         "--optimizer muon --use-distributed-optimizer --muon-plan-tflops 0",
         1,
-        ["--muon-plan-tflops must be > 0, got 0.0"],
+        ["--muon-plan-tflops must be in (0, 1e+06]", "got 0.0"],
+    ),
+    (  # a byte's cost would overflow to inf, and inf x 0 is NaN in the planner's comparisons
+        "--optimizer muon --use-distributed-optimizer --muon-plan-dp-link-gbps 1e-310",
+        1,
+        ["--muon-plan-dp-link-gbps must be >= 0.001", "inf: a free link", "got 1e-310"],
+    ),
+    (
+        "--optimizer muon --use-distributed-optimizer --muon-plan-tflops 1e300",
+        1,
+        ["--muon-plan-tflops must be in (0, 1e+06]", "got 1e+300"],
     ),
     (
         "--optimizer muon --use-distributed-optimizer --muon-plan-tflops inf",

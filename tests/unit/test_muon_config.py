@@ -117,10 +117,12 @@ BAD = [
     (dict(muon_matched_adamw_rms=-1.0), ["muon_matched_adamw_rms", "None or a float > 0"]),
     (dict(muon_use_nesterov="yes"), ["muon_use_nesterov", "bool"]),
     (dict(muon_split_qkv=1), ["muon_split_qkv", "bool"]),
-    (dict(muon_plan_tflops=0.0), ["muon_plan_tflops", "finite number > 0"]),
-    (dict(muon_plan_tflops=math.inf), ["muon_plan_tflops", "finite"]),
+    (dict(muon_plan_tflops=0.0), ["muon_plan_tflops", "a number in (0, 1e+06]"]),
+    (dict(muon_plan_tflops=math.inf), ["muon_plan_tflops", "(0, 1e+06]"]),
+    (dict(muon_plan_tflops=1e300), ["muon_plan_tflops", "(0, 1e+06]"]),  # a byte's cost: inf
     (dict(muon_plan_dp_link_gbps=-1.0), ["muon_plan_dp_link_gbps", "inf: a free link"]),
-    (dict(muon_plan_nvlink_gbps=math.nan), ["muon_plan_nvlink_gbps", "> 0"]),
+    (dict(muon_plan_nvlink_gbps=1e-310), ["muon_plan_nvlink_gbps", ">= 0.001"]),
+    (dict(muon_plan_nvlink_gbps=math.nan), ["muon_plan_nvlink_gbps", ">= 0.001"]),
     (dict(muon_plan_nvlink_domain=0), ["muon_plan_nvlink_domain", "int >= 1"]),
     (dict(muon_plan_nvlink_domain=8.0), ["muon_plan_nvlink_domain", "int >= 1"]),
     # matched RMS fixes the scale: combining it with upstream's scale knobs is ambiguous

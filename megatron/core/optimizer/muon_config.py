@@ -9,8 +9,12 @@ The seed's recipe (matched AdamW RMS 0.2, Nesterov, Keller Jordan's ``simple`` c
 the exact ``duplicated`` TP mode) is not a default: it is a set of flags, see the README.
 """
 
-import math
 from typing import Literal, Optional
+
+# The range ``--muon-plan-*`` accept (``muon_split.PlanLinks``): any real machine, with margin.
+# Past it the cost of a byte overflows to inf, and inf x 0 is a NaN the planner would compare.
+MAX_PLAN_TFLOPS = 1e6  # per GPU: 1 EFLOP/s
+MIN_PLAN_GBPS = 1e-3  # per GPU and direction: 1 Mb/s (inf: a free link)
 
 TPMode = Literal["blockwise", "duplicated", "distributed"]
 ScaleMode = Literal["spectral", "shape_scaling", "unit_rms_norm"]
@@ -126,14 +130,15 @@ def validate_muon_config(config) -> None:
 
 
 def _validate_plan(config) -> None:
-    """The planner's machine: rates and bandwidths > 0 (inf: a free link), a domain of GPUs."""
+    """The planner's machine: a rate in (0, ``MAX_PLAN_TFLOPS``], bandwidths of at least
+    ``MIN_PLAN_GBPS`` (inf: a free link), a domain of GPUs."""
     rate = config.muon_plan_tflops
-    ok = rate is None or (_is_number(rate) and 0 < rate < math.inf)
-    _require(ok, "muon_plan_tflops", rate, "be None or a finite number > 0")
+    ok = rate is None or (_is_number(rate) and 0 < rate <= MAX_PLAN_TFLOPS)
+    _require(ok, "muon_plan_tflops", rate, f"be None or a number in (0, {MAX_PLAN_TFLOPS:g}]")
     for name in ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps"):
         value = getattr(config, name)
-        ok = value is None or (_is_number(value) and value > 0)
-        _require(ok, name, value, "be None or a number > 0 (inf: a free link)")
+        ok = value is None or (_is_number(value) and value >= MIN_PLAN_GBPS)
+        _require(ok, name, value, f"be None or a number >= {MIN_PLAN_GBPS:g} (inf: a free link)")
     domain = config.muon_plan_nvlink_domain
     ok = domain is None or (isinstance(domain, int) and not isinstance(domain, bool) and domain > 0)
     _require(ok, "muon_plan_nvlink_domain", domain, "be None or an int >= 1 (GPUs)")
