@@ -69,6 +69,20 @@ def test_critical_path_serves_a_ranks_posts_one_at_a_time_in_order():
     assert critical_path(traces, sync=lambda members, n: n) == 10
 
 
+def test_critical_path_refuses_members_posting_one_collective_with_different_sizes():
+    # the first post over (0, 1) is 4 elements on rank 0 and 5 on rank 1: a real run would
+    # hang or fail, so the model must not time it
+    traces = [
+        [(1, POST, (0, 1), 4), (0, WAIT, (0, 1), 4), (0, ALL, EVERYONE, 0)],
+        [(1, POST, (0, 1), 5), (0, WAIT, (0, 1), 5), (0, ALL, EVERYONE, 0)],
+        [(1, ALL, EVERYONE, 0)],
+    ]
+    with pytest.raises(AssertionError, match="different sizes"):
+        critical_path(traces)
+    traces[1][0] = (1, POST, (0, 1), 4)
+    assert critical_path(traces) == 1
+
+
 def test_critical_path_refuses_a_schedule_that_waits_in_a_circle():
     posts = [((0, 1), (0, 2)), ((1, 2), (0, 1)), ((0, 2), (1, 2))]  # no one global order
     traces = [[(0, POST, m, 1) for m in mine] + [(0, WAIT, m, 1) for m in mine] for mine in posts]

@@ -769,6 +769,8 @@ class _Schedule:
             due = len(posts) == len(members) and all(self.line[m][0] == key for m in members)
             if not due:
                 continue
+            sizes = {n for _, _, n in posts.values()}
+            assert len(sizes) == 1, f"members post {key[:2]} with different sizes {sizes}"
             start = max(max(t, self.free[m]) for m, (t, _, _) in posts.items())
             end = start + self.sync(members, next(iter(posts.values()))[2])
             for m, (_, i, _) in self.posts.pop(key).items():
