@@ -1,0 +1,84 @@
+"""Defects found by a fresh-eyes review of Muon's optimizer state, checkpoints and training loop
+(helper s7c). Each test states the claimed behaviour and fails today: ``xfail(strict=True)``, so
+that the fix turns it into an XPASS the lead must notice and unmark."""
+
+import pytest
+from harness import run_distributed
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from tiny_gpt import TinyGPT, build_model, build_optimizer, transformer_config
+
+from megatron.core import parallel_state as ps
+
+
+# ------------------------------------------------------------------ 1. position embeddings
+def learned_positions_run():
+    """Which optimizer half (Muon or AdamW) takes each param of a GPT with learned absolute
+    position embeddings: Megatron-LM's default --position-embedding-type."""
+    spec = TinyGPT(num_layers=1)
+    config = transformer_config(spec)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        position_embedding_type="learned_absolute",
+    )
+    ddp = DistributedDataParallel(
+        config=config, ddp_config=DistributedDataParallelConfig(), module=model
+    )
+    optimizer = build_optimizer(spec, [ddp], optimizer="muon")
+    names = {id(p): n.removeprefix("module.") for n, p in ddp.named_parameters()}
+    out = {}
+    for group in optimizer.chained_optimizers[0].optimizer.param_groups:
+        for p in group["params"]:
+            out[names[id(p)]] = group["use_muon"]
+    return out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: muon_megatron.is_muon_param only excludes params marked "
+    "is_embedding_or_output_parameter (word embeddings, output layer); the 2-D learned "
+    "absolute position embedding (the CLI default --position-embedding-type) goes to Muon, "
+    "against README's 'Muon for 2-D weights that are not embeddings'",
+)
+def test_learned_position_embeddings_are_stepped_by_adamw_not_muon():
+    taken = run_distributed(learned_positions_run, 1)[0]
+    assert taken["embedding.word_embeddings.weight"] is False  # sanity: AdamW
+    assert taken["decoder.layers.0.mlp.linear_fc1.weight"] is True  # sanity: Muon
+    assert taken["embedding.position_embeddings.weight"] is False
+
+
+# ------------------------------------------------------------------ 2. resumed hyper-parameters
+def resumed_settings_run(distopt: bool):
+    """Save a Muon optimizer built with one momentum / Newton-Schulz step count, load it into one
+    built (as a resumed run with other flags builds it) with others: which values run on?"""
+    spec = TinyGPT(num_layers=1)
+    saved_with = dict(muon_momentum=0.95, muon_num_ns_steps=5, muon_use_nesterov=False)
+    resumed_with = dict(muon_momentum=0.5, muon_num_ns_steps=3, muon_use_nesterov=True)
+    kwargs = dict(optimizer="muon", use_distributed_optimizer=distopt)
+    model = build_model(spec, distopt=distopt)
+    saved = build_optimizer(spec, model, **kwargs, **saved_with).state_dict()
+    model = build_model(spec, distopt=distopt)
+    optimizer = build_optimizer(spec, model, **kwargs, **resumed_with)
+    optimizer.load_state_dict(saved)
+    muon = [g for g in optimizer.chained_optimizers[0].optimizer.param_groups if g["use_muon"]]
+    return {(g["momentum"], g["ns_steps"], g["nesterov"]) for g in muon}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: loading the optimizer state restores every saved param-group key "
+    "(muon_checkpoint_sharded.load_state_dict: group.update(saved); torch's load_state_dict "
+    "without DistOpt), so a resumed run silently keeps the checkpoint's --muon-momentum, "
+    "--muon-num-ns-steps, --muon-use-nesterov, scale mode, coefficients, ... and ignores the "
+    "command line's (no error, no notice; OPTIMIZER_SHAPE compares none of them)",
+)
+@pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
+def test_resume_runs_the_command_lines_muon_settings_or_refuses(distopt):
+    settings = run_distributed(resumed_settings_run, 1, args=(distopt,))[0]
+    assert settings == {(0.5, 3, True)}, f"resumed Muon groups run {settings}"
