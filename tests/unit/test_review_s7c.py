@@ -1,0 +1,250 @@
+"""Defects found by a fresh-eyes review of Muon's optimizer state, checkpoints and training loop
+(helper s7c). Each test states the claimed behaviour and fails today: ``xfail(strict=True)``, so
+that the fix turns it into an XPASS the lead must notice and unmark."""
+
+import pytest
+from checkpoint_io import sync_params
+from harness import run_distributed
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from tiny_gpt import (
+    TinyGPT,
+    build_model,
+    build_optimizer,
+    full_params,
+    global_batches,
+    train_step,
+    transformer_config,
+)
+
+from megatron.core import parallel_state as ps
+
+
+# ------------------------------------------------------------------ 1. position embeddings
+def learned_positions_run():
+    """Which optimizer half (Muon or AdamW) takes each param of a GPT with learned absolute
+    position embeddings: Megatron-LM's default --position-embedding-type."""
+    spec = TinyGPT(num_layers=1)
+    config = transformer_config(spec)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        position_embedding_type="learned_absolute",
+    )
+    ddp = DistributedDataParallel(
+        config=config, ddp_config=DistributedDataParallelConfig(), module=model
+    )
+    optimizer = build_optimizer(spec, [ddp], optimizer="muon")
+    names = {id(p): n.removeprefix("module.") for n, p in ddp.named_parameters()}
+    out = {}
+    for group in optimizer.chained_optimizers[0].optimizer.param_groups:
+        for p in group["params"]:
+            out[names[id(p)]] = group["use_muon"]
+    return out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: muon_megatron.is_muon_param only excludes params marked "
+    "is_embedding_or_output_parameter (word embeddings, output layer); the 2-D learned "
+    "absolute position embedding (the CLI default --position-embedding-type) goes to Muon, "
+    "against README's 'Muon for 2-D weights that are not embeddings'",
+)
+def test_learned_position_embeddings_are_stepped_by_adamw_not_muon():
+    taken = run_distributed(learned_positions_run, 1)[0]
+    assert taken["embedding.word_embeddings.weight"] is False  # sanity: AdamW
+    assert taken["decoder.layers.0.mlp.linear_fc1.weight"] is True  # sanity: Muon
+    assert taken["embedding.position_embeddings.weight"] is False
+
+
+# ------------------------------------------------------------------ 2. resumed hyper-parameters
+def resumed_settings_run(distopt: bool):
+    """Save a Muon optimizer built with one momentum / Newton-Schulz step count, load it into one
+    built (as a resumed run with other flags builds it) with others: which values run on?"""
+    spec = TinyGPT(num_layers=1)
+    saved_with = dict(muon_momentum=0.95, muon_num_ns_steps=5, muon_use_nesterov=False)
+    resumed_with = dict(muon_momentum=0.5, muon_num_ns_steps=3, muon_use_nesterov=True)
+    kwargs = dict(optimizer="muon", use_distributed_optimizer=distopt)
+    model = build_model(spec, distopt=distopt)
+    saved = build_optimizer(spec, model, **kwargs, **saved_with).state_dict()
+    model = build_model(spec, distopt=distopt)
+    optimizer = build_optimizer(spec, model, **kwargs, **resumed_with)
+    optimizer.load_state_dict(saved)
+    muon = [g for g in optimizer.chained_optimizers[0].optimizer.param_groups if g["use_muon"]]
+    return {(g["momentum"], g["ns_steps"], g["nesterov"]) for g in muon}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: loading the optimizer state restores every saved param-group key "
+    "(muon_checkpoint_sharded.load_state_dict: group.update(saved); torch's load_state_dict "
+    "without DistOpt), so a resumed run silently keeps the checkpoint's --muon-momentum, "
+    "--muon-num-ns-steps, --muon-use-nesterov, scale mode, coefficients, ... and ignores the "
+    "command line's (no error, no notice; OPTIMIZER_SHAPE compares none of them)",
+)
+@pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
+def test_resume_runs_the_command_lines_muon_settings_or_refuses(distopt):
+    settings = run_distributed(resumed_settings_run, 1, args=(distopt,))[0]
+    assert settings == {(0.5, 3, True)}, f"resumed Muon groups run {settings}"
+
+
+# ------------------------------------------------------------------ 3. weights-only loads, bf16
+def weights_only_load_run(distopt: bool, flag: str):
+    """Train a bf16 model, load its weights (only) into a fresh bf16 model + optimizer through
+    checkpointing._apply as --finetune / --no-load-optim do, take one step at lr 0: the weights
+    must stay the loaded ones. Returns the largest deviation from them."""
+    from types import SimpleNamespace
+
+    from megatron.training import checkpointing
+    from megatron.training.training import TrainState
+
+    spec = TinyGPT(num_layers=1, dtype="bf16")
+    kwargs = dict(optimizer="muon", use_distributed_optimizer=distopt)
+    batches = global_batches(spec, 3)
+    model = build_model(spec, distopt=distopt)
+    optimizer = build_optimizer(spec, model, **kwargs)
+    for batch in batches[:2]:
+        train_step(spec, model, optimizer, batch)
+    sync_params(model)
+    loaded = dict(model=model[0].module.state_dict(), iteration=2)
+    loaded.update(consumed_train_samples=16, consumed_valid_samples=0)
+    want = full_params(model, spec)
+    fresh = build_model(spec, distopt=distopt, seed=1)  # another init, as a new run's
+    fresh_opt = build_optimizer(spec, fresh, lr=0.0, weight_decay=0.0, **kwargs)
+    args = SimpleNamespace(
+        finetune=flag == "finetune",
+        no_load_optim=flag == "no_load_optim",
+        no_load_rng=True,
+        override_opt_param_scheduler=False,
+        use_distributed_optimizer=distopt,
+    )
+    checkpointing._apply(loaded, args, fresh, fresh_opt, None, TrainState())
+    train_step(spec, fresh, fresh_opt, batches[2])  # lr 0, wd 0: nothing may move
+    sync_params(fresh)
+    got = full_params(fresh, spec)
+    return max((got[name] - want[name]).abs().max().item() for name in want)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: checkpointing._apply loads the model weights but, with --finetune or "
+    "--no-load-optim and --bf16/--fp16, never calls optimizer.reload_model_params() (Megatron-LM's "
+    "load_checkpoint does): the fp32 main params keep the fresh init and the first step copies "
+    "them over the loaded weights",
+)
+@pytest.mark.parametrize("flag", ["finetune", "no_load_optim"])
+@pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
+def test_weights_only_load_survives_the_first_bf16_step(distopt, flag):
+    assert run_distributed(weights_only_load_run, 1, args=(distopt, flag))[0] == 0.0
+
+
+# ------------------------------------------------------------------ 4. QKV with an output gate
+def gated_qkv_run():
+    """The Q/K/V split Muon takes for ``linear_qkv.weight`` of a model with megatron-core's
+    ``attention_output_gate`` (its rows per query group are [q; gate; k; v])."""
+    spec = TinyGPT(num_layers=1, extra=dict(attention_output_gate=True))
+    model = build_model(spec)
+    try:
+        optimizer = build_optimizer(spec, model, optimizer="muon")  # muon_split_qkv: default on
+    except ValueError as err:
+        return ("refused", str(err))
+    muon = optimizer.chained_optimizers[0].optimizer
+    for name, param in model[0].named_parameters():
+        if name.endswith("linear_qkv.weight"):
+            info = muon.param_info[param]
+            return ("split", info.qkv_split, info.shape, spec.num_query_groups)
+    raise AssertionError("no linear_qkv.weight")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: muon_megatron.qkv_split_rows ignores TransformerConfig."
+    "attention_output_gate (rows per query group [q; gate; k; v]); with 4 heads / 2 groups the "
+    "gated QKV's 192 rows divide by the (32, 16, 16) split, so Muon silently orthogonalizes "
+    "blocks that straddle q, gate, k and v rows (no error at the megatron-core API; the CLI "
+    "refuses --attention-output-gate)",
+)
+def test_gated_qkv_is_split_per_block_or_refused():
+    out = run_distributed(gated_qkv_run, 1)[0]
+    if out[0] == "refused":
+        assert "attention_output_gate" in out[1]
+        return
+    _, split, shape, groups = out
+    assert sum(split) * groups == shape[0], f"split {split} of a {shape} gated QKV"
+
+
+# ------------------------------------------------------------------ 5. fewer key heads than TP
+def few_groups_run(mode: str):
+    """Muon (split QKV, the default) on a GPT with num_query_groups (1) < TP (2), which
+    megatron-core 0.16.1's attention supports (a query group's rows straddle TP ranks)."""
+    spec = TinyGPT(num_layers=1, num_query_groups=1)
+    model = build_model(spec)
+    try:
+        optimizer = build_optimizer(spec, model, optimizer="muon", muon_tp_mode=mode)
+    except ValueError as err:
+        return ("refused at build", str(err))
+    try:
+        return ("stepped", train_step(spec, model, optimizer, global_batches(spec, 1)[0])["ok"])
+    except Exception as err:  # what the first step raises today
+        return ("crashed at the first step", f"{type(err).__name__}: {err}")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: with num_query_groups < TP (allowed by megatron-core's attention; the "
+    "CLI refuses it) and muon_split_qkv (default), the blockwise (default) and distributed TP "
+    "modes build fine and then crash at the first step (AssertionError 'a TP shard of QKV holds "
+    "whole query groups' / RuntimeError shape '[0, 96, 64]'), instead of a ValueError at build "
+    "naming num_query_groups (or working, as 'duplicated' does)",
+)
+@pytest.mark.parametrize("mode", ["blockwise", "distributed"])
+def test_fewer_query_groups_than_tp_steps_or_is_refused_at_build(mode):
+    for outcome in run_distributed(few_groups_run, 2, tp=2, args=(mode,)):
+        assert outcome == ("stepped", True) or (
+            outcome[0] == "refused at build" and "num_query_groups" in outcome[1]
+        ), outcome
+
+
+# ------------------------------------------------------------------ 6. --decoupled-lr, DistOpt
+def decoupled_lr_groups_run(optimizer_name: str):
+    """Each param group's (use_muon, #params, max_lr) before a DistOpt state_dict round trip and
+    after loading it into a fresh optimizer, with Megatron's decoupled lr for the embedding and
+    output layer (``OptimizerConfig.decoupled_lr``, the CLI's --decoupled-lr)."""
+    spec = TinyGPT(num_layers=1)
+    kwargs = dict(optimizer=optimizer_name, use_distributed_optimizer=True, decoupled_lr=3e-3)
+
+    def groups(optimizer):
+        out = []
+        for opt in optimizer.chained_optimizers:
+            for g in opt.optimizer.param_groups:
+                out.append((g.get("use_muon"), len(g["params"]), g["max_lr"]))
+        return out
+
+    model = build_model(spec, distopt=True)
+    saved = build_optimizer(spec, model, **kwargs)
+    before, state = groups(saved), saved.state_dict()
+    model = build_model(spec, distopt=True)
+    fresh = build_optimizer(spec, model, **kwargs)
+    fresh.load_state_dict(state)
+    return before, groups(fresh)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s7c review: DistOpt load_state_dict matches param groups by (wd_mult, lr_mult, "
+    "is_expert_parallel, is_decoupled_lr, use_muon); --decoupled-lr's group (max_lr = "
+    "decoupled lr, is_decoupled_lr left False by get_standard_config_overrides) has the default "
+    "group's identity, the saved dict keeps the last one, so after a resume the hidden matrices "
+    "run the decoupled lr (muon_checkpoint_sharded.load_state_dict; upstream's "
+    "make_needed_groups does the same for Adam)",
+)
+@pytest.mark.parametrize("optimizer_name", ["muon", "adam"])
+def test_distopt_resume_keeps_each_groups_lr_bounds_with_decoupled_lr(optimizer_name):
+    before, after = run_distributed(decoupled_lr_groups_run, 1, args=(optimizer_name,))[0]
+    assert any(lr == 3e-3 for *_, lr in before) and any(lr == 1e-2 for *_, lr in before)
+    assert after == before
