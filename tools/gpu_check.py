@@ -76,9 +76,7 @@ def check_comm_streams(device: str) -> str:
     the communication thread's own stream, and the compute stream reads it after the wait. A
     missing event would read a stale or half-written tensor (the chain is long enough to still
     be running when the thread starts)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from megatron.core.optimizer.muon_distopt import CommStreams
+    from megatron.core.optimizer.muon_distopt import CommStreams, CommThread
 
     streams = CommStreams.of(torch.device(device))
     x = torch.randn(2048, 2048, device=device) / 2048**0.5
@@ -86,15 +84,16 @@ def check_comm_streams(device: str) -> str:
     for _ in range(20):
         want = want @ x
     want = (want * 3).cpu()
-    with ThreadPoolExecutor(1, "check", streams.enter) as pool:
-        for _ in range(5):
-            t = x.clone()
-            for _ in range(20):
-                t = t @ x
-            posted = pool.submit(streams.serve, lambda y: y.mul_(3), t, streams.ready())
-            streams.done(posted.result())
-            got = t.cpu()
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), "stream order broken"
+    pool = CommThread(streams.enter)  # the thread ``_interleave`` runs
+    for _ in range(5):
+        t = x.clone()
+        for _ in range(20):
+            t = t @ x
+        posted = pool.submit(streams.serve, lambda y: y.mul_(3), t, streams.ready())
+        streams.done(posted.result())
+        got = t.cpu()
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), "stream order broken"
+    pool.close(wait=True)
     own = streams.comm is not None and streams.comm != streams.compute
     return f"communication thread on {'its own stream' if own else 'no stream (CPU)'}: ordered"
 

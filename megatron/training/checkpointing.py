@@ -449,6 +449,10 @@ def _load_scheduler(scheduler, saved: dict) -> None:
 def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[_model_key(model, i)], strict=True)
+    if (args.finetune or args.no_load_optim) and (args.fp16 or args.bf16):
+        # The fp32 main params still hold this run's init: copy the loaded weights into them
+        # (Megatron-LM does), or the first step writes the init back over the model.
+        optimizer.reload_model_params()
     if args.finetune:
         return  # weights only: iteration 0, fresh optimizer, scheduler and data position
     if not args.no_load_optim:

@@ -122,6 +122,8 @@ def weights_only_load_run(distopt: bool, flag: str):
         no_load_rng=True,
         override_opt_param_scheduler=False,
         use_distributed_optimizer=distopt,
+        bf16=True,
+        fp16=False,
     )
     checkpointing._apply(loaded, args, fresh, fresh_opt, None, TrainState())
     train_step(spec, fresh, fresh_opt, batches[2])  # lr 0, wd 0: nothing may move
@@ -130,13 +132,6 @@ def weights_only_load_run(distopt: bool, flag: str):
     return max((got[name] - want[name]).abs().max().item() for name in want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s7c review: checkpointing._apply loads the model weights but, with --finetune or "
-    "--no-load-optim and --bf16/--fp16, never calls optimizer.reload_model_params() (Megatron-LM's "
-    "load_checkpoint does): the fp32 main params keep the fresh init and the first step copies "
-    "them over the loaded weights",
-)
 @pytest.mark.parametrize("flag", ["finetune", "no_load_optim"])
 @pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
 def test_weights_only_load_survives_the_first_bf16_step(distopt, flag):
