@@ -94,6 +94,15 @@ SERIES = [
         ],
     ),
     (
+        "distrib_optimizer: param groups of one identity are matched in order on load",
+        "--decoupled-lr's group has the default group's identity (is_decoupled_lr stays False),\n"
+        "so a map from identity to group kept the last and a resumed run gave the default group\n"
+        "the decoupled lr bounds; group_matching.match_groups takes the k-th saved group of an\n"
+        "identity for the k-th current one (Muon's loader too).",
+        [OPT + "group_matching.py"],
+        ["0016-distopt-param-groups-matched-in-order.patch"],
+    ),
+    (
         "transformer: QK-clip (MuonClip) without Transformer Engine",
         "Local attention records per-head max attention logits; clip_qk scales query/key rows\n"
         "after the optimizer step, on model params, fp32 main params and DistOpt shards.",

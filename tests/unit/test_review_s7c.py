@@ -229,15 +229,6 @@ def decoupled_lr_groups_run(optimizer_name: str):
     return before, groups(fresh)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s7c review: DistOpt load_state_dict matches param groups by (wd_mult, lr_mult, "
-    "is_expert_parallel, is_decoupled_lr, use_muon); --decoupled-lr's group (max_lr = "
-    "decoupled lr, is_decoupled_lr left False by get_standard_config_overrides) has the default "
-    "group's identity, the saved dict keeps the last one, so after a resume the hidden matrices "
-    "run the decoupled lr (muon_checkpoint_sharded.load_state_dict; upstream's "
-    "make_needed_groups does the same for Adam)",
-)
 @pytest.mark.parametrize("optimizer_name", ["muon", "adam"])
 def test_distopt_resume_keeps_each_groups_lr_bounds_with_decoupled_lr(optimizer_name):
     before, after = run_distributed(decoupled_lr_groups_run, 1, args=(optimizer_name,))[0]

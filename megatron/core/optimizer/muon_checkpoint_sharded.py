@@ -14,8 +14,8 @@ from ..dist_checkpointing.dict_utils import nested_values
 from ..dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from ..dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from .distopt_layout import param_name, param_shapes, shard_pieces
+from .group_matching import match_groups
 from .muon_checkpoint import (
-    GROUP_IDENTITY,
     all_gather_object,
     check_compatible,
     declared,
@@ -213,22 +213,18 @@ def load_dp_reshardable(distopt, param_state) -> None:
 def load_state_dict(distopt, state: dict) -> None:
     """``DistributedOptimizer.load_state_dict`` for declared-state optimizers (every format).
 
-    Matches groups by identity (incl. ``use_muon``), creates state, then loads param state.
+    Matches groups by identity (incl. ``use_muon``), in order among groups of one identity
+    (``group_matching``), creates state, then loads param state.
 
     Args:
         distopt: the ``DistributedOptimizer``.
         state: the state dict ``state_dict()`` (or a sharded load) produced.
     """
     require_marker(distopt, state)
-    saved = {group_identity(g): g for g in state["optimizer"]["param_groups"]}
-    for group in distopt.optimizer.param_groups:
-        identity = group_identity(group)
-        if identity not in saved:
-            raise ValueError(
-                f"param group {dict(zip(GROUP_IDENTITY, identity))} is not in the checkpoint; "
-                f"it has {[dict(zip(GROUP_IDENTITY, k)) for k in saved]}"
-            )
-        group.update({k: v for k, v in saved[identity].items() if k != "params"})
+    groups = distopt.optimizer.param_groups
+    saved = match_groups(groups, state["optimizer"]["param_groups"], group_identity)
+    for group, saved_group in zip(groups, saved):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
         for param in group["params"]:
             declared(distopt).init_state(param)
     if "grad_scaler" in state and distopt.grad_scaler:
