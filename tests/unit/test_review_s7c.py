@@ -156,14 +156,6 @@ def gated_qkv_run():
     raise AssertionError("no linear_qkv.weight")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s7c review: muon_megatron.qkv_split_rows ignores TransformerConfig."
-    "attention_output_gate (rows per query group [q; gate; k; v]); with 4 heads / 2 groups the "
-    "gated QKV's 192 rows divide by the (32, 16, 16) split, so Muon silently orthogonalizes "
-    "blocks that straddle q, gate, k and v rows (no error at the megatron-core API; the CLI "
-    "refuses --attention-output-gate)",
-)
 def test_gated_qkv_is_split_per_block_or_refused():
     out = run_distributed(gated_qkv_run, 1)[0]
     if out[0] == "refused":
@@ -189,14 +181,6 @@ def few_groups_run(mode: str):
         return ("crashed at the first step", f"{type(err).__name__}: {err}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s7c review: with num_query_groups < TP (allowed by megatron-core's attention; the "
-    "CLI refuses it) and muon_split_qkv (default), the blockwise (default) and distributed TP "
-    "modes build fine and then crash at the first step (AssertionError 'a TP shard of QKV holds "
-    "whole query groups' / RuntimeError shape '[0, 96, 64]'), instead of a ValueError at build "
-    "naming num_query_groups (or working, as 'duplicated' does)",
-)
 @pytest.mark.parametrize("mode", ["blockwise", "distributed"])
 def test_fewer_query_groups_than_tp_steps_or_is_refused_at_build(mode):
     for outcome in run_distributed(few_groups_run, 2, tp=2, args=(mode,)):

@@ -129,6 +129,37 @@ def qkv_split_rows(model_config) -> tuple[int, int, int]:
     return (heads_per_group * kv, kv, kv)
 
 
+def check_qkv_layout(model_config, tp_mode: str, tp: int) -> None:
+    """ValueError where ``muon_split_qkv`` cannot split ``linear_qkv.weight`` per Q/K/V block:
+    with ``attention_output_gate`` a query group's rows are ``[q; gate; k; v]``, which
+    ``qkv_split_rows`` does not describe; with fewer query groups than TP ranks a TP shard
+    holds part of a query group, which only the ``duplicated`` mode (it gathers the matrix)
+    can split.
+
+    Args:
+        model_config: the model's ``TransformerConfig``.
+        tp_mode: ``OptimizerConfig.muon_tp_mode``.
+        tp: the tensor-parallel size.
+
+    Raises:
+        ValueError: naming the model setting and the ways out.
+    """
+    if getattr(model_config, "attention_output_gate", False):
+        raise ValueError(
+            "TransformerConfig.attention_output_gate=True with optimizer='muon' and "
+            "muon_split_qkv=True: each query group's rows are [q; gate; k; v], which Muon's "
+            "Q/K/V split does not know; set muon_split_qkv=False"
+        )
+    groups = model_config.num_query_groups or model_config.num_attention_heads
+    if groups < tp and tp_mode != "duplicated":
+        raise ValueError(
+            f"TransformerConfig.num_query_groups={groups} < tensor_model_parallel_size={tp} "
+            f"with muon_split_qkv=True and muon_tp_mode={tp_mode!r}: a TP shard of QKV holds "
+            "part of a query group, which only muon_tp_mode='duplicated' splits per block (or "
+            "set muon_split_qkv=False)"
+        )
+
+
 def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
     """{param: MegatronMuonParamInfo} for every Muon param of the model chunks.
 
@@ -149,6 +180,8 @@ def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
     sizes = {k: torch.distributed.get_world_size(g) if g else 1 for k, g in groups.items()}
     infos = {}
     for chunk in model_chunks:
+        if config.muon_split_qkv:
+            check_qkv_layout(chunk.config, config.muon_tp_mode, sizes[False])
         split = qkv_split_rows(chunk.config) if config.muon_split_qkv else None
         for name, param in chunk.named_parameters():
             if is_muon_param(param):
