@@ -48,13 +48,6 @@ def learned_positions_run():
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s7c review: muon_megatron.is_muon_param only excludes params marked "
-    "is_embedding_or_output_parameter (word embeddings, output layer); the 2-D learned "
-    "absolute position embedding (the CLI default --position-embedding-type) goes to Muon, "
-    "against README's 'Muon for 2-D weights that are not embeddings'",
-)
 def test_learned_position_embeddings_are_stepped_by_adamw_not_muon():
     taken = run_distributed(learned_positions_run, 1)[0]
     assert taken["embedding.word_embeddings.weight"] is False  # sanity: AdamW

@@ -48,9 +48,13 @@ class MegatronMuonParamInfo(MuonParamInfo):
     expert: bool = False
 
 
-def is_muon_param(param: Tensor) -> bool:
-    """Muon takes 2-D weights except the embedding and output layer (also expert weights)."""
-    return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+def is_muon_param(param: Tensor, name: str = "") -> bool:
+    """Muon takes 2-D weights (expert weights too) except embeddings and the output layer: the
+    word embeddings and output layer Megatron marks, and learned absolute position embeddings
+    (``name``), which it does not mark."""
+    if param.ndim != 2 or getattr(param, "is_embedding_or_output_parameter", False):
+        return False
+    return not name.endswith("embedding.position_embeddings.weight")
 
 
 def is_expert_param(param: Tensor) -> bool:
@@ -184,14 +188,15 @@ def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
             check_qkv_layout(chunk.config, config.muon_tp_mode, sizes[False])
         split = qkv_split_rows(chunk.config) if config.muon_split_qkv else None
         for name, param in chunk.named_parameters():
-            if is_muon_param(param):
+            if is_muon_param(param, name):
                 qkv = split if name.endswith("linear_qkv.weight") else None
                 infos[param] = param_info(param, sizes[is_expert_param(param)], qkv)
     return infos
 
 
-def split_param_groups(param_groups: list[dict]) -> list[dict]:
-    """Each Megatron group -> a Muon half and an AdamW half, same settings otherwise.
+def split_param_groups(param_groups: list[dict], muon_params) -> list[dict]:
+    """Each Megatron group -> a Muon half (its params in ``muon_params``) and an AdamW half,
+    same settings otherwise.
 
     Both halves are kept even when empty, so every rank has the same group structure (Megatron
     aligns groups across ranks for checkpoints).
@@ -199,7 +204,7 @@ def split_param_groups(param_groups: list[dict]) -> list[dict]:
     out = []
     for group in param_groups:
         for use_muon in (True, False):
-            params = [p for p in group["params"] if is_muon_param(p) == use_muon]
+            params = [p for p in group["params"] if (p in muon_params) == use_muon]
             out.append({**group, "params": params, "use_muon": use_muon})
     return out
 
@@ -269,7 +274,7 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
     """
     infos = muon_param_infos(config, model_chunks, pg_collection)
     optimizer = MegatronMuon(
-        split_param_groups(param_groups),
+        split_param_groups(param_groups, infos),
         distopt_exchange_dtype=config.muon_distopt_exchange_dtype,
         distopt_plan_links=PlanLinks(
             config.muon_plan_tflops,
