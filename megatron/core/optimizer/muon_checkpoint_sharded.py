@@ -28,6 +28,7 @@ from .muon_checkpoint import (
     set_scalars,
     tensors_of,
 )
+from .muon_optimizer import RULE_SETTINGS
 
 
 def _prefix(distopt) -> str:
@@ -224,7 +225,8 @@ def load_state_dict(distopt, state: dict) -> None:
     groups = distopt.optimizer.param_groups
     saved = match_groups(groups, state["optimizer"]["param_groups"], group_identity)
     for group, saved_group in zip(groups, saved):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        kept = ("params", *RULE_SETTINGS)  # the Muon rule's settings stay this run's
+        group.update({k: v for k, v in saved_group.items() if k not in kept})
         for param in group["params"]:
             declared(distopt).init_state(param)
     if "grad_scaler" in state and distopt.grad_scaler:

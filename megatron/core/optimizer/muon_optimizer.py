@@ -32,6 +32,20 @@ from .newton_schulz import Triple, coefficient_set, compute_dtype
 
 __all__ = ["Muon", "MuonParamInfo", "LocalOrthogonalizer", "Orthogonalizer"]
 
+# Param-group keys of the Muon rule that a resumed run takes from its own command line, not
+# from the checkpoint (``load_state_dict``; ``muon_checkpoint_sharded`` with DistOpt).
+RULE_SETTINGS = (
+    "momentum",
+    "nesterov",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_precision",
+    "ns_eps",
+    "matched_adamw_rms",
+    "scale_mode",
+    "extra_scale_factor",
+)
+
 MUON_STATE_KEYS = ("momentum_buffer",)
 ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 ADAMW_SCALAR_STATE_KEYS = ("step",)
@@ -175,9 +189,14 @@ class Muon(Optimizer):
         the source's tensors, e.g. one ``step`` shared by all params. Keys a param does not
         declare are dropped: megatron-core's torch_dist load gives every param the common
         ``step``, which Muon params would keep stale (their rule has no step), so that the next
-        torch_dist save failed with "The optimizer step differs per parameter".
+        torch_dist save failed with "The optimizer step differs per parameter". The Muon rule's
+        settings (``RULE_SETTINGS``) stay this run's: a resumed run with another
+        ``--muon-momentum`` runs it, as it runs its own ``--lr`` schedule.
         """
+        given = [{k: g[k] for k in RULE_SETTINGS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, settings in zip(self.param_groups, given):
+            group.update(settings)
         for param, state in self.state.items():
             declared = {*self.state_keys(param), *self.scalar_state_keys(param)}
             for key in [key for key in state if key not in declared]:

@@ -1,6 +1,8 @@
-"""Defects found by a fresh-eyes review of Muon's optimizer state, checkpoints and training loop
-(helper s7c). Each test states the claimed behaviour and fails today: ``xfail(strict=True)``, so
-that the fix turns it into an XPASS the lead must notice and unmark."""
+"""Regressions from a review of Muon's optimizer state, checkpoints and training loop: a
+resume keeps the command line's Muon settings, weights-only loads survive the first bf16 step,
+learned position embeddings go to AdamW, the Q/K/V layouts Muon cannot split are refused at
+build, and --decoupled-lr's group keeps its own lr bounds through a DistOpt resume. Each failed
+before its fix (they were committed as strict xfails first)."""
 
 import pytest
 from checkpoint_io import sync_params
@@ -72,14 +74,6 @@ def resumed_settings_run(distopt: bool):
     return {(g["momentum"], g["ns_steps"], g["nesterov"]) for g in muon}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s7c review: loading the optimizer state restores every saved param-group key "
-    "(muon_checkpoint_sharded.load_state_dict: group.update(saved); torch's load_state_dict "
-    "without DistOpt), so a resumed run silently keeps the checkpoint's --muon-momentum, "
-    "--muon-num-ns-steps, --muon-use-nesterov, scale mode, coefficients, ... and ignores the "
-    "command line's (no error, no notice; OPTIMIZER_SHAPE compares none of them)",
-)
 @pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
 def test_resume_runs_the_command_lines_muon_settings_or_refuses(distopt):
     settings = run_distributed(resumed_settings_run, 1, args=(distopt,))[0]
