@@ -16,8 +16,9 @@ Formats (all keyed by model param name, so none depends on the DP size or bucket
   ``dp_zero_gather_scatter``): DP rank 0 holds ``{name: {key: flat fp32 tensor of the whole
   param, ..., "scalars": {...}}}``, gathered/scattered per bucket.
 * ``fully_reshardable``: model-space ShardedTensors ``optimizer.state.{key}.{model key}`` shaped
-  like the param (TP/DP reshardable), built from the same gather; loading requests only the
-  params this rank holds and slices them.
+  like the param (DP reshardable; a TP or PP change is refused by ``check_compatible``, whose
+  meta holds TP-local shapes and stage-local names), built from the same gather; loading
+  requests only the params this rank holds and slices them.
 * ``dp_reshardable``: one flat ShardedTensor per param and key, each rank writing exactly its
   piece (no communication for tensors); DP-reshardable as the pieces are param ranges.
 
