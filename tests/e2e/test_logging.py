@@ -56,14 +56,14 @@ def _tiny_ns_flops(tp: int, steps: int = 5) -> float:
     """Newton-Schulz FLOPs per step of TINY's Muon matrices on one rank: per (s x l) block and
     step X X^T and B X (2 s^2 l each) and A A (2 s^3). Per layer Q, K, V blocks (32 x 32 rows
     split by TP), proj 32 x 32 (columns split), fc1 128 x 32 (rows), fc2 32 x 128 (columns);
-    the learned position embedding (16 x 32, 2-D, not TP-split) is a Muon param too."""
+    the learned position embedding (16 x 32) is an embedding: AdamW's."""
 
     def cost(m, n):
         s, big = min(m, n), max(m, n)
         return steps * (4 * s * s * big + 2 * s**3)
 
     layer = 3 * cost(32 // tp, 32) + cost(32, 32 // tp) + cost(128 // tp, 32) + cost(32, 128 // tp)
-    return 2 * layer + cost(16, 32)
+    return 2 * layer
 
 
 def _saved_norm(save: str, tp: int) -> float:

@@ -51,7 +51,15 @@ class MegatronMuonParamInfo(MuonParamInfo):
 def is_muon_param(param: Tensor, name: str = "") -> bool:
     """Muon takes 2-D weights (expert weights too) except embeddings and the output layer: the
     word embeddings and output layer Megatron marks, and learned absolute position embeddings
-    (``name``), which it does not mark."""
+    (``name``), which it does not mark.
+
+    Args:
+        param: a model param.
+        name: its name in the model chunk (``named_parameters``).
+
+    Returns:
+        True where Muon steps it, False where AdamW does.
+    """
     if param.ndim != 2 or getattr(param, "is_embedding_or_output_parameter", False):
         return False
     return not name.endswith("embedding.position_embeddings.weight")
@@ -200,6 +208,13 @@ def split_param_groups(param_groups: list[dict], muon_params) -> list[dict]:
 
     Both halves are kept even when empty, so every rank has the same group structure (Megatron
     aligns groups across ranks for checkpoints).
+
+    Args:
+        param_groups: Megatron's param groups (``_get_param_groups``).
+        muon_params: the params Muon steps (``muon_param_infos``' keys).
+
+    Returns:
+        Two groups per Megatron group, ``use_muon`` True then False.
     """
     out = []
     for group in param_groups:
