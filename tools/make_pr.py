@@ -94,11 +94,12 @@ SERIES = [
         ],
     ),
     (
-        "distrib_optimizer: param groups of one identity are matched in order on load",
+        "optimizer, distrib_optimizer: param groups of one identity are matched in order on load",
         "--decoupled-lr's group has the default group's identity (is_decoupled_lr stays False),\n"
-        "so a map from identity to group kept the last and a resumed run gave the default group\n"
-        "the decoupled lr bounds; group_matching.match_groups takes the k-th saved group of an\n"
-        "identity for the k-th current one (Muon's loader too).",
+        "so a map from identity to group kept the last: a DistOpt resume gave the default group\n"
+        "the decoupled lr bounds, and without DistOpt the load failed (two groups, one dict).\n"
+        "The k-th saved group of an identity now loads into the k-th current one\n"
+        "(group_matching.match_groups; Muon's DistOpt loader too).",
         [OPT + "group_matching.py"],
         ["0016-distopt-param-groups-matched-in-order.patch"],
     ),
