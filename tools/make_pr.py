@@ -86,7 +86,8 @@ SERIES = [
     (
         "distrib_optimizer: checkpoints for optimizers that declare their state",
         "torch and torch_dist (fully_reshardable, dp_reshardable) DistOpt checkpoints use the\n"
-        "state keys the optimizer declares; param groups are told apart by use_muon.",
+        "state keys the optimizer declares; param groups are told apart by use_muon, and groups\n"
+        "of one identity (--decoupled-lr's and the default) load in order.",
         [OPT + "muon_checkpoint.py", OPT + "muon_checkpoint_sharded.py"],
         [
             "0011-distopt-declared-state-checkpoint.patch",
@@ -94,12 +95,12 @@ SERIES = [
         ],
     ),
     (
-        "optimizer, distrib_optimizer: param groups of one identity are matched in order on load",
+        "distrib_optimizer: param groups of one identity are matched in order on load",
         "--decoupled-lr's group has the default group's identity (is_decoupled_lr stays False),\n"
         "so a map from identity to group kept the last: a DistOpt resume gave the default group\n"
-        "the decoupled lr bounds, and without DistOpt the load failed (two groups, one dict).\n"
-        "The k-th saved group of an identity now loads into the k-th current one\n"
-        "(group_matching.match_groups; Muon's DistOpt loader too).",
+        "the decoupled lr bounds. The k-th saved group of an identity now loads into the k-th\n"
+        "current one (group_matching.match_groups; Muon's DistOpt loader too; the plain\n"
+        "optimizer's reorder does the same in patch 0012, where that map is patched anyway).",
         [OPT + "group_matching.py"],
         ["0016-distopt-param-groups-matched-in-order.patch"],
     ),
