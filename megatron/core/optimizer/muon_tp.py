@@ -116,7 +116,7 @@ class TPOrthogonalizer:
             ``info`` itself, or the local slice's ``MuonParamInfo``.
         """
         if self.mode == "blockwise" and self._group(info) is not None:
-            return MuonParamInfo(tuple(local_shape), info.qkv_split)
+            return _local_info(info, local_shape)
         return info
 
     def _group(self, info):
@@ -130,8 +130,7 @@ class TPOrthogonalizer:
     def _sharded(self, u: Tensor, info, matrix_fn) -> Tensor:
         group, dim = self._group(info), info.partition_dim
         if self.mode == "blockwise":
-            local = MuonParamInfo(tuple(u.shape), _local_qkv(info, u))
-            return matrix_fn([u], [local])[0]
+            return matrix_fn([u], [_local_info(info, u.shape)])[0]
         if self.mode == "duplicated":
             full = all_gather_dim(u, dim, group)
             orth = matrix_fn([full], [info])[0]
@@ -139,12 +138,12 @@ class TPOrthogonalizer:
         return distributed_orthogonalize(u, info, ortho_spec_of(matrix_fn), group)
 
 
-def _local_qkv(info, u: Tensor):
-    # blockwise keeps the per-group Q/K/V split (each rank holds whole query groups)
-    if info.qkv_split is None:
-        return None
-    assert u.shape[0] % sum(info.qkv_split) == 0, "a TP shard of QKV holds whole query groups"
-    return info.qkv_split
+def _local_info(info, local_shape) -> MuonParamInfo:
+    """A TP-local slice as the ``blockwise`` mode orthogonalizes (and scales) it: a matrix of
+    its own shape, keeping the per-group Q/K/V split (each rank holds whole query groups)."""
+    split = info.qkv_split
+    assert split is None or local_shape[0] % sum(split) == 0, "a TP shard holds whole groups"
+    return MuonParamInfo(tuple(local_shape), split)
 
 
 def all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
