@@ -807,13 +807,16 @@ def shared_layout(nodes: tuple[int, ...], groups: list) -> tuple[int, ...]:
 
 
 def _tp_groups(inner, infos: list) -> list:
-    """The TP (or expert TP) groups of more than one rank that shard ``infos``' params, in one
-    order on every rank (dense, then expert)."""
+    """The TP (or expert TP) groups of more than one rank that shard ``infos``' params
+    (``TPOrthogonalizer._group``), in one order on every rank (dense, then expert)."""
     if not isinstance(inner, TPOrthogonalizer):
         return []
-    experts = sorted({bool(getattr(info, "expert", False)) for info in infos})
-    groups = [inner.groups.get(expert) for expert in experts]
-    return [g for g in groups if g is not None and g.size() > 1]
+    groups = {}
+    for info in infos:
+        group = inner._group(info)
+        if group is not None:
+            groups.setdefault(bool(getattr(info, "expert", False)), group)
+    return [groups[expert] for expert in sorted(groups)]
 
 
 def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8):
