@@ -224,8 +224,8 @@ def load_state_dict(distopt, state: dict) -> None:
     require_marker(distopt, state)
     groups = distopt.optimizer.param_groups
     saved = match_groups(groups, state["optimizer"]["param_groups"], group_identity)
+    kept = ("params", *RULE_SETTINGS)  # the Muon rule's settings stay this run's
     for group, saved_group in zip(groups, saved):
-        kept = ("params", *RULE_SETTINGS)  # the Muon rule's settings stay this run's
         group.update({k: v for k, v in saved_group.items() if k not in kept})
         for param in group["params"]:
             declared(distopt).init_state(param)

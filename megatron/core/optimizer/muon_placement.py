@@ -427,13 +427,12 @@ class _Runs:
             runs[n][1], spare = k + 1, spare - 1
         bound = max((self.load(ids, k) for ids, k in runs), default=0.0)
         while spare:
-            grow = [(self.load(ids, k, link=False), n, k2) for n, (ids, k), k2 in self._steps(runs)]
             grow = [
-                (flops, n, k2)
-                for flops, n, k2 in grow
-                if k2 - runs[n][1] <= spare
-                and self.load(runs[n][0], k2) <= bound
-                and self.load(runs[n][0], k2, link=False) < flops
+                (self.load(ids, k, link=False), n, k2)
+                for n, (ids, k), k2 in self._steps(runs)
+                if k2 - k <= spare
+                and self.load(ids, k2) <= bound
+                and self.load(ids, k2, link=False) < self.load(ids, k, link=False)
             ]
             if not grow:
                 return
