@@ -280,3 +280,19 @@ def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer()
     assert cpu.serve(served.append, "gram", cpu.ready()) is None and served == ["gram"]
     cpu.enter()
     cpu.done(None)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "distributed", "duplicated"])
+def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
+    """At TP 8 a TP-sharded matrix splits over DP only in the ``duplicated`` TP mode; in the
+    others ``--muon-plan-*`` only weigh the exchange, and the start-up line says so rather than
+    leaving the user to wonder why the flags changed nothing."""
+    cfg = projection.MODELS["70B"]
+    params = projection.model_params(*cfg)
+    ns = projection.cost_model(cfg[-1], mode)
+    plan = projection.build_plan(params, 256, projection.ddp_bucket_size(256), ns)
+    note = f"TP-sharded cannot split in the {mode} TP mode; --muon-tp-mode duplicated can)"
+    assert (note in plan.summary()) == (mode != "duplicated")
+    if mode != "duplicated":
+        assert all(len(m.units) == 1 for m in plan.matrices)
+        assert f"({len(plan.matrices)} TP-sharded" in plan.summary()

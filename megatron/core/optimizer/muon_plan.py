@@ -388,8 +388,23 @@ class MuonExchangePlan:
         gangs = f"{len(split)} split over gangs of {sizes} ranks" if split else "none split"
         return (
             f"Muon exchange plan: {len(self.matrices)} matrices, {where}, "
-            f"{len(self.exchanges)} exchange(s), {gangs}; NS FLOP efficiency "
-            f"{self.efficiency():.3f}, {self.sync_points()} sync points per step"
+            f"{len(self.exchanges)} exchange(s), {gangs}{self._unsplittable()}; NS FLOP "
+            f"efficiency {self.efficiency():.3f}, {self.sync_points()} sync points per step"
+        )
+
+    def _unsplittable(self) -> str:
+        """Why some matrices cannot split over DP, for the summary: a TP-sharded matrix splits
+        only in the ``duplicated`` TP mode (the others run NS per TP rank or over TP), so there
+        ``--muon-plan-*`` only weigh the exchange. Empty where every matrix could split."""
+        model = self.model
+        if model is None:
+            return ""
+        fixed = sum(model.axis(m.info) is None for m in self.matrices)
+        if not fixed:
+            return ""
+        return (
+            f" ({fixed} TP-sharded cannot split in the {model.mode} TP mode; "
+            "--muon-tp-mode duplicated can)"
         )
 
     def sync_points(self) -> int:
