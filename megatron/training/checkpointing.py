@@ -56,6 +56,11 @@ MODEL_SHAPE = (
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
     ("expert_model_parallel_size", "--expert-model-parallel-size"),
 )
 OPTIMIZER_SHAPE = (

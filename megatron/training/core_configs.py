@@ -10,6 +10,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.training import cpu_mode
 
+from . import pipeline_split
 from .arguments import FLAGS
 
 
@@ -60,8 +61,7 @@ def virtual_pipeline_size(args):
         return args.num_virtual_stages_per_pipeline_rank
     if args.num_layers_per_virtual_pipeline_stage is None:
         return None
-    per_stage = args.num_layers // args.pipeline_model_parallel_size
-    return per_stage // args.num_layers_per_virtual_pipeline_stage
+    return pipeline_split.per_stage(args) // args.num_layers_per_virtual_pipeline_stage
 
 
 def optimizer_config(args) -> OptimizerConfig:

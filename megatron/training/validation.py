@@ -12,6 +12,7 @@ import torch
 
 from megatron.core.optimizer.muon_config import MAX_PLAN_TFLOPS, MIN_PLAN_GBPS
 
+from . import pipeline_split
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
 REQUIRED = (
@@ -114,8 +115,8 @@ UNSUPPORTED = (
     ),
     (
         lambda a: a.recompute_granularity is not None and not torch.cuda.is_available(),
-        "--recompute-granularity needs CUDA here (megatron-core 0.16.1's recomputed attention "
-        "builds its causal mask on the GPU)",
+        "--recompute-granularity (or --recompute-activations, which sets it to selective) needs "
+        "CUDA here (megatron-core 0.16.1's recomputed attention builds its causal mask on the GPU)",
     ),
     (
         lambda a: a.context_parallel_size > 1,
@@ -224,11 +225,6 @@ RULES = (
         lambda a: a.kv_channels is None and a.hidden_size % a.num_attention_heads,
         lambda a: f"--hidden-size ({a.hidden_size}) must be divisible by --num-attention-heads "
         f"({a.num_attention_heads}), or give --kv-channels",
-    ),
-    (
-        lambda a: a.num_layers % a.pipeline_model_parallel_size,
-        lambda a: f"--num-layers ({a.num_layers}) must be divisible by "
-        f"--pipeline-model-parallel-size ({a.pipeline_model_parallel_size})",
     ),
     (
         lambda a: a.global_batch_size % (a.micro_batch_size * a.data_parallel_size),
@@ -471,12 +467,12 @@ VPP_RULES = (
         lambda a: "--num-layers-per-virtual-pipeline-stage needs "
         "--pipeline-model-parallel-size >= 2",
     ),
+    *pipeline_split.VPP_RULES,
     (
-        lambda a: (a.num_layers // a.pipeline_model_parallel_size)
-        % a.num_layers_per_virtual_pipeline_stage,
+        lambda a: pipeline_split.per_stage(a) % a.num_layers_per_virtual_pipeline_stage,
         lambda a: f"--num-layers-per-virtual-pipeline-stage "
         f"({a.num_layers_per_virtual_pipeline_stage}) must divide the layers per pipeline stage "
-        f"({a.num_layers // a.pipeline_model_parallel_size})",
+        f"({pipeline_split.per_stage(a)})",
     ),
 )
 
@@ -727,13 +723,18 @@ def validate_args(args) -> None:
     _check_required(args)
     _check_finite(args)
     _check_optimizer_specific(args)
+    if args.recompute_activations:  # Megatron-LM's shorthand, also over --recompute-granularity
+        args.recompute_granularity = "selective"
     _check_table(args)
     _check_schedule_form(args)
     _apply_data_args_files(args)
     _derive(args)
     _check_rules(args, RULES)
+    _check_rules(args, pipeline_split.RULES)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _check_rules(args, VPP_RULES)
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        _check_rules(args, pipeline_split.VIRTUAL_STAGES_RULES)
     if args.rampup_batch_size is not None:
         _check_rampup(args)
     _derive_train_iters(args)

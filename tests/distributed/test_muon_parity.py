@@ -12,7 +12,7 @@ import functools
 import pytest
 from harness import run_distributed
 from parity import assert_close_runs, update_rel_error
-from tiny_gpt import TinyGPT, shard, train, unshard
+from tiny_gpt import TinyGPT, build_model, shard, train, unshard
 
 from megatron.core.optimizer.muon_functional import MuonParamInfo
 from megatron.training.muon_recipe import SEED_RECIPE
@@ -31,6 +31,8 @@ TOL = 1e-4
 LOSS_RTOL = 1e-5
 WRONG = 100 * TOL  # a broken exchange must miss the reference by at least this
 
+FIRST1 = {"num_layers_in_first_pipeline_stage": 1}
+LAST1 = {"num_layers_in_last_pipeline_stage": 1}
 LAYOUTS = {
     "tp2_duplicated": dict(world_size=2, tp=2, muon_tp_mode="duplicated"),
     "tp2_distributed": dict(world_size=2, tp=2, muon_tp_mode="distributed"),
@@ -38,6 +40,9 @@ LAYOUTS = {
     "dp2": dict(world_size=2),
     "tp2_pp2_dp2_duplicated": dict(world_size=8, tp=2, pp=2, muon_tp_mode="duplicated"),
     "tp2_pp2_dp2_distributed": dict(world_size=8, tp=2, pp=2, muon_tp_mode="distributed"),
+    # uneven stages (--decoder-first/last-pipeline-num-layers): layers 1 | 3, and 1 | 2 | 1
+    "pp2_first1_dp2_distopt": dict(world_size=4, pp=2, spec=TinyGPT(extra=FIRST1), distopt=True),
+    "pp3_first1_last1": dict(world_size=3, pp=3, spec=TinyGPT(extra={**FIRST1, **LAST1})),
 }
 
 
@@ -61,6 +66,20 @@ def test_muon_layout_matches_one_process(layout):
     # Muon touched every hidden matrix: none is trivially equal because it did not move
     initial, ref, _ = reference()
     assert all((ref[k] - initial[k]).norm() > 0 for k in errors)
+
+
+def _stage_layers(spec: TinyGPT) -> int:
+    return len(build_model(spec)[0].module.decoder.layers)
+
+
+def test_uneven_layouts_build_uneven_stages():
+    """The uneven layouts above are what they say (an even split would match one process too)."""
+    for name, counts in (("pp2_first1_dp2_distopt", [1, 1, 3, 3]), ("pp3_first1_last1", [1, 2, 1])):
+        layout = LAYOUTS[name]
+        got = run_distributed(
+            _stage_layers, layout["world_size"], pp=layout["pp"], args=(layout["spec"],)
+        )
+        assert got == counts, name
 
 
 # ----------------------------------------------------------------- blockwise: TP-local Muon

@@ -31,8 +31,15 @@ def _resume_from(save: str, iteration: int, into: str) -> str:
 
 LAYOUTS = [  # (name, ranks, flags, checkpoint format)
     ("adam-tp2", 2, "--optimizer adam --tensor-model-parallel-size 2", "torch_dist"),
-    # with a Multi-Token Prediction layer on the last stage: its weights, loss and grads resume
-    ("muon-pp2-mtp", 2, MUON + " --pipeline-model-parallel-size 2 --mtp-num-layers 1", "torch"),
+    # with a Multi-Token Prediction layer on the last stage: its weights, loss and grads resume;
+    # uneven stages (layers 1 | 2), the split recorded in the checkpoint
+    (
+        "muon-pp2-uneven-mtp",
+        2,
+        MUON + " --pipeline-model-parallel-size 2 --mtp-num-layers 1 --num-layers 3 "
+        "--decoder-first-pipeline-num-layers 1",
+        "torch",
+    ),
     ("muon-tp2", 2, MUON + " --tensor-model-parallel-size 2", "torch_dist"),
     # Interleaved PP2 x DP2 with DistOpt: the model chunks share local param names, which
     # upstream's DistributedOptimizer._param_name refuses (muon_distopt.param_names prefixes them)

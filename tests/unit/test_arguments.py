@@ -525,3 +525,105 @@ def test_use_checkpoint_args_needs_load():
 def test_nan_check_is_on_by_default_as_megatron_lm():
     assert parse().check_for_nan_in_loss_and_grad is True
     assert parse("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad is False
+
+
+FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
+UNEVEN_ERRORS = [  # (extra, world size, words): every message names the flags concerned
+    ("--num-layers 3 --pipeline-model-parallel-size 2", 2, ["--num-layers (3) must", FIRST]),
+    (
+        "--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split",
+        2,
+        ["--num-layers (4) plus the loss (5)", "--pipeline-model-parallel-size (2)"],
+    ),
+    (f"{FIRST} 1", 1, [FIRST, "--pipeline-model-parallel-size >= 2"]),
+    (f"--pipeline-model-parallel-size 2 {FIRST} 0", 2, [FIRST, ">= 1, got [0]"]),
+    (f"--pipeline-model-parallel-size 3 {FIRST} 1", 3, ["leaves 3 layer(s) for 2 middle"]),
+    (f"--pipeline-model-parallel-size 2 {FIRST} 5", 2, ["leaves -1 layer(s)"]),
+    (f"--pipeline-model-parallel-size 2 {FIRST} 1 {LAST} 2", 2, ["leaves 1 layer(s) for 0"]),
+    (
+        f"--pipeline-model-parallel-size 4 {FIRST} 1 {LAST} 1 --num-layers 5",
+        4,
+        ["3 layer(s) for 2"],
+    ),
+    (
+        f"--pipeline-model-parallel-size 2 {FIRST} 1 --account-for-embedding-in-pipeline-split",
+        2,
+        ["--account-for-embedding-in-pipeline-split", "exclusive"],
+    ),
+    (
+        f"--pipeline-model-parallel-size 2 {FIRST} 2 --num-layers-per-virtual-pipeline-stage 1",
+        2,
+        ["--num-virtual-stages-per-pipeline-rank instead"],
+    ),
+    (
+        f"--pipeline-model-parallel-size 2 {FIRST} 1 {LAST} 3 "
+        "--num-virtual-stages-per-pipeline-rank 2",
+        2,
+        ["--num-virtual-stages-per-pipeline-rank (2) must divide", "[1, 3]"],
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, world_size, words", UNEVEN_ERRORS)
+def test_pipeline_split_errors_name_the_flags(extra, world_size, words):
+    with pytest.raises(ArgumentsError) as err:
+        parse(extra, world_size)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, fields",
+    [
+        (f"--pipeline-model-parallel-size 2 {FIRST} 1", 2, (1, None, False, False)),
+        (f"--pipeline-model-parallel-size 3 {FIRST} 1 {LAST} 1", 3, (1, 1, False, False)),
+        (f"--pipeline-model-parallel-size 2 {LAST} 3 --num-layers 5", 2, (None, 3, False, False)),
+        (
+            "--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split --num-layers 5",
+            2,
+            (None, None, False, True),
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split "
+            "--account-for-loss-in-pipeline-split",
+            2,
+            (None, None, True, True),
+        ),
+    ],
+)
+def test_uneven_pipeline_split_reaches_the_transformer_config(extra, world_size, fields):
+    """Megatron-LM's uneven split flags fill megatron-core's fields, which build the stages."""
+    from megatron.training.core_configs import transformer_config
+
+    config = transformer_config(parse(extra, world_size))
+    assert (
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
+        config.account_for_embedding_in_pipeline_split,
+        config.account_for_loss_in_pipeline_split,
+    ) == fields
+
+
+def test_recompute_activations_is_selective_recompute(monkeypatch):
+    """Megatron-LM's shorthand sets the granularity, over an explicit one too; without CUDA it
+    is refused with the reason, as --recompute-granularity is."""
+    if not torch.cuda.is_available():
+        with pytest.raises(ArgumentsError, match="--recompute-activations, which sets it"):
+            parse("--recompute-activations")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the derivation alone
+    args = parse("--recompute-activations --recompute-granularity full")
+    assert args.recompute_granularity == "selective"
+    full = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    assert parse(full).recompute_granularity == "full"
+
+
+def test_a_checkpoint_of_another_pipeline_split_is_refused():
+    """The stages hold other layers: a resume must keep the split (the message names it)."""
+    from megatron.training import checkpointing
+
+    args = parse(f"--pipeline-model-parallel-size 2 {FIRST} 1", 2)
+    saved = checkpointing._saved_args(args)
+    checkpointing.check_compatible(args, saved, "ckpt")  # the same split loads
+    other = parse(f"--pipeline-model-parallel-size 2 {FIRST} 2", 2)
+    with pytest.raises(checkpointing.CheckpointError, match=f"{FIRST}: checkpoint 1, this run 2"):
+        checkpointing.check_compatible(other, saved, "ckpt")
