@@ -34,6 +34,7 @@ from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
 from .log import print_rank_0, print_rank_last, validation_block
 from .mtp_log import mtp_losses
+from .profiling import StepProfiler
 from .progress import ProgressLog
 from .schedule import get_scheduler
 from .timers import started, suspended
@@ -236,7 +237,9 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
     train_iter, valid_iter = iterators  # valid_iter False: no evaluation (None: reads no data)
     reason = None
     saved_at = None
+    profiler = StepProfiler(args, torch.distributed.get_rank())
     while state.iteration < args.train_iters:
+        profiler.before_step(state.iteration)
         checkpointing.finalize_async_saves()  # publish --async-save checkpoints already written
         update_num_microbatches(state.consumed_train_samples, consistency_check=True)
         batch_size = get_current_global_batch_size()
@@ -246,6 +249,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         state.iteration += 1
         state.consumed_train_samples += batch_size
         log.step(state, step, model, optimizer, batch_size)
+        profiler.after_step(state.iteration)
         paused = time.perf_counter()
         if valid_iter is not False and state.iteration % args.eval_interval == 0:
             collector.before_eval()
@@ -259,6 +263,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         if reason:
             break
         collector.after_step(state.iteration)  # Megatron-LM: last in the iteration
+    profiler.stop()  # a run that ended before --profile-step-end still writes its trace
     if args.save and saved_at != state.iteration:
         _save(args, model, optimizer, scheduler, state, log)
     checkpointing.finalize_async_saves(blocking=True)  # no async save outlives the run

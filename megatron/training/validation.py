@@ -12,7 +12,7 @@ import torch
 
 from megatron.core.optimizer.muon_config import MAX_PLAN_TFLOPS, MIN_PLAN_GBPS
 
-from . import pipeline_split
+from . import pipeline_split, profiling
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
 REQUIRED = (
@@ -731,6 +731,7 @@ def validate_args(args) -> None:
     _derive(args)
     _check_rules(args, RULES)
     _check_rules(args, pipeline_split.RULES)
+    _check_rules(args, profiling.RULES)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _check_rules(args, VPP_RULES)
     if args.num_virtual_stages_per_pipeline_rank is not None:

@@ -5,6 +5,7 @@ and TensorBoard scalars; Muon's own figures (--log-muon-figures), tied to the ex
     .venv/bin/python -m pytest -q tests/e2e/test_logging.py
 """
 
+import json
 import math
 import os
 import re
@@ -105,11 +106,13 @@ def test_timers_memory_throughput_progress_and_muon_figures(tmp_path):
     no loss scale, per-step scalars every 2nd step equal to the console's, throughput = the
     model FLOPs counted by hand / time, progress.txt lines, and Muon's bytes and FLOPs equal
     to the exchange plan of bench/projection.py for this layout (the busiest of the 2 ranks),
-    whose summary the log prints at start."""
+    whose summary the log prints at start. The same launch profiles step 2 on rank 0
+    (--profile --use-pytorch-profiler): one torch.profiler trace, of that step only."""
     save, tb = str(tmp_path / "save"), str(tmp_path / "tb")
     args = _drop(TINY, "--num-layers", "--hidden-size", "--num-attention-heads", "--log-interval")
     args += LLAMA + LOG_FLAGS + ["--optimizer", "muon", "--use-distributed-optimizer"]
     args += ["--train-iters", 4, "--save", save, "--tensorboard-dir", tb, "--ckpt-format", "torch"]
+    args += "--profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 3".split()
     proc = run(args, nproc=2)
     table = losses(proc)
     assert sorted(table) == [1, 2, 3, 4]
@@ -120,6 +123,17 @@ def test_timers_memory_throughput_progress_and_muon_figures(tmp_path):
     assert re.findall(r"\[Rank 0\] \(after (\d) iterations\) memory \(MB\) \| rss: ", proc.stdout)
     assert proc.stdout.count("memory (MB)") == 2  # iterations 2 and 4, DP rank 0 only
     _check_progress(os.path.join(save, "progress.txt"))
+    _check_profile(tb)
+
+
+def _check_profile(tb: str) -> None:
+    """Megatron-LM's schedule: --profile-step-start 2 --profile-step-end 3 records step 2."""
+    traces = [name for name in os.listdir(tb) if name.endswith(".pt.trace.json")]
+    assert len(traces) == 1, os.listdir(tb)  # --profile-ranks defaults to [0]
+    with open(os.path.join(tb, traces[0])) as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert {n for n in names if n and n.startswith("ProfilerStep#")} == {"ProfilerStep#2"}
+    assert "aten::mm" in names  # the step's matmuls are in it
 
 
 def _drop(flags: list, *names) -> list:

@@ -627,3 +627,28 @@ def test_a_checkpoint_of_another_pipeline_split_is_refused():
     other = parse(f"--pipeline-model-parallel-size 2 {FIRST} 2", 2)
     with pytest.raises(checkpointing.CheckpointError, match=f"{FIRST}: checkpoint 1, this run 2"):
         checkpointing.check_compatible(other, saved, "ckpt")
+
+
+PROFILE = "--profile --use-pytorch-profiler --tensorboard-dir tb"
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, message",
+    [
+        ("--use-pytorch-profiler --profile-ranks 1", 2, "--use-pytorch-profiler, --profile-ranks"),
+        ("--profile --use-pytorch-profiler", 1, "writes its trace under --tensorboard-dir"),
+        (f"{PROFILE} --profile-step-start 3 --profile-step-end 3", 1, "(3) must be greater"),
+        (f"{PROFILE} --profile-step-start -1 --profile-step-end 3", 1, "must be >= 0"),
+        (f"{PROFILE} --profile-ranks 0 2", 2, "--profile-ranks [2]: not ranks of this run"),
+    ]
+    + ([] if torch.cuda.is_available() else [("--profile", 1, "needs CUDA; add --use-pytorch")]),
+)
+def test_profile_flags_refuse_what_would_do_nothing(extra, world_size, message):
+    with pytest.raises(ArgumentsError) as err:
+        parse(extra, world_size)
+    assert message in str(err.value)
+
+
+def test_profile_flags_keep_upstream_defaults():
+    args = parse(PROFILE)
+    assert (args.profile_step_start, args.profile_step_end, args.profile_ranks) == (10, 12, [0])
