@@ -103,8 +103,10 @@ def build_model(
     overlap_param_gather=False,
     seed=0,
     invariant_init=True,
+    ddp_extra=None,
 ):
-    """One DDP-wrapped GPT chunk for this rank's pipeline stage, initialized layout-invariantly."""
+    """One DDP-wrapped GPT chunk for this rank's pipeline stage, initialized layout-invariantly.
+    ``ddp_extra``: further ``DistributedDataParallelConfig`` fields."""
     config = transformer_config(spec)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts)
     model = GPTModel(
@@ -127,6 +129,7 @@ def build_model(
         overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=distopt,
         bucket_size=bucket_size,
+        **(ddp_extra or {}),
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -338,6 +341,7 @@ def train(
     seed=0,
     invariant_init=True,
     optimizer_hook=None,
+    ddp_extra=None,
     **optimizer_overrides,
 ):
     """Train ``steps`` steps on the shared data; return (initial params, final params, losses).
@@ -353,6 +357,7 @@ def train(
         overlap_param_gather=overlap,
         seed=seed,
         invariant_init=invariant_init,
+        ddp_extra=ddp_extra,
     )
     initial = gather_all_params(model, spec)
     optimizer = build_optimizer(

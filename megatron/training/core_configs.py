@@ -76,10 +76,14 @@ def optimizer_config(args) -> OptimizerConfig:
     return OptimizerConfig(**kw)
 
 
-def ddp_config(args) -> DistributedDataParallelConfig:
+def ddp_config(args, num_parameters: int = 0) -> DistributedDataParallelConfig:
+    """``num_parameters``: this rank's, over all its model chunks; --ddp-num-buckets divides it
+    into the bucket size, as Megatron-LM's get_model does."""
     kw = _homed(args, DistributedDataParallelConfig)
     kw.update(
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
     )
+    if args.ddp_num_buckets is not None:
+        kw.update(bucket_size=max(num_parameters // args.ddp_num_buckets, 1))
     return DistributedDataParallelConfig(**kw)

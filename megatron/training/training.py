@@ -67,13 +67,14 @@ def get_model(args, model_provider, config):
         if args.bf16 or args.fp16:
             module = Float16Module(config, module)
         chunks.append(module)
-    return [_wrap_ddp(args, config, chunk, i) for i, chunk in enumerate(chunks)]
+    ddp = ddp_config(args, sum(p.numel() for chunk in chunks for p in chunk.parameters()))
+    return [_wrap_ddp(config, ddp, chunk, i) for i, chunk in enumerate(chunks)]
 
 
-def _wrap_ddp(args, config, chunk, index):
+def _wrap_ddp(config, ddp, chunk, index):
     # Megatron-LM: only the first chunk uses buckets, so later chunks' grads reduce at once.
     return DistributedDataParallel(
-        config=config, ddp_config=ddp_config(args), module=chunk, disable_bucketing=index > 0
+        config=config, ddp_config=ddp, module=chunk, disable_bucketing=index > 0
     )
 
 

@@ -47,6 +47,7 @@ POSITIVE = (
     ("tensorboard_queue_size", "--tensorboard-queue-size"),
     ("log_memory_interval", "--log-memory-interval"),
     ("muon_plan_nvlink_domain", "--muon-plan-nvlink-domain"),
+    ("ddp_num_buckets", "--ddp-num-buckets"),
 )
 
 # The planner's machine: a rate in (0, MAX_PLAN_TFLOPS], bandwidths >= MIN_PLAN_GBPS, where inf
@@ -117,6 +118,17 @@ UNSUPPORTED = (
         lambda a: a.recompute_granularity is not None and not torch.cuda.is_available(),
         "--recompute-granularity (or --recompute-activations, which sets it to selective) needs "
         "CUDA here (megatron-core 0.16.1's recomputed attention builds its causal mask on the GPU)",
+    ),
+    (
+        lambda a: a.ddp_average_in_collective and not torch.cuda.is_available(),
+        "--ddp-average-in-collective reduces gradients with ReduceOp.AVG, which gloo (the CPU "
+        "backend) does not have; drop the flag on CPU (the default pre-scales and sums: the "
+        "same mean)",
+    ),
+    (
+        lambda a: a.ddp_num_buckets is not None and a.ddp_bucket_size is not None,
+        "--ddp-num-buckets and --ddp-bucket-size both set the DDP bucket size: give one (as "
+        "Megatron-LM)",
     ),
     (
         lambda a: a.context_parallel_size > 1,

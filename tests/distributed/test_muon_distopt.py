@@ -43,7 +43,26 @@ LAYOUTS = {
     "pp2_dp2": dict(world_size=4, pp=2),
     "tp2_pp2_dp2": dict(world_size=8, tp=2, pp=2),
     "tp2_dp2_distributed_tp": dict(world_size=4, tp=2, muon_tp_mode="distributed"),
+    # --ddp-pad-buckets-for-high-nccl-busbw: buckets padded to multiples of 2^16 elements
+    "dp4_padded_buckets": dict(
+        world_size=4, ddp_extra={"pad_buckets_for_high_nccl_busbw": True}, hook="padded"
+    ),
 }
+
+
+def _buckets_are_padded(optimizer):
+    """The padded layout is what it says: every bucket a multiple of 2^16 elements."""
+    sizes = [
+        bucket.grad_data.numel()
+        for inner in optimizer.chained_optimizers
+        for chunk in inner.model_chunks
+        for buffer in chunk.buffers
+        for bucket in buffer.buckets
+    ]
+    assert sizes and all(size % 2**16 == 0 for size in sizes), sizes
+
+
+HOOKS = {"padded": _buckets_are_padded}
 
 
 MOE = dict(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather")
@@ -61,7 +80,7 @@ def run_layout(dtype, world_size, tp=1, pp=1, ep=1, etp=None, hook=None, moe=Fal
         "distopt": True,
         "bucket_size": BUCKET,
         "overlap": True,
-        "optimizer_hook": hook,
+        "optimizer_hook": HOOKS.get(hook, hook),
         **kwargs,
     }
     spec = TinyGPT(dtype=dtype, **(MOE if moe else {}))

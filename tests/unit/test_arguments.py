@@ -652,3 +652,29 @@ def test_profile_flags_refuse_what_would_do_nothing(extra, world_size, message):
 def test_profile_flags_keep_upstream_defaults():
     args = parse(PROFILE)
     assert (args.profile_step_start, args.profile_step_end, args.profile_ranks) == (10, 12, [0])
+
+
+def test_ddp_bucket_flags_reach_the_ddp_config():
+    """--ddp-num-buckets divides this rank's parameter count (Megatron-LM's get_model);
+    --ddp-pad-buckets-for-high-nccl-busbw and --ddp-average-in-collective are DDP fields."""
+    from megatron.training.core_configs import ddp_config
+
+    assert ddp_config(parse("--ddp-num-buckets 4"), num_parameters=1003).bucket_size == 250
+    assert ddp_config(parse("--ddp-bucket-size 7"), num_parameters=1003).bucket_size == 7
+    padded = ddp_config(parse("--ddp-pad-buckets-for-high-nccl-busbw"))
+    assert padded.pad_buckets_for_high_nccl_busbw and not padded.average_in_collective
+    if torch.cuda.is_available():
+        assert ddp_config(parse("--ddp-average-in-collective")).average_in_collective
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--ddp-num-buckets 0", "--ddp-num-buckets must be >= 1, got 0"),
+        ("--ddp-num-buckets 2 --ddp-bucket-size 10", "both set the DDP bucket size"),
+    ]
+    + ([] if torch.cuda.is_available() else [("--ddp-average-in-collective", "ReduceOp.AVG")]),
+)
+def test_ddp_bucket_flags_refuse_bad_input(extra, message):
+    with pytest.raises(ArgumentsError, match=re.escape(message)):
+        parse(extra)
