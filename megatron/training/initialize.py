@@ -22,7 +22,7 @@ def initialize(args) -> None:
     on_cpu = cpu_mode.enable_if_needed()
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # ranks share the cores; more threads only contend
-    _init_process_group(on_cpu, args.distributed_timeout_minutes)
+    _init_process_group(on_cpu, args.distributed_timeout_minutes, args.local_rank)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -42,11 +42,11 @@ def initialize(args) -> None:
     )
 
 
-def _init_process_group(on_cpu: bool, timeout_minutes: int) -> None:
+def _init_process_group(on_cpu: bool, timeout_minutes: int, local_rank: int) -> None:
     if torch.distributed.is_initialized():
         return
     if not on_cpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)  # Megatron-LM's --local-rank: $LOCAL_RANK by default
     backend, timeout = "gloo" if on_cpu else "nccl", datetime.timedelta(minutes=timeout_minutes)
     if "RANK" not in os.environ:  # a plain `python pretrain_gpt.py`: one process
         # an in-memory store: no TCP port to collide with another run on this machine

@@ -7,6 +7,7 @@ feature this stack does not run: using one is an error naming it, never a silent
 
 import importlib.util
 import math
+import os
 
 import torch
 
@@ -573,6 +574,8 @@ def _check_rules(args, rules) -> None:
 
 def _derive(args) -> None:
     """Megatron-LM's derived defaults."""
+    if "local_rank" not in args.given:  # upstream's default is $LOCAL_RANK (torchrun sets it)
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     args.data_parallel_size = args.world_size // _model_parallel(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size

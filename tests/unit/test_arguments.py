@@ -678,3 +678,13 @@ def test_ddp_bucket_flags_reach_the_ddp_config():
 def test_ddp_bucket_flags_refuse_bad_input(extra, message):
     with pytest.raises(ArgumentsError, match=re.escape(message)):
         parse(extra)
+
+
+def test_local_rank_defaults_to_the_launchers(monkeypatch):
+    """Megatron-LM's --local-rank defaults to $LOCAL_RANK (torchrun); a launcher that passes
+    the flag instead (torch.distributed.launch) sets it; it picks the CUDA device."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert parse().local_rank == 3
+    assert parse("--local-rank 1").local_rank == 1
+    monkeypatch.delenv("LOCAL_RANK")
+    assert parse().local_rank == 0
