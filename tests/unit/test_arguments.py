@@ -359,6 +359,43 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
 ]
 
 
+FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
+UNEVEN_ERRORS = [  # (extra, world size, words): every message names the flags concerned
+    ("--num-layers 3 --pipeline-model-parallel-size 2", 2, ["--num-layers (3) must", FIRST]),
+    (
+        "--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split",
+        2,
+        ["--num-layers (4) plus the loss (5)", "--pipeline-model-parallel-size (2)"],
+    ),
+    (f"{FIRST} 1", 1, [FIRST, "--pipeline-model-parallel-size >= 2"]),
+    (f"--pipeline-model-parallel-size 2 {FIRST} 0", 2, [FIRST, ">= 1, got [0]"]),
+    (f"--pipeline-model-parallel-size 3 {FIRST} 1", 3, ["leaves 3 layer(s) for 2 middle"]),
+    (f"--pipeline-model-parallel-size 2 {FIRST} 5", 2, ["leaves -1 layer(s)"]),
+    (f"--pipeline-model-parallel-size 2 {FIRST} 1 {LAST} 2", 2, ["leaves 1 layer(s) for 0"]),
+    (
+        f"--pipeline-model-parallel-size 4 {FIRST} 1 {LAST} 1 --num-layers 5",
+        4,
+        ["3 layer(s) for 2"],
+    ),
+    (
+        f"--pipeline-model-parallel-size 2 {FIRST} 1 --account-for-embedding-in-pipeline-split",
+        2,
+        ["--account-for-embedding-in-pipeline-split", "exclusive"],
+    ),
+    (
+        f"--pipeline-model-parallel-size 2 {FIRST} 2 --num-layers-per-virtual-pipeline-stage 1",
+        2,
+        ["--num-virtual-stages-per-pipeline-rank instead"],
+    ),
+    (
+        f"--pipeline-model-parallel-size 2 {FIRST} 1 {LAST} 3 "
+        "--num-virtual-stages-per-pipeline-rank 2",
+        2,
+        ["--num-virtual-stages-per-pipeline-rank (2) must divide", "[1, 3]"],
+    ),
+]
+ERRORS += UNEVEN_ERRORS
+
 if not torch.cuda.is_available():  # on GPUs recomputation runs
     ERRORS.append(("--recompute-granularity full", 1, ["--recompute-granularity", "CUDA"]))
 
@@ -525,51 +562,6 @@ def test_use_checkpoint_args_needs_load():
 def test_nan_check_is_on_by_default_as_megatron_lm():
     assert parse().check_for_nan_in_loss_and_grad is True
     assert parse("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad is False
-
-
-FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
-UNEVEN_ERRORS = [  # (extra, world size, words): every message names the flags concerned
-    ("--num-layers 3 --pipeline-model-parallel-size 2", 2, ["--num-layers (3) must", FIRST]),
-    (
-        "--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split",
-        2,
-        ["--num-layers (4) plus the loss (5)", "--pipeline-model-parallel-size (2)"],
-    ),
-    (f"{FIRST} 1", 1, [FIRST, "--pipeline-model-parallel-size >= 2"]),
-    (f"--pipeline-model-parallel-size 2 {FIRST} 0", 2, [FIRST, ">= 1, got [0]"]),
-    (f"--pipeline-model-parallel-size 3 {FIRST} 1", 3, ["leaves 3 layer(s) for 2 middle"]),
-    (f"--pipeline-model-parallel-size 2 {FIRST} 5", 2, ["leaves -1 layer(s)"]),
-    (f"--pipeline-model-parallel-size 2 {FIRST} 1 {LAST} 2", 2, ["leaves 1 layer(s) for 0"]),
-    (
-        f"--pipeline-model-parallel-size 4 {FIRST} 1 {LAST} 1 --num-layers 5",
-        4,
-        ["3 layer(s) for 2"],
-    ),
-    (
-        f"--pipeline-model-parallel-size 2 {FIRST} 1 --account-for-embedding-in-pipeline-split",
-        2,
-        ["--account-for-embedding-in-pipeline-split", "exclusive"],
-    ),
-    (
-        f"--pipeline-model-parallel-size 2 {FIRST} 2 --num-layers-per-virtual-pipeline-stage 1",
-        2,
-        ["--num-virtual-stages-per-pipeline-rank instead"],
-    ),
-    (
-        f"--pipeline-model-parallel-size 2 {FIRST} 1 {LAST} 3 "
-        "--num-virtual-stages-per-pipeline-rank 2",
-        2,
-        ["--num-virtual-stages-per-pipeline-rank (2) must divide", "[1, 3]"],
-    ),
-]
-
-
-@pytest.mark.parametrize("extra, world_size, words", UNEVEN_ERRORS)
-def test_pipeline_split_errors_name_the_flags(extra, world_size, words):
-    with pytest.raises(ArgumentsError) as err:
-        parse(extra, world_size)
-    for word in words:
-        assert word in str(err.value)
 
 
 @pytest.mark.parametrize(
