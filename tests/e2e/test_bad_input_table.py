@@ -361,6 +361,32 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
         "--muon-matched-adamw-rms must be a finite number, got inf",
     ),
     ("layers_zero", "cli", "--mock-data --num-layers 0", 2, "--num-layers must be >= 1, got 0"),
+    # -- the seed and the lr schedule's lengths (megatron-core asserts on them after start-up)
+    ("seed_zero", "cli", "--mock-data --seed 0", 2, "--seed must be >= 1, got 0"),
+    ("seed_too_large", "cli", "--mock-data --seed 4294967296", 2, "--seed must be <= 4294967295"),
+    ("decay_zero", "cli", "--mock-data --lr-decay-iters 0", 2, "--lr-decay-iters must be >= 1"),
+    (
+        "warmup_negative",
+        "cli",
+        "--mock-data --lr-warmup-iters -1",
+        2,
+        "--lr-warmup-iters must be >= 0",
+    ),
+    (
+        "warmup_past_decay",
+        "cli",
+        "--mock-data --lr-warmup-iters 2",
+        2,
+        "--lr-warmup-iters gives a warm-up of 2 iterations, not shorter than the lr decay "
+        "(--train-iters: 2 iterations)",
+    ),
+    (
+        "warmup_fraction_whole_decay",
+        "cli",
+        "--mock-data --lr-warmup-fraction 1",
+        2,
+        "--lr-warmup-fraction gives a warm-up of 2 iterations, not shorter than the lr decay",
+    ),
     (
         "muon_flag_with_adam",
         "cli",
@@ -534,7 +560,23 @@ def test_the_table_is_large_and_covers_every_kind():
     assert len({case[0] for case in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+_XFAIL_S8B = {  # review s8b: these reach megatron-core's asserts (or numpy's) after start-up
+    "seed_zero",
+    "seed_too_large",
+    "decay_zero",
+    "warmup_negative",
+    "warmup_past_decay",
+    "warmup_fraction_whole_decay",
+}
+_PARAMS = [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="review s8b"))
+    if c[0] in _XFAIL_S8B
+    else c
+    for c in CASES
+]
+
+
+@pytest.mark.parametrize("case", _PARAMS, ids=[c[0] for c in CASES])
 def test_bad_input_gives_its_one_line_message(case, tmp_path, monkeypatch):
     code, text = _run(case, tmp_path, monkeypatch)
     expected_code, message = case[3], case[4]

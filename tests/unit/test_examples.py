@@ -1,7 +1,9 @@
 """Each example script builds its launch command in dry-run mode; the pretrain_gpt.py flags in it
 parse with our arguments.py at the world size the launcher would start."""
 
+import ast
 import os
+import re
 import shlex
 import subprocess
 
@@ -73,3 +75,50 @@ def test_make_demo_runs_the_seed_recipe():
     words = dry_run("examples/cpu_quickstart.sh", {})
     config = optimizer_config(parse_args(words[words.index("pretrain_gpt.py") + 1 :], world_size=4))
     assert {name: getattr(config, name) for name in SEED_RECIPE} == SEED_RECIPE
+
+
+def _docstring_launch() -> tuple[int, list]:
+    """(ranks, pretrain_gpt.py's flags) of the launch line in pretrain_gpt.py's docstring, the
+    built-in corpus's prefix in place of its ``$(... megatron.training.corpus)``."""
+    from megatron.training import corpus
+
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "pretrain_gpt.py")).read()))
+    lines = doc.split("Launch", 1)[1].splitlines()[1:]
+    command = " ".join(line.rstrip("\\").strip() for line in lines[: _launch_end(lines)])
+    command = re.sub(r"\$\(\S+ -m megatron\.training\.corpus\)", corpus.build_corpus(), command)
+    words = shlex.split(command)
+    ranks = int(words[words.index("--nproc-per-node") + 1])
+    return ranks, words[words.index("pretrain_gpt.py") + 1 :]
+
+
+def _launch_end(lines: list) -> int:
+    return next(i for i, line in enumerate(lines) if not line.rstrip().endswith("\\")) + 1
+
+
+@pytest.mark.xfail(strict=True, reason="review s8b: the default --split leaves no test documents")
+def test_pretrain_gpt_docstring_launch_fits_the_builtin_corpus():
+    """The docstring's launch line runs as written: every split it reads has documents of the
+    built-in corpus (233 documents; start-up checks this and refuses an empty needed split)."""
+    from megatron.training import datasets
+
+    ranks, flags = _docstring_launch()
+    args = parse_args(flags, world_size=ranks)
+    config = _pretrain_gpt().dataset_config(args, _pretrain_gpt().tokenizer_from_args(args))
+    samples = datasets.train_valid_test_num_samples(
+        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
+    )
+    datasets.check_splits_have_documents(config, samples)
+
+
+def _pretrain_gpt():
+    import importlib.util
+    import sys
+
+    if "pretrain_gpt" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "pretrain_gpt", os.path.join(ROOT, "pretrain_gpt.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["pretrain_gpt"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["pretrain_gpt"]
