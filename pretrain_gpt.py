@@ -148,7 +148,10 @@ def _sequences_per_dataset(args):
 
 
 def data_iterators(args, state, n_chunks, tokenizer):
-    """(train, valid) iterators from the consumed-sample counts (lists for virtual stages)."""
+    """(train, valid, test) iterators (lists for virtual stages; None on ranks that read no
+    data): train and valid from the consumed-sample counts, test from its start (Megatron-LM
+    evaluates it once, after training). valid/test are False on every rank where no rank has
+    that split."""
     config = dataset_config(args, tokenizer)
     samples = datasets.train_valid_test_num_samples(
         args.train_iters,
@@ -159,18 +162,24 @@ def data_iterators(args, state, n_chunks, tokenizer):
         full_validation=args.full_validation,
     )
     try:
-        train_ds, valid_ds, _ = datasets.build_train_valid_test_datasets(config, samples)
+        train_ds, valid_ds, test_ds = datasets.build_train_valid_test_datasets(config, samples)
     except ValueError as err:  # the data flags do not fit (empty split, missing prefix...)
         raise ArgumentsError(str(err)) from err
     if args.full_validation:
         valid_ds = _whole_validation_passes(args, valid_ds)
-    train, valid = [], []
+    train, valid, test = [], [], []
     # --full-validation reads the split in order whatever the type (Megatron-LM's choice too)
     valid_type = "single" if args.full_validation else args.dataloader_type
     for _ in range(n_chunks):
         train.append(_loader(args, train_ds, state.consumed_train_samples, args.dataloader_type))
         valid.append(_loader(args, valid_ds, state.consumed_valid_samples, valid_type, True))
-    return _one_or_list(train), _one_or_list(valid), _any_rank(valid_ds is not None)
+        test.append(_loader(args, test_ds, 0, valid_type, True))
+    has_valid, has_test = _any_rank(valid_ds is not None, test_ds is not None)
+    return (
+        _one_or_list(train),
+        _one_or_list(valid) if has_valid else False,
+        _one_or_list(test) if has_test else False,
+    )
 
 
 def _whole_validation_passes(args, valid_ds):
@@ -192,12 +201,12 @@ def _whole_validation_passes(args, valid_ds):
     return torch.utils.data.Subset(valid_ds, range(batches * args.global_batch_size))
 
 
-def _any_rank(flag: bool) -> bool:
-    """Ranks that read no data (TP > 0, middle stages) learn from the readers whether a
-    validation split exists, so that every rank evaluates or none does."""
-    value = torch.tensor([int(flag)], device=cpu_mode.device())
+def _any_rank(*flags: bool) -> tuple:
+    """Ranks that read no data (TP > 0, middle stages) learn from the readers whether the
+    validation and test splits exist, so that every rank evaluates one or none does."""
+    value = torch.tensor([int(flag) for flag in flags], device=cpu_mode.device())
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
+    return tuple(bool(v) for v in value.tolist())
 
 
 def _loader(args, dataset, consumed, dataloader_type, cyclic=False):

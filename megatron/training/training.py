@@ -124,12 +124,14 @@ def setup_model_and_optimizer(args, model_provider, config):
 # ------------------------------------------------------------------------------ steps
 
 
-def run_schedule(args, forward_step, data_iterator, model, forward_only: bool):
+def run_schedule(args, forward_step, data_iterator, model, forward_only: bool, microbatches=None):
+    """One global batch through the pipeline schedule: ``microbatches`` micro-batches per DP
+    rank, by default the calculator's current count (the --rampup-batch-size ramp's)."""
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
         model=model,
-        num_microbatches=get_num_microbatches(),
+        num_microbatches=microbatches or get_num_microbatches(),
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         forward_only=forward_only,
@@ -173,18 +175,21 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
 
 
 @torch.no_grad()
-def evaluate(args, forward_step, data_iterator, model, state: TrainState) -> dict:
-    """Mean losses over --eval-iters global batches of the validation split."""
+def evaluate(args, forward_step, data_iterator, model, state: TrainState, advance=True) -> dict:
+    """Mean losses over --eval-iters batches of --global-batch-size samples (during a
+    --rampup-batch-size ramp too: Megatron-LM's evaluation batch is independent of the training
+    batch); ``advance``: count them in the state's consumed validation samples."""
     for chunk in model:
         chunk.eval()
     totals: dict = {}
+    micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     with suspended(model[0].config):  # the chunks share one config
         for _ in range(args.eval_iters):
-            outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=True)
+            outputs = run_schedule(args, forward_step, data_iterator, model, True, micro)
             memory.empty_cache(args.empty_unused_memory_level, 1, _device())
             for key, value in reduce_losses(outputs).items():
                 totals[key] = totals.get(key, 0.0) + value
-            state.consumed_valid_samples += get_current_global_batch_size()
+            state.consumed_valid_samples += args.global_batch_size if advance else 0
     for chunk in model:
         chunk.train()
     return {key: total / args.eval_iters for key, total in totals.items()}
@@ -197,9 +202,11 @@ def pretrain(
     args, model_provider, forward_step, data_iterators_provider, config, exit_conditions=None
 ) -> TrainState:
     """Build, resume, train, evaluate, save. ``data_iterators_provider(args, state, n_chunks)``
-    returns (train, valid, has_valid): iterators (lists with virtual stages; None on ranks that
-    read no data) from the state's consumed sample counts, so that a resumed run reads exactly
-    the data the uninterrupted one would, and whether any rank has a validation split.
+    returns (train, valid, test): iterators (lists with virtual stages; None on ranks that read
+    no data; False for a split no rank has), train and valid from the state's consumed sample
+    counts, so that a resumed run reads exactly the data the uninterrupted one would. After the
+    last step (not after an early exit) the validation and test splits are evaluated once more,
+    as Megatron-LM's pretrain does.
     ``exit_conditions`` (made at process start, so that its signal handler and clock cover
     start-up) decides early exits; one is made here when not given."""
     exit_conditions = exit_conditions or ExitConditions(args, time.time())
@@ -213,8 +220,9 @@ def pretrain(
     if args.load:
         checkpointing.load(args, model, optimizer, scheduler, state)
     update_num_microbatches(state.consumed_train_samples, consistency_check=False)
-    train_iter, valid_iter, has_valid = data_iterators_provider(args, state, len(model))
-    valid_iter = valid_iter if has_valid and args.eval_iters > 0 else False
+    train_iter, valid_iter, test_iter = data_iterators_provider(args, state, len(model))
+    if args.eval_iters == 0:  # Megatron-LM: no validation or test evaluation
+        valid_iter = test_iter = False
     checkpointing.restore_pending_rng(state)
     log = TrainingLog(args, config.timers, _device(), config)
     if args.log_progress:
@@ -224,6 +232,9 @@ def pretrain(
     with collector:
         loop = (log, exit_conditions, collector)
         reason = train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, loop)
+    if not reason:  # Megatron-LM exits before these after an early exit
+        _evaluate_and_print(args, forward_step, valid_iter, model, state, log, "validation")
+        _evaluate_and_print(args, forward_step, test_iter, model, state, log, "test")
     log.close()
     exit_conditions.release()
     if reason:
@@ -278,10 +289,17 @@ def _save(args, model, optimizer, scheduler, state, log) -> None:
     checkpointing.save(args, model, optimizer, scheduler, state, on_saved=on_saved)
 
 
-def _evaluate_and_print(args, forward_step, valid_iter, model, state, log) -> None:
-    if args.eval_iters == 0:
+def _evaluate_and_print(args, forward_step, iterator, model, state, log, final=None) -> None:
+    """An evaluation in the loop (``final`` None), or after the last step of the ``final`` split
+    ("validation" or "test"), labelled as Megatron-LM labels it. The test split's loss is printed
+    only (Megatron-LM writes it under the validation tags) and leaves the validation position."""
+    if iterator is False or args.eval_iters == 0:
         return
-    losses = evaluate(args, forward_step, valid_iter, model, state)
-    if losses:
-        print_rank_last(validation_block(f"iteration {state.iteration}", losses))
+    is_test = final == "test"
+    losses = evaluate(args, forward_step, iterator, model, state, advance=not is_test)
+    if not losses:  # not the last pipeline stage
+        return
+    label = f"iteration {state.iteration}" + (f" on {final} set" if final else "")
+    print_rank_last(validation_block(label, losses))
+    if not is_test:
         log.validation(state.iteration, state.consumed_train_samples, losses)

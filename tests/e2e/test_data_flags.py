@@ -5,6 +5,7 @@
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -32,10 +33,14 @@ def test_per_split_paths_read_the_same_tokens_with_and_without_mmap(tmp_path):
     prefix = _prefix(tmp_path)
     args = [a for a in TINY if a not in ("--mock-data", "--vocab-size", "64")]
     args += ["--train-iters", 3, "--train-data-path", prefix, "--valid-data-path", prefix]
+    args += ["--test-data-path", prefix]  # evaluated once, after the last step
     args += ["--dataloader-type", "single", "--no-create-attention-mask-in-dataloader"]
     cache = str(tmp_path / "cache")
     mapped = run(args + ["--data-cache-path", cache])
     read = run(args + ["--data-cache-path", cache, "--no-mmap-bin-files"])
     assert sorted(losses(mapped)) == [1, 2, 3] and losses(read) == losses(mapped)
-    assert mapped.stdout.count("validation loss at iteration") == 1
+    for label in ("2", "3 on validation set", "3 on test set"):
+        assert mapped.stdout.count(f"validation loss at iteration {label} |") == 1, label
+    evaluations = re.compile(r"validation loss at .*")
+    assert evaluations.findall(read.stdout) == evaluations.findall(mapped.stdout)
     assert any(name.endswith(".npy") for _, _, names in os.walk(cache) for name in names)

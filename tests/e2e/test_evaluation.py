@@ -10,8 +10,6 @@ During --rampup-batch-size an evaluation still reads whole --global-batch-size b
 
 import re
 
-import pytest
-
 from .cli import TINY, losses, run
 
 _VALID = re.compile(
@@ -25,7 +23,6 @@ def _evaluations(proc) -> list:
     return [(label, float(value)) for label, value in _VALID.findall(proc.stdout)]
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: no evaluation after the last step")
 def test_training_ends_with_validation_and_test_evaluations():
     """Mock data has all three splits: in-loop evaluation at 2, then after step 3 the validation
     and the test split, in upstream's order and labels."""
@@ -35,7 +32,6 @@ def test_training_ends_with_validation_and_test_evaluations():
     assert labels == ["iteration 2", "iteration 3 on validation set", "iteration 3 on test set"]
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: evaluation reads the rampup batch size")
 def test_evaluation_reads_whole_global_batches_during_rampup():
     """--lr 1e-12: the weights do not move within the printed digits, so an evaluation's loss
     depends only on the samples it reads. With --rampup-batch-size 2 2 12 the first steps train

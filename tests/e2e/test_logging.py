@@ -47,8 +47,10 @@ def test_params_norm_num_zeros_and_validation_ppl(tmp_path):
     assert _figure(two.stdout, "muon NS GFLOP") == [_tiny_ns_flops(tp=2) / 1e9] * 2
     assert _figure(two.stdout, "muon exchange bytes") == [0.0, 0.0]  # no DistOpt: no exchange
     scalars = _tensorboard_scalars(tb)
-    ((step, loss),) = scalars["lm loss validation"]
-    assert scalars["lm loss validation ppl"] == [(step, pytest.approx(math.exp(loss), rel=1e-5))]
+    validation = scalars["lm loss validation"]  # at 2 in the loop, then after the last step
+    assert [step for step, _ in validation] == [2, 2]
+    ppl = [(step, pytest.approx(math.exp(loss), rel=1e-5)) for step, loss in validation]
+    assert scalars["lm loss validation ppl"] == ppl
     assert [v for _, v in scalars["params-norm"]] == pytest.approx(norms, abs=1e-3)
     assert [v for _, v in scalars["num-zeros"]] == zeros
 

@@ -154,10 +154,11 @@ def test_preprocess_train_eval_on_real_text(tmp_path):
     proc = run(args)
     table = floats(losses(proc))
     assert sum(table[-5:]) / 5 < sum(table[:5]) / 5 - 0.3, table  # bytes are learnable fast
-    assert proc.stdout.count("validation loss at iteration") == 2
+    assert proc.stdout.count("validation loss at iteration") == 3  # 10, 20, 20 on validation set
+    assert "validation loss at iteration 20 on validation set |" in proc.stdout
     scalars = _tensorboard_scalars(str(tmp_path / "tb"))
     logged = [v for _, v in scalars["lm loss"]]  # the console prints 6 significant digits
-    assert logged == pytest.approx(table, rel=1e-5) and len(scalars["lm loss validation"]) == 2
+    assert logged == pytest.approx(table, rel=1e-5) and len(scalars["lm loss validation"]) == 3
 
 
 def _tensorboard_scalars(log_dir: str) -> dict:
