@@ -34,6 +34,10 @@ POSITIVE = (
     ("train_iters", "--train-iters"),
     ("train_samples", "--train-samples"),
     ("lr_decay_samples", "--lr-decay-samples"),
+    ("lr_decay_iters", "--lr-decay-iters"),
+    ("lr_wsd_decay_iters", "--lr-wsd-decay-iters"),
+    ("lr_wsd_decay_samples", "--lr-wsd-decay-samples"),
+    ("seed", "--seed"),  # Megatron-LM refuses a seed <= 0
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ("expert_model_parallel_size", "--expert-model-parallel-size"),
@@ -166,8 +170,29 @@ UNSUPPORTED = (
     ),
 )
 
+# numpy takes seeds below 2**32; each pipeline stage adds 100 to --seed (initialize.set_seeds)
+MAX_SEED = 2**32 - 1
+
+
+def _max_seed(a) -> int:
+    return MAX_SEED - 100 * (a.pipeline_model_parallel_size - 1)
+
+
 RULES = (
     (lambda a: a.bf16 and a.fp16, lambda a: "--bf16 and --fp16 are exclusive: pick one"),
+    (
+        lambda a: a.seed > _max_seed(a),
+        lambda a: f"--seed must be <= {_max_seed(a)} (numpy takes seeds below 2**32 and each "
+        f"pipeline stage adds 100), got {a.seed}",
+    ),
+    (
+        lambda a: a.lr_warmup_iters < 0,
+        lambda a: f"--lr-warmup-iters must be >= 0, got {a.lr_warmup_iters}",
+    ),
+    (
+        lambda a: a.lr_warmup_samples < 0,
+        lambda a: f"--lr-warmup-samples must be >= 0, got {a.lr_warmup_samples}",
+    ),
     (
         lambda a: a.deterministic_mode and (a.cross_entropy_loss_fusion or a.use_flash_attn),
         lambda a: "--deterministic-mode excludes --cross-entropy-loss-fusion and --use-flash-attn "
@@ -474,6 +499,27 @@ def _derive_train_iters(args) -> None:
         )
 
 
+def _check_warmup(args) -> None:
+    """megatron-core's scheduler asserts lr_warmup_steps < lr_decay_steps once the model is
+    built: refuse it up front, in the run's unit, naming the flags that set the two lengths."""
+    from .schedule import schedule_steps
+
+    steps = schedule_steps(args)
+    warmup, decay = steps["lr_warmup_steps"], steps["lr_decay_steps"]
+    if warmup < decay:
+        return
+    form = "samples" if args.train_samples is not None else "iters"
+    scale = 1 if form == "samples" else args.global_batch_size
+    unit = "samples" if form == "samples" else "iterations"
+    warm_flag = "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else None
+    warm_flag = warm_flag or f"--lr-warmup-{form}"
+    decay_flag = f"--lr-decay-{form}" if f"lr_decay_{form}" in args.given else f"--train-{form}"
+    raise ArgumentsError(
+        f"{warm_flag} gives a warm-up of {warmup / scale:g} {unit}, not shorter than the lr "
+        f"decay ({decay_flag}: {decay / scale:g} {unit}): the warm-up must end before the decay"
+    )
+
+
 VPP_RULES = (
     (
         lambda a: a.pipeline_model_parallel_size < 2,
@@ -754,6 +800,7 @@ def validate_args(args) -> None:
     if args.rampup_batch_size is not None:
         _check_rampup(args)
     _derive_train_iters(args)
+    _check_warmup(args)
     _check_core_configs(args)
 
 
