@@ -5,8 +5,8 @@ Launch (4 CPU ranks, TP=2 x DP=2, Muon, DistributedOptimizer, the built-in stdli
         --tensor-model-parallel-size 2 --use-distributed-optimizer --optimizer muon \
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
         --micro-batch-size 4 --global-batch-size 16 --train-iters 50 --lr 3e-3 \
-        --data-path $(.venv/bin/python -m megatron.training.corpus) --num-workers 0 \
-        --tokenizer-type ByteLevelTokenizer --save /tmp/ckpt --log-interval 5
+        --data-path $(.venv/bin/python -m megatron.training.corpus) --split 98,2,0 \
+        --num-workers 0 --tokenizer-type ByteLevelTokenizer --save /tmp/ckpt --log-interval 5
 
 Flags follow Megatron-LM (``--help`` lists them with their defaults); a bad flag exits 2 with a
 message naming it, a checkpoint that does not fit exits 1.

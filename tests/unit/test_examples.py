@@ -95,7 +95,6 @@ def _launch_end(lines: list) -> int:
     return next(i for i, line in enumerate(lines) if not line.rstrip().endswith("\\")) + 1
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: the default --split leaves no test documents")
 def test_pretrain_gpt_docstring_launch_fits_the_builtin_corpus():
     """The docstring's launch line runs as written: every split it reads has documents of the
     built-in corpus (233 documents; start-up checks this and refuses an empty needed split)."""
