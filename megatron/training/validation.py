@@ -799,6 +799,7 @@ def validate_args(args) -> None:
         _check_rules(args, pipeline_split.VIRTUAL_STAGES_RULES)
     if args.rampup_batch_size is not None:
         _check_rampup(args)
+    _check_interleaved_microbatches(args)
     _derive_train_iters(args)
     _check_warmup(args)
     _check_core_configs(args)
@@ -828,6 +829,29 @@ def _check_core_configs(args) -> None:
                 validate_muon_config(config)  # a bad --muon-* value is an error with any optimizer
         except (ValueError, AssertionError) as err:
             raise ArgumentsError(f"{build.__name__}: {err}") from None
+
+
+def _check_interleaved_microbatches(args) -> None:
+    """megatron-core's interleaved 1F1B runs each virtual stage on groups of PP micro-batches
+    (microbatch_group_size_per_vp_stage, PP here): a step's micro-batch count, at every
+    --rampup-batch-size size too, must be a multiple of PP, or the first step raises."""
+    from .core_configs import virtual_pipeline_size
+
+    pp, unit = args.pipeline_model_parallel_size, args.micro_batch_size * args.data_parallel_size
+    if virtual_pipeline_size(args) is None:
+        return
+    sizes = [("--global-batch-size", args.global_batch_size)]
+    if args.rampup_batch_size is not None:
+        start, increment, _ = args.rampup_batch_size
+        ramp = range(start, args.global_batch_size, increment)
+        sizes = [("--rampup-batch-size", size) for size in ramp] + sizes
+    for flag, size in sizes:
+        if (size // unit) % pp:
+            raise ArgumentsError(
+                f"{flag} {size} gives {size // unit} micro-batches per step (of --micro-batch-size "
+                f"x data-parallel size = {unit}); the interleaved pipeline schedule (virtual "
+                f"stages) needs a multiple of --pipeline-model-parallel-size ({pp})"
+            )
 
 
 def _check_rampup(args) -> None:

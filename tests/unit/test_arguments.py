@@ -696,7 +696,6 @@ INTERLEAVED_ERRORS = [  # (extra flags: iteration- or sample-based, words of the
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: megatron-core's schedule raises after start-up")
 @pytest.mark.parametrize("extra, words", INTERLEAVED_ERRORS)
 def test_interleaved_schedule_needs_micro_batches_in_multiples_of_pp(extra, words):
     """megatron-core's interleaved 1F1B runs groups of PP micro-batches per virtual stage: any
