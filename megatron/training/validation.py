@@ -8,6 +8,7 @@ feature this stack does not run: using one is an error naming it, never a silent
 import importlib.util
 import math
 import os
+import re
 
 import torch
 
@@ -178,8 +179,27 @@ def _max_seed(a) -> int:
     return MAX_SEED - 100 * (a.pipeline_model_parallel_size - 1)
 
 
+# megatron-core reads --split as its numbers (up to three) and divides by their sum
+_SPLIT = re.compile(r"\s*[0-9.]+\s*(?:[,/]\s*[0-9.]+\s*){0,2}")
+
+
+def _bad_split(split) -> bool:
+    if split is None:
+        return False
+    try:
+        values = [float(x) for x in re.findall(r"[0-9.]+", split)]
+    except ValueError:  # "1..2"
+        return True
+    return not (_SPLIT.fullmatch(split) and sum(values) > 0)
+
+
 RULES = (
     (lambda a: a.bf16 and a.fp16, lambda a: "--bf16 and --fp16 are exclusive: pick one"),
+    (
+        lambda a: _bad_split(a.split),
+        lambda a: f"--split {a.split!r} must be one to three non-negative proportions "
+        "(train,valid,test; e.g. 969,30,1 or 98,2,0) with a positive sum",
+    ),
     (
         lambda a: a.seed > _max_seed(a),
         lambda a: f"--seed must be <= {_max_seed(a)} (numpy takes seeds below 2**32 and each "
