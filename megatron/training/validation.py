@@ -371,6 +371,11 @@ RULES = (
         lambda a: "--save-interval needs --save",
     ),
     (
+        lambda a: a.ckpt_format not in ("torch_dist", "torch"),
+        lambda a: f"--ckpt-format {a.ckpt_format} is not supported here: this stack writes and "
+        "reads torch_dist (the default) and torch checkpoints only",
+    ),
+    (
         lambda a: a.async_save and a.ckpt_format != "torch_dist",
         lambda a: f"--async-save needs --ckpt-format torch_dist (got {a.ckpt_format}): the "
         "torch format is written synchronously, as in Megatron-LM",

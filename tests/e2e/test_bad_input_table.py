@@ -361,7 +361,7 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
         "--muon-matched-adamw-rms must be a finite number, got inf",
     ),
     ("layers_zero", "cli", "--mock-data --num-layers 0", 2, "--num-layers must be >= 1, got 0"),
-    # -- checkpoint formats of FSDP (were written as --ckpt-format torch and logged as asked)
+    # -- upstream's other checkpoint formats (were written as torch, logged as the one asked)
     ("ckpt_dcp", "cli", "--mock-data --ckpt-format torch_dcp", 2, "--ckpt-format torch_dcp is"),
     ("ckpt_fsdp", "cli", "--mock-data --ckpt-format fsdp_dtensor", 2, "--ckpt-format fsdp_dtensor"),
     # -- --split (megatron-core divided by a zero sum, or asserted, after start-up)
@@ -567,16 +567,7 @@ def test_the_table_is_large_and_covers_every_kind():
     assert len({case[0] for case in CASES}) == len(CASES)
 
 
-_XFAIL_S8B = {"ckpt_dcp", "ckpt_fsdp"}  # review s8b: accepted, a torch checkpoint written
-_PARAMS = [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="review s8b"))
-    if c[0] in _XFAIL_S8B
-    else c
-    for c in CASES
-]
-
-
-@pytest.mark.parametrize("case", _PARAMS, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_its_one_line_message(case, tmp_path, monkeypatch):
     code, text = _run(case, tmp_path, monkeypatch)
     expected_code, message = case[3], case[4]
