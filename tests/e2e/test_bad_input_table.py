@@ -361,6 +361,28 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
         "--muon-matched-adamw-rms must be a finite number, got inf",
     ),
     ("layers_zero", "cli", "--mock-data --num-layers 0", 2, "--num-layers must be >= 1, got 0"),
+    # -- model flags megatron-core 0.16.1 never reads (a different model, silently)
+    (
+        "post_layernorm_residual",
+        "cli",
+        "--mock-data --apply-residual-connection-post-layernorm",
+        2,
+        "--apply-residual-connection-post-layernorm is not supported here",
+    ),
+    (
+        "no_position_embedding_learned",
+        "cli",
+        "--mock-data --no-position-embedding",
+        2,
+        "--no-position-embedding is deprecated",
+    ),
+    (
+        "moe_per_layer_logging",
+        "cli",
+        "--mock-data --num-experts 2 --moe-per-layer-logging",
+        2,
+        "--moe-per-layer-logging is not supported here",
+    ),
     # -- upstream's other checkpoint formats (were written as torch, logged as the one asked)
     ("ckpt_dcp", "cli", "--mock-data --ckpt-format torch_dcp", 2, "--ckpt-format torch_dcp is"),
     ("ckpt_fsdp", "cli", "--mock-data --ckpt-format fsdp_dtensor", 2, "--ckpt-format fsdp_dtensor"),
@@ -567,7 +589,20 @@ def test_the_table_is_large_and_covers_every_kind():
     assert len({case[0] for case in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+_XFAIL_S8B = {  # review s8b: accepted, and nothing reads them
+    "post_layernorm_residual",
+    "no_position_embedding_learned",
+    "moe_per_layer_logging",
+}
+_PARAMS = [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="review s8b"))
+    if c[0] in _XFAIL_S8B
+    else c
+    for c in CASES
+]
+
+
+@pytest.mark.parametrize("case", _PARAMS, ids=[c[0] for c in CASES])
 def test_bad_input_gives_its_one_line_message(case, tmp_path, monkeypatch):
     code, text = _run(case, tmp_path, monkeypatch)
     expected_code, message = case[3], case[4]
