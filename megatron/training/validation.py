@@ -371,6 +371,12 @@ RULES = (
         lambda a: "--save-interval needs --save",
     ),
     (
+        lambda a: not a.add_position_embedding and a.position_embedding_type != "rope",
+        lambda a: "--no-position-embedding is deprecated (Megatron-LM accepts it only with "
+        "--position-embedding-type rope, where it changes nothing): for a model without "
+        "position embeddings give --position-embedding-type none",
+    ),
+    (
         lambda a: a.ckpt_format not in ("torch_dist", "torch"),
         lambda a: f"--ckpt-format {a.ckpt_format} is not supported here: this stack writes and "
         "reads torch_dist (the default) and torch checkpoints only",
