@@ -83,6 +83,7 @@ def transformer_config(spec: TinyGPT) -> TransformerConfig:
         use_cpu_initialization=True,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         params_dtype=dtype,
@@ -105,24 +106,11 @@ def build_model(
     invariant_init=True,
     ddp_extra=None,
 ):
-    """One DDP-wrapped GPT chunk for this rank's pipeline stage, initialized layout-invariantly.
+    """This rank's DDP-wrapped GPT chunks (one per virtual pipeline stage, else one),
+    initialized layout-invariantly, with the schedule's callbacks set as Megatron-LM sets them.
     ``ddp_extra``: further ``DistributedDataParallelConfig`` fields."""
     config = transformer_config(spec)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type="rope",
-    )
-    if spec.dtype != "fp32":
-        model = model.to(DTYPES[spec.dtype])
-    if invariant_init:  # else Megatron's own init, which depends on the layout (negative control)
-        layout_invariant_init(model, spec, seed)
+    vpp = config.virtual_pipeline_model_parallel_size
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -131,10 +119,46 @@ def build_model(
         bucket_size=bucket_size,
         **(ddp_extra or {}),
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    chunks = []
+    for stage in range(vpp or 1):
+        model = _gpt(spec, config, None if vpp is None else stage)
+        if spec.dtype != "fp32":
+            model = model.to(DTYPES[spec.dtype])
+        if invariant_init:  # else Megatron's own init, which depends on the layout (control)
+            layout_invariant_init(model, spec, seed)
+        # Megatron-LM: only the first chunk uses buckets (later ones reduce at once)
+        ddp = DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=model, disable_bucketing=stage > 0
+        )
+        chunks.append(ddp)
+    _hook_up_schedule(config, chunks, overlap_grad_reduce, overlap_param_gather)
+    return chunks
+
+
+def _gpt(spec: TinyGPT, config: TransformerConfig, vp_stage) -> GPTModel:
+    first = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_moe_experts),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        vp_stage=vp_stage,
+    )
+
+
+def _hook_up_schedule(config, chunks: list, overlap_grad_reduce, overlap_param_gather) -> None:
+    one_or_list = lambda fs: fs[0] if len(fs) == 1 else fs  # noqa: E731
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    return [ddp]
+    config.no_sync_func = one_or_list([c.no_sync for c in chunks])
+    if len(chunks) > 1 and overlap_grad_reduce:  # the interleaved schedule launches them
+        config.grad_sync_func = [c.start_grad_sync for c in chunks]
+    if len(chunks) > 1 and overlap_param_gather:
+        config.param_sync_func = [c.start_param_sync for c in chunks]
 
 
 # ---------------------------------------------------------------- layout-invariant initialization
@@ -288,9 +312,10 @@ def train_step(spec: TinyGPT, model_chunks, optimizer, batch: torch.Tensor) -> d
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    data = [iter(micro) for _ in model_chunks]  # virtual stages: one iterator per chunk
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step,
-        data_iterator=iter(micro),
+        data_iterator=data[0] if len(data) == 1 else data,
         model=model_chunks,
         num_microbatches=len(micro),
         seq_length=spec.seq_length,
