@@ -50,6 +50,7 @@ def transformer_config(args) -> TransformerConfig:
         # Drawing full weights on the CPU and slicing keeps TP runs equal to TP=1 ones there.
         use_cpu_initialization=cpu_mode.is_enabled() or bool(args.use_cpu_initialization),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        **pipeline_p2p(args),
     )
     if args.init_method_xavier_uniform:  # as Megatron-LM: init_method only (the embedding
         kw["init_method"] = torch.nn.init.xavier_uniform_  # follows it; output layers stay scaled)
@@ -62,6 +63,21 @@ def virtual_pipeline_size(args):
     if args.num_layers_per_virtual_pipeline_stage is None:
         return None
     return pipeline_split.per_stage(args) // args.num_layers_per_virtual_pipeline_stage
+
+
+def pipeline_p2p(args) -> dict:
+    """Megatron-LM's pipeline send/recv settings: with virtual stages overlapped with compute
+    (``--no-overlap-p2p-communication``: waited for at once), else batched.
+
+    A batched exchange pairs the messages between two ranks in the order they are posted. At
+    PP=2 the previous and the next stage are the same rank, and the interleaved schedule's
+    combined exchange (activations to the next stage, grads to the previous one) then hands
+    each side the other's tensor, of the same shape: silently wrong training. There the
+    waited-for exchange is unbatched (megatron-core orders it by even and odd rank)."""
+    vpp = virtual_pipeline_size(args)
+    overlap = vpp is not None and args.overlap_p2p_comm
+    one_peer = vpp is not None and args.pipeline_model_parallel_size == 2
+    return dict(overlap_p2p_comm=overlap, batch_p2p_comm=not overlap and not one_peer)
 
 
 def optimizer_config(args) -> OptimizerConfig:

@@ -52,11 +52,6 @@ CASES = {  # (world size, CLI flags, train kwargs)
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PP=2 with virtual stages: the CLI keeps batch_p2p_comm=True, whose batched "
-    "send/recv to the one peer that is both prev and next swaps activations and grads",
-)
 @pytest.mark.parametrize("case", CASES)
 def test_interleaved_pp2_matches_one_process(case):
     world, flags, kwargs = CASES[case]
