@@ -138,6 +138,16 @@ SERIES = [
         ["0020-jit-compile-on-first-call.patch"],
     ),
     (
+        "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
+        "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
+        "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"
+        "An inf only in expert grads backed off the expert scaler alone, and later expert grads\n"
+        "were unscaled by the wrong factor. ChainedOptimizer.prepare_grads now updates every\n"
+        "scaler with the chain's verdict (chained_grad_scaler.py).",
+        [OPT + "chained_grad_scaler.py"],
+        ["0021-chained-optimizer-one-loss-scale.patch"],
+    ),
+    (
         "tests, docs: Muon unit tests and an API guide page",
         "Single-process unit tests (GPU or CPU) and docs/source/api-guide/muon.md.",
         ["tests/unit_tests/test_muon_core.py", "docs/source/api-guide/muon.md"],

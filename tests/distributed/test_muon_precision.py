@@ -13,7 +13,6 @@ from tiny_gpt import (
     TinyGPT,
     build_model,
     build_optimizer,
-    gather_all_params,
     global_batches,
     train,
     train_step,
@@ -95,22 +94,23 @@ def _check_overflow_run(out: dict, muon_params) -> None:
 
 
 # MoE with EP: the dense and the expert params have Megatron optimizers of their own (a
-# ChainedOptimizer), each with a grad scaler; the loss is scaled by the first one's scale.
+# ChainedOptimizer), each with a grad scaler; the loss is scaled by the first one's scale, so
+# every scaler must keep it (an inf in the expert grads alone used to back off theirs only).
 MOE_FP16 = TinyGPT(
     dtype="fp16", num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather"
 )
-# fp16 compute differs between layouts: measured up to 0.036 (update rel. error, no overflow)
-# at EP2; grads unscaled by a loss scale other than the one the loss was scaled by (x2 after one
-# backoff) give 0.25. 0.1 sits between.
-MOE_FP16_TOL = 0.1
+# The step after the skip computes its grads on the params of step 1 (which differ between the
+# layouts by fp16 rounding only): its grad norm matches one process to 5e-5 (measured), while
+# expert grads unscaled by the wrong loss scale (x2) put it 9% off. Params are not compared:
+# fp16 rounding makes the runs drift apart by ~0.15 over the 4 steps, with or without a skip.
+GRAD_NORM_RTOL = 2e-3
 
 
 def expert_overflow_run(distopt: bool):
     """4 steps; in the 2nd an inf sits in one expert's grad, on EP rank 0 only (at EP=1: in
-    the one optimizer). Returns (initial, final params, losses), the steps' ok flags and every
-    sub-optimizer's loss scale at the end."""
+    the one optimizer). Returns the steps' ok flags and grad norms, and every sub-optimizer's
+    loss scale at the end."""
     model = build_model(MOE_FP16, distopt=distopt, bucket_size=6000, overlap_grad_reduce=distopt)
-    initial = gather_all_params(model, MOE_FP16)
     optimizer = build_optimizer(MOE_FP16, model, use_distributed_optimizer=distopt, **FP16)
     expert = model[0].module.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
     holder = ps.get_expert_model_parallel_rank() == 0
@@ -119,26 +119,16 @@ def expert_overflow_run(distopt: bool):
         step_with = InjectInf(optimizer, expert if holder else None) if i == 1 else optimizer
         steps.append(train_step(MOE_FP16, model, step_with, batch))
     scales = [o.get_loss_scale().item() for o in getattr(optimizer, "chained_optimizers", [])]
-    for chunk in model if distopt else []:  # nothing in flight stays ungathered
-        chunk.start_param_sync(force_sync=True)
-    final = gather_all_params(model, MOE_FP16)
-    return (initial, final, [s["loss"] for s in steps]), [s["ok"] for s in steps], scales
+    return [s["ok"] for s in steps], [s["grad_norm"] for s in steps], scales
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an inf only in expert grads backs off the expert optimizer's grad scaler, not the "
-    "dense one that scales the loss: later expert grads are unscaled by the wrong factor",
-)
 @pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
 def test_fp16_moe_expert_only_overflow_keeps_one_loss_scale(distopt):
-    (ref, ref_ok, _), *_ = run_distributed(expert_overflow_run, 1, args=(False,))
-    results = run_distributed(expert_overflow_run, 2, ep=2, args=(distopt,))
-    for _, ok, scales in results:
+    ((ref_ok, ref_norms, _),) = run_distributed(expert_overflow_run, 1, args=(False,))
+    for ok, norms, scales in run_distributed(expert_overflow_run, 2, ep=2, args=(distopt,)):
         assert ref_ok == ok == [True, False, True, True]
         assert scales == [2.0**9, 2.0**9], "the dense and the expert optimizer's loss scales"
-    errors = assert_close_runs(ref, [r[0] for r in results], tol=MOE_FP16_TOL, loss_rtol=2e-2)
-    assert sum(".experts.local_experts." in k for k in errors) == 2 * 4 * 2
+        assert norms[2] == pytest.approx(ref_norms[2], rel=GRAD_NORM_RTOL)
 
 
 # bf16 model, fp32 main params and fp32 Newton-Schulz. Row-parallel layers all-reduce bf16
