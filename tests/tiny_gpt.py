@@ -51,6 +51,7 @@ class TinyGPT:
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "alltoall"  # allgather avoids the alltoall's CUDA events
+    moe_grouped_gemm: bool = False  # True: the legacy GroupedMLP (needs grouped_gemm to run)
     extra: dict = field(default_factory=dict)  # further TransformerConfig fields
 
 
@@ -65,7 +66,7 @@ def transformer_config(spec: TinyGPT) -> TransformerConfig:
             num_moe_experts=spec.num_moe_experts,
             moe_router_topk=spec.moe_router_topk,
             moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=spec.moe_grouped_gemm,
             moe_aux_loss_coeff=0.0,
         )
     return TransformerConfig(
@@ -140,7 +141,9 @@ def _gpt(spec: TinyGPT, config: TransformerConfig, vp_stage) -> GPTModel:
     last = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_moe_experts),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm
+        ),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         pre_process=first,

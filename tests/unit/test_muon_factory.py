@@ -218,6 +218,30 @@ def test_unsupported_combinations_raise_value_error(case):
         run_distributed(error_run, 1, args=(case,))
 
 
+def grouped_mlp_run():
+    """A MoE GPT whose experts are the legacy GroupedMLP (built here without the grouped_gemm
+    package, which only its forward needs), given to Muon."""
+    from megatron.core.transformer.moe import experts
+
+    experts.gg.assert_grouped_gemm_is_available = lambda: None
+    spec = TinyGPT(num_layers=1, num_moe_experts=4, moe_grouped_gemm=True)
+    model = build_model(spec)
+    assert any(isinstance(m, experts.GroupedMLP) for m in model[0].modules())
+    build_optimizer(spec, model, optimizer="muon")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="GroupedMLP keeps all local experts in one matrix (experts.weight1 of shape "
+    "[hidden, experts x ffn]): Muon orthogonalized them together, silently",
+)
+def test_legacy_grouped_mlp_is_refused():
+    """Each expert is its own Muon matrix, as one-process Muon over SequentialMLP has it; the
+    GroupedMLP matrix mixes the local experts (and their number depends on EP)."""
+    with pytest.raises(RankFailure, match=r"ValueError: .*GroupedMLP.*moe_grouped_gemm"):
+        run_distributed(grouped_mlp_run, 1)
+
+
 def _upstream_signature():
     name = f"megatron_core-{fork.UPSTREAM_VERSION}/megatron/core/optimizer/muon.py"
     with tarfile.open(fork.archive_path()) as tar:
