@@ -230,11 +230,6 @@ def grouped_mlp_run():
     build_optimizer(spec, model, optimizer="muon")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GroupedMLP keeps all local experts in one matrix (experts.weight1 of shape "
-    "[hidden, experts x ffn]): Muon orthogonalized them together, silently",
-)
 def test_legacy_grouped_mlp_is_refused():
     """Each expert is its own Muon matrix, as one-process Muon over SequentialMLP has it; the
     GroupedMLP matrix mixes the local experts (and their number depends on EP)."""

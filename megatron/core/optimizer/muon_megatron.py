@@ -251,6 +251,31 @@ def check_muon_supported(config, model_chunks) -> None:
         )
     if any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in model_chunks):
         raise ValueError("DistributedDataParallelConfig.use_megatron_fsdp=True: not with Muon")
+    check_experts_apart(model_chunks)
+
+
+def check_experts_apart(model_chunks) -> None:
+    """ValueError where one param holds several experts' matrices: Muon orthogonalizes each
+    expert's weight on its own (as over SequentialMLP in one process), but the legacy
+    ``GroupedMLP`` keeps all local experts in one ``weight1`` (``[hidden, experts x ffn]``)
+    and one ``weight2``, whose Newton-Schulz would mix the experts (and depend on EP).
+
+    Args:
+        model_chunks: the model chunks.
+
+    Raises:
+        ValueError: naming the module and the ways out.
+    """
+    from ..transformer.moe.experts import GroupedMLP
+
+    if any(isinstance(m, GroupedMLP) for c in model_chunks for m in c.modules()):
+        raise ValueError(
+            "optimizer='muon' with the legacy GroupedMLP experts (moe_grouped_gemm=True with "
+            "the local spec or moe_use_legacy_grouped_gemm=True): one param holds all local "
+            "experts, which Muon would orthogonalize together; use SequentialMLP "
+            "(moe_grouped_gemm=False) or TEGroupedMLP (Transformer Engine spec), whose params "
+            "are one matrix per expert"
+        )
 
 
 def muon_kwargs(config) -> dict:
