@@ -449,6 +449,9 @@ def _load_scheduler(scheduler, saved: dict) -> None:
             "--use-checkpoint-opt_param-scheduler to continue the saved schedule, or "
             "--override-opt_param-scheduler to take this command line's"
         ) from None
+    # load_state_dict sets the groups' lr and weight decay at the restored step before it reads
+    # the checkpoint's weight-decay settings: set them again from the schedule as loaded.
+    scheduler.step(increment=0)
 
 
 def _apply(loaded, args, model, optimizer, scheduler, state) -> None:

@@ -9,7 +9,6 @@ settings, so without a re-application the first step ran with the command line's
     .venv/bin/python -m pytest -q tests/unit/test_scheduler_resume.py
 """
 
-import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -34,7 +33,6 @@ def _scheduler(lr: float, wd: float, use_checkpoint: bool = False) -> OptimizerP
     )
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: the first step keeps the command line's wd")
 def test_checkpoint_schedule_sets_the_groups_lr_and_weight_decay_at_once():
     saved = _scheduler(lr=0.1, wd=0.1)
     saved.step(increment=10)
