@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 
+import pytest
 import torch
 
 from megatron.core import dist_checkpointing
@@ -98,20 +99,24 @@ def test_resumed_lr_schedule_follows_megatron_lms_scheduler_flags(tmp_path):
 SHAPE = "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split()
 
 
+@pytest.mark.xfail(strict=True, reason="review s8b: the dropout rates are not taken")
 def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path):
-    """Megatron-LM's rule: unset shape flags come from the checkpoint, forced ones (--swiglu
-    here) replace the command line's value; a given value that differs is refused by name."""
+    """Megatron-LM's rule: unset shape flags come from the checkpoint, forced ones (--swiglu and
+    the dropout rates here) replace the command line's value; a given value that differs is
+    refused by name."""
     save = str(tmp_path / "save")
     base = TINY + ["--optimizer", "muon", "--lr-decay-style", "constant", "--train-iters", 4]
+    base += ["--hidden-dropout", 0.05, "--attention-dropout", 0.2]
     full = losses(run(base + ["--save", save, "--save-interval", 2, "--ckpt-format", "torch"]))
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2")  # resume from iteration 2
     assert base[:6] == SHAPE
-    unshaped = base[6:]  # no --num-layers, --hidden-size, --num-attention-heads
+    unshaped = base[6:-4]  # no --num-layers, --hidden-size, --num-attention-heads, dropout
     resumed = run(unshaped + ["--load", save, "--use-checkpoint-args", "--swiglu"])
     assert losses(resumed) == {3: full[3], 4: full[4]}
     assert "setting hidden_size to 32 from checkpoint" in resumed.stdout
     assert "setting swiglu to False from checkpoint" in resumed.stdout
+    assert "setting hidden_dropout to 0.05 from checkpoint" in resumed.stdout
     wider = run(base + ["--load", save, "--use-checkpoint-args", "--hidden-size", 64])
     assert wider.returncode == 1 and "--hidden-size: checkpoint 32, this run 64" in wider.stderr
 
