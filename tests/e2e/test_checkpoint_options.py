@@ -12,7 +12,6 @@ import shutil
 import threading
 import time
 
-import pytest
 import torch
 
 from megatron.core import dist_checkpointing
@@ -99,7 +98,6 @@ def test_resumed_lr_schedule_follows_megatron_lms_scheduler_flags(tmp_path):
 SHAPE = "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split()
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: the dropout rates are not taken")
 def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path):
     """Megatron-LM's rule: unset shape flags come from the checkpoint, forced ones (--swiglu and
     the dropout rates here) replace the command line's value; a given value that differs is
