@@ -55,12 +55,17 @@ def test_sample_based_run_equals_its_iteration_based_twin():
     assert [x[3] for x in _lines(samples)] == [x[3] for x in _lines(iters)]
 
 
-def test_rampup_batch_size_grows_the_batch_over_samples():
+@pytest.mark.xfail(strict=True, reason="review s8b: no checkpoint when the batch grows")
+def test_rampup_batch_size_grows_the_batch_over_samples(tmp_path):
     """--rampup-batch-size 2 2 12 to batch 6 (micro batch 2): +2 every 6 samples, Megatron-LM's
-    calculator; the lr warms up over 12 samples and decays linearly to --min-lr at 40."""
+    calculator; the lr warms up over 12 samples and decays linearly to --min-lr at 40. As
+    Megatron-LM, a checkpoint is saved whenever the batch grows (before steps 4 and 6)."""
     args = _without(BASE, "--global-batch-size") + ["--global-batch-size", 6]
     args += "--train-samples 40 --rampup-batch-size 2 2 12 --lr-warmup-samples 12".split()
-    lines = _lines(run(args + ["--min-lr", 1e-3]))
+    save = str(tmp_path / "save")
+    lines = _lines(run(args + ["--min-lr", 1e-3, "--save", save, "--ckpt-format", "torch"]))
+    saved = sorted(int(name[5:]) for name in os.listdir(save) if name.startswith("iter_"))
+    assert saved == [3, 5, len(lines)]
     batches = [x[5] for x in lines]
     # consumed 0,2,4 -> batch 2; 6,10 -> 4 (6/6 = 1 increment); 14 -> past the ramp: 6 ...
     assert batches[:6] == [2, 2, 2, 4, 4, 6] and set(batches[6:]) == {6}
