@@ -250,10 +250,14 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
     reason = None
     saved_at = None
     profiler = StepProfiler(args, torch.distributed.get_rank())
+    micro_batches = get_num_microbatches()
     while state.iteration < args.train_iters:
         profiler.before_step(state.iteration)
         checkpointing.finalize_async_saves()  # publish --async-save checkpoints already written
         update_num_microbatches(state.consumed_train_samples, consistency_check=True)
+        if _batch_grew(args, state, micro_batches, saved_at):
+            saved_at = _save_paused(args, model, optimizer, scheduler, state, log)
+        micro_batches = get_num_microbatches()
         batch_size = get_current_global_batch_size()
         step = train_step(
             args, forward_step, train_iter, model, optimizer, scheduler, state.iteration + 1
@@ -280,6 +284,21 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         _save(args, model, optimizer, scheduler, state, log)
     checkpointing.finalize_async_saves(blocking=True)  # no async save outlives the run
     return reason
+
+
+def _batch_grew(args, state, micro_batches: int, saved_at) -> bool:
+    """Megatron-LM saves a checkpoint (with --save) before the first step of each larger
+    --rampup-batch-size batch, unless this iteration is saved already."""
+    grew = get_num_microbatches() != micro_batches and state.iteration != 0
+    return grew and bool(args.save) and saved_at != state.iteration
+
+
+def _save_paused(args, model, optimizer, scheduler, state, log) -> int:
+    """A save between steps, left out of the interval's time per iteration; its iteration."""
+    start = time.perf_counter()
+    _save(args, model, optimizer, scheduler, state, log)
+    log.pause(time.perf_counter() - start)
+    return state.iteration
 
 
 def _save(args, model, optimizer, scheduler, state, log) -> None:

@@ -55,7 +55,6 @@ def test_sample_based_run_equals_its_iteration_based_twin():
     assert [x[3] for x in _lines(samples)] == [x[3] for x in _lines(iters)]
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: no checkpoint when the batch grows")
 def test_rampup_batch_size_grows_the_batch_over_samples(tmp_path):
     """--rampup-batch-size 2 2 12 to batch 6 (micro batch 2): +2 every 6 samples, Megatron-LM's
     calculator; the lr warms up over 12 samples and decays linearly to --min-lr at 40. As
