@@ -55,11 +55,13 @@ def test_manual_gc_collects_at_the_interval_and_around_evaluations(tmp_path):
         step + evaluation + [full],  # 6: evaluation, then the interval (last in the iteration)
     ]
     chunks = _between_steps(events)
-    gcs_after_loop = chunks[-1][len(expected[-1]) :]
+    after_loop = chunks[-1][len(expected[-1]) :]
     chunks[-1] = chunks[-1][: len(expected[-1])]
     assert chunks == expected
     assert events[-1] == ["exit", True]  # the collector is on again after the loop
-    assert all(e[2] for e in gcs_after_loop)  # whatever collects after the loop is automatic
+    assert all(e[2] for e in after_loop if e[0] == "gc")  # collections after it are automatic
+    # the validation and test evaluations after the last step: one batch each (level 1)
+    assert [e for e in after_loop if e[0] != "gc"] == [empty, empty]
 
 
 def test_without_the_flags_collection_stays_automatic_and_no_cache_is_emptied(tmp_path):
