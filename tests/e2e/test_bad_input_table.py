@@ -390,6 +390,13 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
     ("split_zero", "cli", "--mock-data --split 0,0,0", 2, "--split '0,0,0' must be"),
     ("split_words", "cli", "--mock-data --split abc", 2, "--split 'abc' must be"),
     ("split_four", "cli", "--mock-data --split 98,2,0,5", 2, "--split '98,2,0,5' must be"),
+    (
+        "split_with_per_split_paths",
+        "cli",
+        "--train-data-path {tmp}/d --valid-data-path {tmp}/d --split 98,2,0",
+        2,
+        "--split divides --data-path's documents",
+    ),
     # -- the seed and the lr schedule's lengths (megatron-core asserts on them after start-up)
     ("seed_zero", "cli", "--mock-data --seed 0", 2, "--seed must be >= 1, got 0"),
     ("seed_too_large", "cli", "--mock-data --seed 4294967296", 2, "--seed must be <= 4294967295"),
@@ -589,7 +596,16 @@ def test_the_table_is_large_and_covers_every_kind():
     assert len({case[0] for case in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+_XFAIL_S8B = {"split_with_per_split_paths"}  # review s8b: --split silently ignored
+_PARAMS = [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="review s8b"))
+    if c[0] in _XFAIL_S8B
+    else c
+    for c in CASES
+]
+
+
+@pytest.mark.parametrize("case", _PARAMS, ids=[c[0] for c in CASES])
 def test_bad_input_gives_its_one_line_message(case, tmp_path, monkeypatch):
     code, text = _run(case, tmp_path, monkeypatch)
     expected_code, message = case[3], case[4]
