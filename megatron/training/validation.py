@@ -414,6 +414,12 @@ RULES = (
         lambda a: "--mock-data and --data-path (or the per-split paths) are exclusive: pick one",
     ),
     (
+        lambda a: "split" in a.given and _per_split(a),
+        lambda a: "--split divides --data-path's documents into train, valid and test: with "
+        "--train-data-path/--valid-data-path/--test-data-path (or --per-split-data-args-path) "
+        "each split has its own files; drop --split (megatron-core refuses the two together)",
+    ),
+    (
         lambda a: a.data_path and _per_split(a),
         lambda a: "--data-path and --train-data-path/--valid-data-path/--test-data-path are "
         "exclusive (megatron-core: blend and blend_per_split are incompatible)",

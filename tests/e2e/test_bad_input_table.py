@@ -596,16 +596,7 @@ def test_the_table_is_large_and_covers_every_kind():
     assert len({case[0] for case in CASES}) == len(CASES)
 
 
-_XFAIL_S8B = {"split_with_per_split_paths"}  # review s8b: --split silently ignored
-_PARAMS = [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="review s8b"))
-    if c[0] in _XFAIL_S8B
-    else c
-    for c in CASES
-]
-
-
-@pytest.mark.parametrize("case", _PARAMS, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_its_one_line_message(case, tmp_path, monkeypatch):
     code, text = _run(case, tmp_path, monkeypatch)
     expected_code, message = case[3], case[4]
