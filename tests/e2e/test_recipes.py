@@ -74,7 +74,11 @@ RECIPES = [
 ]
 
 
-@pytest.mark.parametrize("name, nproc, flags", RECIPES, ids=[r[0] for r in RECIPES])
+_XFAIL = pytest.mark.xfail(strict=True, reason="review s8b: no MoE auxiliary-loss figures")
+_PARAMS = [pytest.param(*r, marks=_XFAIL) if "moe" in r[0] else r for r in RECIPES]
+
+
+@pytest.mark.parametrize("name, nproc, flags", _PARAMS, ids=[r[0] for r in RECIPES])
 def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
     args = f"{TINY_DATA} {LOGGING} {MUON} {flags}".split()
     proc = run(args, nproc=nproc)
@@ -90,3 +94,7 @@ def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
     if "--mtp-num-layers" in flags:  # Multi-Token Prediction's loss, on every line
         mtp = re.findall(r"\| mtp_1 loss: (\S+) \|", proc.stdout)
         assert len(mtp) == total and all(0 < float(v) < 10 for v in mtp), proc.stdout[-2000:]
+    if "--moe-aux-loss-coeff" in flags:  # the routers' losses (over their coefficients)
+        for name in ("load_balancing_loss", "z_loss"):
+            values = [float(v) for v in re.findall(rf"\| {name}: (\S+) \|", proc.stdout)]
+            assert len(values) == total and all(0 < v < 10 for v in values), (name, values)
