@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing, failures, memory, muon_figures
+from . import checkpointing, failures, memory, moe_log, muon_figures
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
@@ -156,6 +156,7 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    moe_log.start_step()  # --num-experts: the routers' losses of this step only
     outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
     memory.empty_cache(args.empty_unused_memory_level, 1, _device())
     if args.check_for_nan_in_loss_and_grad:
@@ -171,6 +172,7 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
         scheduler.step(increment=get_current_global_batch_size())
     losses = reduce_losses(outputs)
     losses.update(mtp_losses(get_num_microbatches()))  # --mtp-num-layers: mtp_<k> loss
+    losses.update(moe_log.moe_losses(args, get_num_microbatches(), _device()))
     return losses, not ok, (grad_norm, num_zeros), max_logit
 
 

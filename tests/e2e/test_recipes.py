@@ -74,11 +74,7 @@ RECIPES = [
 ]
 
 
-_XFAIL = pytest.mark.xfail(strict=True, reason="review s8b: no MoE auxiliary-loss figures")
-_PARAMS = [pytest.param(*r, marks=_XFAIL) if "moe" in r[0] else r for r in RECIPES]
-
-
-@pytest.mark.parametrize("name, nproc, flags", _PARAMS, ids=[r[0] for r in RECIPES])
+@pytest.mark.parametrize("name, nproc, flags", RECIPES, ids=[r[0] for r in RECIPES])
 def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
     args = f"{TINY_DATA} {LOGGING} {MUON} {flags}".split()
     proc = run(args, nproc=nproc)
