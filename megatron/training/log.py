@@ -27,8 +27,9 @@ def print_rank_last(message: str) -> None:
 
 
 class IntervalStats:
-    """Sums over one --log-interval: losses of non-skipped steps, skipped and nan counts, and
-    the max attention logit of the interval's steps (None unless QK-clip or its log is on)."""
+    """Sums over one --log-interval: losses of non-skipped steps, skipped and nan counts (as
+    Megatron-LM: skipped steps whose loss was not finite, once per step), and the max attention
+    logit of the interval's steps (None unless QK-clip or its log is on)."""
 
     def __init__(self):
         self.start = time.perf_counter()
@@ -47,9 +48,9 @@ class IntervalStats:
             self.max_logit = max_logit if self.max_logit is None else max(self.max_logit, max_logit)
         self.skipped += int(skipped)
         if skipped:
+            self.nan += int(not all(math.isfinite(value) for value in losses.values()))
             return
         for key, value in losses.items():
-            self.nan += int(not math.isfinite(value))
             self.losses[key] = self.losses.get(key, 0.0) + value
 
     def freeze(self) -> None:

@@ -8,14 +8,11 @@ not skipped (a non-finite one shows as such, it is not counted as a nan iteratio
 
 import math
 
-import pytest
-
 from megatron.training.log import IntervalStats
 
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: nan iterations counted per key, not skipped")
 def test_nan_iterations_are_skipped_iterations_with_a_non_finite_loss():
     stats = IntervalStats()
     stats.add({"lm loss": NAN, "mtp_1 loss": NAN}, skipped=True)  # one iteration, two keys
@@ -26,7 +23,6 @@ def test_nan_iterations_are_skipped_iterations_with_a_non_finite_loss():
     assert stats.averages() == {"lm loss": 3.0, "mtp_1 loss": 1.0}
 
 
-@pytest.mark.xfail(strict=True, reason="review s8b: nan iterations counted per key, not skipped")
 def test_a_non_finite_loss_of_an_applied_step_shows_in_the_average():
     stats = IntervalStats()
     stats.add({"lm loss": 3.0}, skipped=False)
