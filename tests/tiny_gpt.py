@@ -69,7 +69,7 @@ def transformer_config(spec: TinyGPT) -> TransformerConfig:
             moe_grouped_gemm=spec.moe_grouped_gemm,
             moe_aux_loss_coeff=0.0,
         )
-    return TransformerConfig(
+    fields = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -91,9 +91,8 @@ def transformer_config(spec: TinyGPT) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=spec.dtype == "bf16",
         fp16=spec.dtype == "fp16",
-        **moe,
-        **spec.extra,
     )
+    return TransformerConfig(**{**fields, **moe, **spec.extra})  # extra: over the defaults
 
 
 def build_model(

@@ -713,3 +713,26 @@ def test_interleaved_schedule_needs_micro_batches_in_multiples_of_pp(extra, word
 
 def test_interleaved_schedule_takes_multiples_of_pp():
     parse(f"{INTERLEAVED} --global-batch-size 8", world_size=2)  # 4 micro-batches: 2 groups
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="one --moe-aux-loss-coeff / --moe-router-load-balancing-type value reached "
+    "TransformerConfig as a one-element list (TypeError in the router, or its length check)",
+)
+def test_moe_load_balancing_flags_with_one_value_are_scalars_as_in_megatron_lm():
+    """Both flags take several values (nargs='+', one coefficient per loss type); Megatron-LM
+    unwraps a single one, which megatron-core expects as a scalar."""
+    cases = {
+        "--moe-aux-loss-coeff 0.01": ("aux_loss", 0.01),
+        "--moe-router-load-balancing-type seq_aux_loss": ("seq_aux_loss", 0.0),
+        "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001": (
+            ["aux_loss", "seq_aux_loss"],
+            [0.01, 0.001],
+        ),
+    }
+    from megatron.training.core_configs import transformer_config
+
+    for flags, want in cases.items():
+        config = transformer_config(parse("--num-experts 4 " + flags))
+        assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff) == want, flags
