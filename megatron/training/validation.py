@@ -814,11 +814,22 @@ def _deliberate_defaults(args) -> None:
         args.eval_interval = 1000
 
 
+def _unwrap_single_values(args) -> None:
+    """Megatron-LM's: one --moe-router-load-balancing-type / --moe-aux-loss-coeff value (the
+    flags take one per loss type) is a scalar, which megatron-core expects with one type; a
+    one-element list failed in the router (TypeError) or in its length check."""
+    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, dest)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, dest, value[0])
+
+
 def validate_args(args) -> None:
     args.notices = []  # what main prints once at start-up
     _deliberate_defaults(args)
     _derive_optimizer(args)
     _check_required(args)
+    _unwrap_single_values(args)
     _check_finite(args)
     _check_optimizer_specific(args)
     if args.recompute_activations:  # Megatron-LM's shorthand, also over --recompute-granularity

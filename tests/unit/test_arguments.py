@@ -715,11 +715,6 @@ def test_interleaved_schedule_takes_multiples_of_pp():
     parse(f"{INTERLEAVED} --global-batch-size 8", world_size=2)  # 4 micro-batches: 2 groups
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="one --moe-aux-loss-coeff / --moe-router-load-balancing-type value reached "
-    "TransformerConfig as a one-element list (TypeError in the router, or its length check)",
-)
 def test_moe_load_balancing_flags_with_one_value_are_scalars_as_in_megatron_lm():
     """Both flags take several values (nargs='+', one coefficient per loss type); Megatron-LM
     unwraps a single one, which megatron-core expects as a scalar."""
@@ -736,3 +731,6 @@ def test_moe_load_balancing_flags_with_one_value_are_scalars_as_in_megatron_lm()
     for flags, want in cases.items():
         config = transformer_config(parse("--num-experts 4 " + flags))
         assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff) == want, flags
+    # a single value is then a float flag's: finite numbers only
+    with pytest.raises(ArgumentsError, match="--moe-aux-loss-coeff must be a finite number"):
+        parse("--num-experts 4 --moe-aux-loss-coeff nan")
