@@ -148,6 +148,14 @@ SERIES = [
         ["0021-chained-optimizer-one-loss-scale.patch"],
     ),
     (
+        "moe: an expert's weighted bias is added out of place",
+        "Experts with biases outside expert parallelism crashed at the first forward: at TP=1\n"
+        "the row-parallel reduce returns its input as is, and MLP.forward added the routing-\n"
+        "weighted bias to that view in place, which autograd forbids.",
+        [],
+        ["0022-moe-expert-bias-out-of-place.patch"],
+    ),
+    (
         "tests, docs: Muon unit tests and an API guide page",
         "Single-process unit tests (GPU or CPU) and docs/source/api-guide/muon.md.",
         ["tests/unit_tests/test_muon_core.py", "docs/source/api-guide/muon.md"],

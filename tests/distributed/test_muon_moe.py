@@ -63,12 +63,6 @@ def test_moe_expert_weights_match_one_process(layout):
 BIASED = dataclasses.replace(SPEC, extra=dict(add_bias_linear=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="experts with biases outside expert parallelism: megatron-core's MLP adds the "
-    "weighted bias in place to the TP reduce's output, which at TP=1 is a view of its input "
-    "(RuntimeError at the first forward, as for the CLI's --num-experts without EP)",
-)
 def test_moe_with_biases_matches_one_process():
     ref = run_distributed(train, 1, args=(BIASED, STEPS), kwargs=MUON)[0]
     got = run_distributed(train, 2, ep=2, args=(BIASED, STEPS), kwargs=MUON)
