@@ -66,6 +66,15 @@ class ExitConditions:
             return f"exiting program at iteration {iteration}"
         return None
 
+    def time_up(self, device=None) -> bool:
+        """--exit-duration-in-mins is over on some rank (collective when it is set; Megatron-LM
+        asks after every evaluation batch)."""
+        if self.minutes is None:
+            return False
+        flag = torch.tensor([int(self.elapsed_minutes() > self.minutes)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
     def elapsed_minutes(self) -> float:
         return (time.time() - self.start_time) / 60.0
 

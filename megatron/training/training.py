@@ -177,13 +177,15 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
 
 
 @torch.no_grad()
-def evaluate(args, forward_step, data_iterator, model, state: TrainState, advance=True) -> dict:
+def evaluate(args, forward_step, data_iterator, model, state, advance=True, stop=None) -> dict:
     """Mean losses over --eval-iters batches of --global-batch-size samples (during a
     --rampup-batch-size ramp too: Megatron-LM's evaluation batch is independent of the training
-    batch); ``advance``: count them in the state's consumed validation samples."""
+    batch); ``advance``: count them in the state's consumed validation samples. With
+    --exit-duration-in-mins (``stop``, the run's ExitConditions) a time limit reached after a
+    batch ends the evaluation without a result, as Megatron-LM, so the loop saves and exits."""
     for chunk in model:
         chunk.eval()
-    totals: dict = {}
+    totals: dict | None = {}
     micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     with suspended(model[0].config):  # the chunks share one config
         for _ in range(args.eval_iters):
@@ -192,8 +194,14 @@ def evaluate(args, forward_step, data_iterator, model, state: TrainState, advanc
             for key, value in reduce_losses(outputs).items():
                 totals[key] = totals.get(key, 0.0) + value
             state.consumed_valid_samples += args.global_batch_size if advance else 0
+            if stop is not None and stop.time_up(_device()):
+                totals = None
+                break
     for chunk in model:
         chunk.train()
+    if totals is None:
+        print_rank_0("Exiting during evaluation, timelimit reached")  # Megatron-LM's words
+        return {}
     return {key: total / args.eval_iters for key, total in totals.items()}
 
 
@@ -235,8 +243,9 @@ def pretrain(
         loop = (log, exit_conditions, collector)
         reason = train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, loop)
     if not reason:  # Megatron-LM exits before these after an early exit
-        _evaluate_and_print(args, forward_step, valid_iter, model, state, log, "validation")
-        _evaluate_and_print(args, forward_step, test_iter, model, state, log, "test")
+        logs = (log, exit_conditions)
+        _evaluate_and_print(args, forward_step, valid_iter, model, state, logs, "validation")
+        _evaluate_and_print(args, forward_step, test_iter, model, state, logs, "test")
     log.close()
     exit_conditions.release()
     if reason:
@@ -271,7 +280,7 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         paused = time.perf_counter()
         if valid_iter is not False and state.iteration % args.eval_interval == 0:
             collector.before_eval()
-            _evaluate_and_print(args, forward_step, valid_iter, model, state, log)
+            _evaluate_and_print(args, forward_step, valid_iter, model, state, (log, stop))
             collector.after_eval()
         if args.save_interval and state.iteration % args.save_interval == 0:
             _save(args, model, optimizer, scheduler, state, log)
@@ -310,14 +319,16 @@ def _save(args, model, optimizer, scheduler, state, log) -> None:
     checkpointing.save(args, model, optimizer, scheduler, state, on_saved=on_saved)
 
 
-def _evaluate_and_print(args, forward_step, iterator, model, state, log, final=None) -> None:
+def _evaluate_and_print(args, forward_step, iterator, model, state, logs, final=None) -> None:
     """An evaluation in the loop (``final`` None), or after the last step of the ``final`` split
     ("validation" or "test"), labelled as Megatron-LM labels it. The test split's loss is printed
-    only (Megatron-LM writes it under the validation tags) and leaves the validation position."""
+    only (Megatron-LM writes it under the validation tags) and leaves the validation position.
+    ``logs``: (TrainingLog, ExitConditions)."""
     if iterator is False or args.eval_iters == 0:
         return
+    log, stop = logs
     is_test = final == "test"
-    losses = evaluate(args, forward_step, iterator, model, state, advance=not is_test)
+    losses = evaluate(args, forward_step, iterator, model, state, not is_test, stop)
     if not losses:  # not the last pipeline stage
         return
     label = f"iteration {state.iteration}" + (f" on {final} set" if final else "")
