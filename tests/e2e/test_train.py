@@ -97,7 +97,9 @@ def test_data_parallel_distributed_optimizer_resume(tmp_path, optimizer, fmt, lo
 
 
 MORE_LAYOUTS = {  # layouts beyond the save/resume matrix: they must train
-    "moe-ep2-distopt": "--num-experts 4 --expert-model-parallel-size 2 --use-distributed-optimizer",
+    # one aux-loss coefficient: a scalar, as Megatron-LM passes it (a list failed in the router)
+    "moe-ep2-distopt": "--num-experts 4 --expert-model-parallel-size 2 --use-distributed-optimizer "
+    "--moe-aux-loss-coeff 0.01",
 }
 
 
