@@ -241,7 +241,13 @@ def pretrain(
     collector = memory.ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval)
     with collector:
         loop = (log, exit_conditions, collector)
-        reason = train_loop(args, forward_step, model, optimizer, scheduler, state, iterators, loop)
+        if args.skip_train:  # Megatron-LM's: evaluate what --load holds, train nothing
+            print_rank_0(" > skipping training (--skip-train is on) ...")
+            reason = None
+        else:
+            reason = train_loop(
+                args, forward_step, model, optimizer, scheduler, state, iterators, loop
+            )
     if not reason:  # Megatron-LM exits before these after an early exit
         logs = (log, exit_conditions)
         _evaluate_and_print(args, forward_step, valid_iter, model, state, logs, "validation")

@@ -8,6 +8,7 @@ During --rampup-batch-size an evaluation still reads whole --global-batch-size b
     .venv/bin/python -m pytest -q tests/e2e/test_evaluation.py
 """
 
+import os
 import re
 
 from .cli import TINY, losses, run
@@ -45,3 +46,23 @@ def test_evaluation_reads_whole_global_batches_during_rampup():
     in_loop = [value for label, value in ramp if "set" not in label]
     assert len(in_loop) >= 4 and len({*in_loop}) > 1  # the windows move
     assert in_loop[:4] == [value for label, value in flat if "set" not in label][:4]
+
+
+def test_skip_train_evaluates_the_loaded_checkpoint(tmp_path):
+    """--skip-train: no step, no save; the validation and test splits are evaluated at the
+    loaded iteration, reading where the saved run's final evaluations read (the checkpoint
+    records the validation position), so their losses are those of the saved run's."""
+    save = str(tmp_path / "save")
+    common = TINY + ["--train-iters", 2, "--optimizer", "adam", "--save", save]
+    trained = _evaluations(run(common + ["--save-interval", 2]))
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    written = os.stat(tracker).st_mtime_ns
+    proc = run(common + ["--load", save, "--skip-train"])
+    assert os.stat(tracker).st_mtime_ns == written  # not saved again
+    assert "skipping training (--skip-train is on)" in proc.stdout and not losses(proc)
+    assert _evaluations(proc) == trained[-2:]
+    assert [label for label, _ in trained[-2:]] == [
+        "iteration 2 on validation set",
+        "iteration 2 on test set",
+    ]
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
