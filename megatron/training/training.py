@@ -276,6 +276,9 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
             saved_at = _save_paused(args, model, optimizer, scheduler, state, log)
         micro_batches = get_num_microbatches()
         batch_size = get_current_global_batch_size()
+        if state.iteration in args.iterations_to_skip:  # Megatron-LM's index: steps done so far
+            _skip_step(train_iter, state, batch_size)
+            continue
         step = train_step(
             args, forward_step, train_iter, model, optimizer, scheduler, state.iteration + 1
         )
@@ -301,6 +304,20 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         _save(args, model, optimizer, scheduler, state, log)
     checkpointing.finalize_async_saves(blocking=True)  # no async save outlives the run
     return reason
+
+
+def _skip_step(train_iter, state, batch_size: int) -> None:
+    """--iterations-to-skip: this step's micro-batches are read and dropped (the data moves on
+    as if trained), the iteration and sample counts advance; no forward, no update, no lr
+    step, no log line, evaluation, save or exit check, as Megatron-LM's dummy_train_step."""
+    for iterator in train_iter if isinstance(train_iter, list) else [train_iter]:
+        if iterator is None:  # this rank reads no data
+            continue
+        for _ in range(get_num_microbatches()):
+            next(iterator)
+    state.iteration += 1
+    state.consumed_train_samples += batch_size
+    print_rank_0(f" > iteration {state.iteration} skipped (--iterations-to-skip): batch dropped")
 
 
 def _batch_grew(args, state, micro_batches: int, saved_at) -> bool:

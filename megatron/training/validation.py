@@ -850,7 +850,17 @@ def validate_args(args) -> None:
     _check_interleaved_microbatches(args)
     _derive_train_iters(args)
     _check_warmup(args)
+    _check_iterations_to_skip(args)
     _check_core_configs(args)
+
+
+def _check_iterations_to_skip(args) -> None:
+    bad = [i for i in args.iterations_to_skip if not 0 <= i < args.train_iters]
+    if bad:
+        raise ArgumentsError(
+            f"--iterations-to-skip {bad}: a step is named by the steps done before it, 0 to "
+            f"{args.train_iters - 1} here (as Megatron-LM)"
+        )
 
 
 def _apply_data_args_files(args) -> None:

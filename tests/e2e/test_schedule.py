@@ -95,3 +95,19 @@ def test_decoupled_lr_applies_to_embedding_and_output_only(tmp_path, optimizer):
 def _model(save: str, iteration: int) -> dict:
     path = os.path.join(save, f"iter_{iteration:07d}", "mp_rank_00", "model_optim_rng.pt")
     return torch.load(path, map_location="cpu", weights_only=False)["model"]
+
+
+def test_iterations_to_skip_drop_a_batch_without_a_step():
+    """--iterations-to-skip 1 (Megatron-LM's 0-based index): the 2nd step's batch is read and
+    dropped, no update, no lr step, no log line. --lr 1e-12 keeps the weights still within the
+    printed digits and no dropout, so a loss depends only on the batch read: step 3 of both runs reads batch 3.
+    The skipped run's lr at step 3 is the full run's at step 2 (one scheduler step fewer)."""
+    common = BASE + "--train-iters 4 --lr 1e-12 --lr-decay-style linear --min-lr 0".split()
+    common += "--hidden-dropout 0 --attention-dropout 0".split()  # no RNG drawn by a forward
+    full, skipped = run(common), run(common + ["--iterations-to-skip", 1])
+    assert sorted(losses(skipped)) == [1, 3, 4] and "iteration 2 skipped" in skipped.stdout
+    assert losses(skipped)[3][0] == losses(full)[3][0] != losses(full)[2][0]
+    full_lr = {line[0]: line[3] for line in _lines(full)}
+    skipped_lines = {line[0]: line for line in _lines(skipped)}
+    assert skipped_lines[3][3] == full_lr[2] != full_lr[3]
+    assert skipped_lines[3][2] == 12  # consumed samples count the dropped batch

@@ -734,3 +734,9 @@ def test_moe_load_balancing_flags_with_one_value_are_scalars_as_in_megatron_lm()
     # a single value is then a float flag's: finite numbers only
     with pytest.raises(ArgumentsError, match="--moe-aux-loss-coeff must be a finite number"):
         parse("--num-experts 4 --moe-aux-loss-coeff nan")
+
+
+def test_iterations_to_skip_must_name_steps_of_the_run():
+    assert parse("--iterations-to-skip 0 9").iterations_to_skip == [0, 9]
+    with pytest.raises(ArgumentsError, match=r"--iterations-to-skip \[10, -1\]: .* 0 to 9"):
+        parse("--iterations-to-skip 10 -1 3")
