@@ -100,8 +100,9 @@ def _model(save: str, iteration: int) -> dict:
 def test_iterations_to_skip_drop_a_batch_without_a_step():
     """--iterations-to-skip 1 (Megatron-LM's 0-based index): the 2nd step's batch is read and
     dropped, no update, no lr step, no log line. --lr 1e-12 keeps the weights still within the
-    printed digits and no dropout, so a loss depends only on the batch read: step 3 of both runs reads batch 3.
-    The skipped run's lr at step 3 is the full run's at step 2 (one scheduler step fewer)."""
+    printed digits and without dropout a loss depends only on the batch read: step 3 of both
+    runs reads batch 3. The skipped run's lr at step 3 is the full run's at step 2 (one
+    scheduler step fewer)."""
     common = BASE + "--train-iters 4 --lr 1e-12 --lr-decay-style linear --min-lr 0".split()
     common += "--hidden-dropout 0 --attention-dropout 0".split()  # no RNG drawn by a forward
     full, skipped = run(common), run(common + ["--iterations-to-skip", 1])
