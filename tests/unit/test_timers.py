@@ -160,8 +160,13 @@ def test_evaluation_runs_without_timers(monkeypatch):
     chunk = SimpleNamespace(config=config, eval=lambda: None, train=lambda: None)
     seen = []
     monkeypatch.setattr(training, "run_schedule", lambda *a, **k: seen.append(config.timers) or [])
-    monkeypatch.setattr(training, "get_current_global_batch_size", lambda: 4)
-    args = SimpleNamespace(eval_iters=2, empty_unused_memory_level=0)
+    args = SimpleNamespace(
+        eval_iters=2,
+        empty_unused_memory_level=0,
+        global_batch_size=4,  # evaluation batches are --global-batch-size ones
+        micro_batch_size=2,
+        data_parallel_size=1,
+    )
     state = SimpleNamespace(consumed_valid_samples=0)
     training.evaluate(args, None, None, [chunk], state)
     assert seen == [None, None] and config.timers == "the run's timers"
