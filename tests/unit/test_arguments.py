@@ -740,3 +740,80 @@ def test_iterations_to_skip_must_name_steps_of_the_run():
     assert parse("--iterations-to-skip 0 9").iterations_to_skip == [0, 9]
     with pytest.raises(ArgumentsError, match=r"--iterations-to-skip \[10, -1\]: .* 0 to 9"):
         parse("--iterations-to-skip 10 -1 3")
+
+
+# Review s8d: xfail(strict) repros. Each bad layout below starts and then fails (or runs) in
+# megatron-core without naming a flag; Megatron-LM's validate_args refuses or normalizes it.
+VPP_STAGES = "--pipeline-model-parallel-size 2 --global-batch-size 4"
+SILENT_VPP = [
+    pytest.param(  # megatron-core: "num_layers_per_pipeline_rank 2 should be divisible by vp_size"
+        f"{VPP_STAGES} --num-virtual-stages-per-pipeline-rank 3",
+        2,
+        ["--num-virtual-stages-per-pipeline-rank (3)", "2"],
+        id="stages-not-dividing-an-even-split",
+    ),
+    pytest.param(  # megatron-core, in initialize: "pipeline-model-parallel size should be > 1"
+        "--num-virtual-stages-per-pipeline-rank 2",
+        1,
+        ["--num-virtual-stages-per-pipeline-rank", "--pipeline-model-parallel-size"],
+        id="stages-without-pp",
+    ),
+    pytest.param(  # accepted: the stages form wins, --num-layers-per-... is silently ignored
+        f"{VPP_STAGES} --num-virtual-stages-per-pipeline-rank 2 "
+        "--num-layers-per-virtual-pipeline-stage 2",
+        2,
+        ["--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"],
+        id="both-forms",
+    ),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review s8d (low): a virtual-stage count that does not divide an even split, virtual "
+    "stages at PP=1, or both virtual-pipeline forms are accepted at start-up; the first two fail "
+    "after start-up in megatron-core naming no flag (exit 1, not 2), the third silently drops "
+    "--num-layers-per-virtual-pipeline-stage. Megatron-LM's validate_args asserts all three",
+)
+@pytest.mark.parametrize("extra, world_size, words", SILENT_VPP)
+def test_review_s8d_virtual_stage_layouts_are_refused_naming_the_flag(extra, world_size, words):
+    with pytest.raises(ArgumentsError) as err:
+        parse(extra, world_size)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review s8d (medium-low): one virtual stage per pipeline rank (--num-virtual-stages-"
+    "per-pipeline-rank 1, or --num-layers-per-virtual-pipeline-stage equal to the layers per "
+    "stage) reaches megatron-core as virtual_pipeline_model_parallel_size=1: the CLI then fails "
+    "at the first step ('interleaved pipeline parallelism expected each model chunk to have a "
+    "data iterator', one chunk gets a bare iterator) and the interleaved micro-batch rule "
+    "refuses batches a plain pipeline takes. Megatron-LM sets it to None (no interleaving)",
+)
+@pytest.mark.parametrize(
+    "extra",
+    ["--num-virtual-stages-per-pipeline-rank 1", "--num-layers-per-virtual-pipeline-stage 2"],
+)
+def test_review_s8d_one_virtual_stage_is_no_virtual_pipeline(extra):
+    from megatron.training.core_configs import transformer_config
+
+    args = parse(f"{VPP_STAGES} {extra}", 2)  # 4 layers, PP 2: 2 layers per stage
+    assert transformer_config(args).virtual_pipeline_model_parallel_size is None
+    parse(f"--pipeline-model-parallel-size 2 --global-batch-size 2 {extra}", 2)  # 1 micro-batch
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review s8d (medium-low): --ddp-num-buckets and --ddp-bucket-size are silently "
+    "ignored without --overlap-grad-reduce: megatron-core's DDP sets bucket_size=None then (one "
+    "bucket; the CLI's get_model with --ddp-num-buckets 3 builds 1 bucket, 3 with "
+    "--overlap-grad-reduce). The VPP2 x DP2 save/resume e2e layout that claims '3 padded "
+    "buckets' has one. Refuse them without --overlap-grad-reduce (as TENSORBOARD_ONLY flags)",
+)
+@pytest.mark.parametrize("extra", ["--ddp-num-buckets 3", "--ddp-bucket-size 1000"])
+def test_review_s8d_bucket_flags_without_overlap_grad_reduce_are_refused(extra):
+    with pytest.raises(ArgumentsError, match="--overlap-grad-reduce"):
+        parse(extra)
+    parse(f"{extra} --overlap-grad-reduce")  # where they take effect
