@@ -829,3 +829,18 @@ def test_review_s8d_every_aux_loss_coefficient_must_be_finite():
     types = "--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss"
     with pytest.raises(ArgumentsError, match="--moe-aux-loss-coeff must be a finite number"):
         parse(f"{types} --moe-aux-loss-coeff 0.01 nan")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review s8d (low): checkpoints record both spellings of the virtual pipeline "
+    "(--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank) and a "
+    "resume must repeat the same spelling: one that gives the same chunks the other way is "
+    "refused. Compare the virtual pipeline size they give (core_configs.virtual_pipeline_size)",
+)
+def test_review_s8d_a_checkpoint_of_the_same_virtual_pipeline_spelt_otherwise_loads():
+    from megatron.training import checkpointing
+
+    layers_form = parse(f"{VPP_STAGES} --num-layers-per-virtual-pipeline-stage 1", 2)
+    stages_form = parse(f"{VPP_STAGES} --num-virtual-stages-per-pipeline-rank 2", 2)
+    checkpointing.check_compatible(stages_form, checkpointing._saved_args(layers_form), "ckpt")
