@@ -172,7 +172,9 @@ def data_iterators(args, state, n_chunks, tokenizer):
     valid_type = "single" if args.full_validation else args.dataloader_type
     for _ in range(n_chunks):
         train.append(_loader(args, train_ds, state.consumed_train_samples, args.dataloader_type))
-        valid.append(_loader(args, valid_ds, state.consumed_valid_samples, valid_type, True))
+        # --skip-train: every checkpoint scored on the same batches, as Megatron-LM
+        valid_from = 0 if args.skip_train else state.consumed_valid_samples
+        valid.append(_loader(args, valid_ds, valid_from, valid_type, True))
         test.append(_loader(args, test_ds, 0, valid_type, True))
     has_valid, has_test = _any_rank(valid_ds is not None, test_ds is not None)
     return (

@@ -11,8 +11,6 @@ During --rampup-batch-size an evaluation still reads whole --global-batch-size b
 import os
 import re
 
-import pytest
-
 from .cli import TINY, losses, run
 
 _VALID = re.compile(
@@ -52,8 +50,10 @@ def test_evaluation_reads_whole_global_batches_during_rampup():
 
 def test_skip_train_evaluates_the_loaded_checkpoint(tmp_path):
     """--skip-train: no step, no save; the validation and test splits are evaluated at the
-    loaded iteration, reading where the saved run's final evaluations read (the checkpoint
-    records the validation position), so their losses are those of the saved run's."""
+    loaded iteration, both from their first sample, as Megatron-LM (every checkpoint scored
+    on the same batches). The saved run evaluated the validation split at iteration 2 in the
+    loop (its first window) and after its last step (the next window), with the weights the
+    checkpoint holds: --skip-train must give the in-loop loss, and the test loss."""
     save = str(tmp_path / "save")
     common = TINY + ["--train-iters", 2, "--optimizer", "adam", "--save", save]
     trained = _evaluations(run(common + ["--save-interval", 2]))
@@ -62,29 +62,7 @@ def test_skip_train_evaluates_the_loaded_checkpoint(tmp_path):
     proc = run(common + ["--load", save, "--skip-train"])
     assert os.stat(tracker).st_mtime_ns == written  # not saved again
     assert "skipping training (--skip-train is on)" in proc.stdout and not losses(proc)
-    assert _evaluations(proc) == trained[-2:]
-    assert [label for label, _ in trained[-2:]] == [
-        "iteration 2 on validation set",
-        "iteration 2 on test set",
-    ]
+    labels = ["iteration 2", "iteration 2 on validation set", "iteration 2 on test set"]
+    assert [label for label, _ in trained] == labels and trained[0][1] != trained[1][1]
+    assert _evaluations(proc) == [(labels[1], trained[0][1]), trained[2]]
     assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (medium-low): --skip-train reads the validation split from the loaded "
-    "checkpoint's consumed_valid_samples; Megatron-LM's build_train_valid_test_data_loaders "
-    "reads it from sample 0 with --skip-train (and asks for eval_iters batches only), so every "
-    "checkpoint of a run is evaluated on the same batches. Here each checkpoint gets another "
-    "window: losses not comparable across checkpoints, nor with Megatron-LM's",
-)
-def test_review_s8d_skip_train_validation_reads_the_split_from_its_start(tmp_path):
-    """The saved run evaluates at iteration 2 in the loop (validation samples 0-3, the first
-    window), then after the last step (4-7); the checkpoint at 2 holds the same weights for
-    both. --skip-train on it must read the first window, as Megatron-LM: the in-loop loss."""
-    save = str(tmp_path / "save")
-    common = TINY + ["--train-iters", 2, "--optimizer", "adam", "--save", save]
-    trained = _evaluations(run(common + ["--save-interval", 2]))
-    assert trained[0][0] == "iteration 2" and trained[0][1] != trained[1][1]  # windows differ
-    skipped = _evaluations(run(common + ["--load", save, "--skip-train"]))
-    assert skipped[0] == ("iteration 2 on validation set", trained[0][1])
