@@ -132,6 +132,18 @@ UNSUPPORTED = (
         "same mean)",
     ),
     (
+        lambda a: (a.ddp_bucket_size, a.ddp_num_buckets) != (None, None)
+        and not a.overlap_grad_reduce,
+        "--ddp-bucket-size / --ddp-num-buckets size the DDP buckets, which megatron-core uses only "
+        "with --overlap-grad-reduce (without it a model chunk's grads reduce as one bucket): add "
+        "--overlap-grad-reduce or drop them",
+    ),
+    (
+        lambda a: a.ddp_pad_buckets_for_high_nccl_busbw and not a.use_distributed_optimizer,
+        "--ddp-pad-buckets-for-high-nccl-busbw pads the distributed optimizer's buckets only: add "
+        "--use-distributed-optimizer or drop it",
+    ),
+    (
         lambda a: a.ddp_num_buckets is not None and a.ddp_bucket_size is not None,
         "--ddp-num-buckets and --ddp-bucket-size both set the DDP bucket size: give one (as "
         "Megatron-LM)",

@@ -43,13 +43,14 @@ LAYOUTS = [  # (name, ranks, flags, checkpoint format)
     ("muon-tp2", 2, MUON + " --tensor-model-parallel-size 2", "torch_dist"),
     # Interleaved PP2 x DP2 with DistOpt: the model chunks share local param names, which
     # upstream's DistributedOptimizer._param_name refuses (muon_distopt.param_names prefixes them);
-    # the first chunk's grads in 3 DDP buckets, padded to multiples of 2^16 elements
+    # the first chunk's grads in 3 DDP buckets (overlapped reduce), padded to multiples of 2^16
     (
         "muon-pp2-vpp2-dp2-distopt",
         4,
         MUON + " --num-layers 4 --pipeline-model-parallel-size 2 "
         "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 8 "
-        "--use-distributed-optimizer --ddp-num-buckets 3 --ddp-pad-buckets-for-high-nccl-busbw",
+        "--use-distributed-optimizer --overlap-grad-reduce --ddp-num-buckets 3 "
+        "--ddp-pad-buckets-for-high-nccl-busbw",
         "torch",
     ),
 ]

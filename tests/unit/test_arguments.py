@@ -215,6 +215,7 @@ def test_core_fields_reach_the_configs():
         "--norm-epsilon 1e-6 --qk-layernorm --deterministic-mode --disable-bias-linear "
         "--num-experts 4 "
         "--moe-router-topk 3 --accumulate-allreduce-grads-in-fp32 --ddp-bucket-size 1000 "
+        "--overlap-grad-reduce "
         "--optimizer muon --muon-momentum 0.5 --decoupled-lr 1e-4"
     )
     tc, oc, ddp = transformer_config(args), optimizer_config(args), ddp_config(args)
@@ -652,9 +653,10 @@ def test_ddp_bucket_flags_reach_the_ddp_config():
     --ddp-pad-buckets-for-high-nccl-busbw and --ddp-average-in-collective are DDP fields."""
     from megatron.training.core_configs import ddp_config
 
-    assert ddp_config(parse("--ddp-num-buckets 4"), num_parameters=1003).bucket_size == 250
-    assert ddp_config(parse("--ddp-bucket-size 7"), num_parameters=1003).bucket_size == 7
-    padded = ddp_config(parse("--ddp-pad-buckets-for-high-nccl-busbw"))
+    overlap = " --overlap-grad-reduce"  # the bucket size takes effect only with it
+    assert ddp_config(parse("--ddp-num-buckets 4" + overlap), 1003).bucket_size == 250
+    assert ddp_config(parse("--ddp-bucket-size 7" + overlap), 1003).bucket_size == 7
+    padded = ddp_config(parse("--ddp-pad-buckets-for-high-nccl-busbw --use-distributed-optimizer"))
     assert padded.pad_buckets_for_high_nccl_busbw and not padded.average_in_collective
     if torch.cuda.is_available():
         assert ddp_config(parse("--ddp-average-in-collective")).average_in_collective
@@ -664,7 +666,7 @@ def test_ddp_bucket_flags_reach_the_ddp_config():
     "extra, message",
     [
         ("--ddp-num-buckets 0", "--ddp-num-buckets must be >= 1, got 0"),
-        ("--ddp-num-buckets 2 --ddp-bucket-size 10", "both set the DDP bucket size"),
+        ("--ddp-num-buckets 2 --ddp-bucket-size 10 --overlap-grad-reduce", "both set the DDP"),
     ]
     + ([] if torch.cuda.is_available() else [("--ddp-average-in-collective", "ReduceOp.AVG")]),
 )
@@ -804,14 +806,6 @@ def test_review_s8d_one_virtual_stage_is_no_virtual_pipeline(extra):
     parse(f"--pipeline-model-parallel-size 2 --global-batch-size 2 {extra}", 2)  # 1 micro-batch
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (medium-low): --ddp-num-buckets and --ddp-bucket-size are silently "
-    "ignored without --overlap-grad-reduce: megatron-core's DDP sets bucket_size=None then (one "
-    "bucket; the CLI's get_model with --ddp-num-buckets 3 builds 1 bucket, 3 with "
-    "--overlap-grad-reduce). The VPP2 x DP2 save/resume e2e layout that claims '3 padded "
-    "buckets' has one. Refuse them without --overlap-grad-reduce (as TENSORBOARD_ONLY flags)",
-)
 @pytest.mark.parametrize("extra", ["--ddp-num-buckets 3", "--ddp-bucket-size 1000"])
 def test_review_s8d_bucket_flags_without_overlap_grad_reduce_are_refused(extra):
     with pytest.raises(ArgumentsError, match="--overlap-grad-reduce"):
@@ -846,12 +840,6 @@ def test_review_s8d_a_checkpoint_of_the_same_virtual_pipeline_spelt_otherwise_lo
     checkpointing.check_compatible(stages_form, checkpointing._saved_args(layers_form), "ckpt")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (low): --ddp-pad-buckets-for-high-nccl-busbw is silently ignored without "
-    "--use-distributed-optimizer: megatron-core's param_and_grad_buffer pads bucket ends only "
-    "for the distributed optimizer (as Megatron-LM, which ignores it as silently)",
-)
 def test_review_s8d_bucket_padding_without_distopt_is_refused():
     with pytest.raises(ArgumentsError, match="--use-distributed-optimizer"):
         parse("--ddp-pad-buckets-for-high-nccl-busbw")
