@@ -55,8 +55,11 @@ MODEL_SHAPE = (
     ("mtp_num_layers", "--mtp-num-layers"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
-    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
+    (
+        "virtual_pipeline_size",  # either spelling of the same chunks loads
+        "model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage or "
+        "--num-virtual-stages-per-pipeline-rank)",
+    ),
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
     ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
     ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
@@ -417,8 +420,19 @@ def check_saved_parts(args, parts: dict, folder: str) -> None:
             )
 
 
+def _with_virtual_size(saved: dict) -> dict:
+    """Checkpoints that recorded only --num-layers-per-virtual-pipeline-stage: the model chunks
+    per pipeline rank it gave (None: one)."""
+    per = saved.get("num_layers_per_virtual_pipeline_stage")
+    if "virtual_pipeline_size" in saved or "pipeline_model_parallel_size" not in saved:
+        return saved
+    size = per and saved["num_layers"] // saved["pipeline_model_parallel_size"] // per
+    return {**saved, "virtual_pipeline_size": size if size and size > 1 else None}
+
+
 def check_compatible(args, saved: dict, folder: str) -> None:
     """Compare the model shape, layout (and, when loading it, the optimizer) to this run."""
+    saved = _with_virtual_size(saved)
     rows = MODEL_SHAPE + (() if args.no_load_optim else OPTIMIZER_SHAPE)
     diffs = [
         f"{flag}: checkpoint {saved[attr]!r}, this run {getattr(args, attr, None)!r}"

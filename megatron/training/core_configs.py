@@ -58,11 +58,16 @@ def transformer_config(args) -> TransformerConfig:
 
 
 def virtual_pipeline_size(args):
+    """Model chunks per pipeline rank, None without interleaving: one chunk per rank is the
+    plain schedule, as Megatron-LM sets it (megatron-core's interleaved schedule with one chunk
+    fails at the first step)."""
     if args.num_virtual_stages_per_pipeline_rank is not None:
-        return args.num_virtual_stages_per_pipeline_rank
-    if args.num_layers_per_virtual_pipeline_stage is None:
+        size = args.num_virtual_stages_per_pipeline_rank
+    elif args.num_layers_per_virtual_pipeline_stage is not None:
+        size = pipeline_split.per_stage(args) // args.num_layers_per_virtual_pipeline_stage
+    else:
         return None
-    return pipeline_split.per_stage(args) // args.num_layers_per_virtual_pipeline_stage
+    return size if size > 1 else None
 
 
 def pipeline_p2p(args) -> dict:

@@ -105,12 +105,28 @@ def stage_counts(a) -> list[int]:
     return counts + ([] if last is None else [last])
 
 
+_STAGES = "--num-virtual-stages-per-pipeline-rank"
+
 VIRTUAL_STAGES_RULES = (
+    (
+        lambda a: a.num_layers_per_virtual_pipeline_stage is not None,
+        lambda a: f"--num-layers-per-virtual-pipeline-stage and {_STAGES} both set the virtual "
+        "pipeline: give one (as Megatron-LM)",
+    ),
+    (
+        lambda a: a.num_virtual_stages_per_pipeline_rank < 1 or a.pipeline_model_parallel_size < 2,
+        lambda a: f"{_STAGES} ({a.num_virtual_stages_per_pipeline_rank}) must be >= 1 and needs "
+        "--pipeline-model-parallel-size >= 2",
+    ),
     (
         lambda a: uneven(a)
         and any(n % a.num_virtual_stages_per_pipeline_rank for n in stage_counts(a)),
-        lambda a: f"--num-virtual-stages-per-pipeline-rank "
-        f"({a.num_virtual_stages_per_pipeline_rank}) must divide the layers of every pipeline "
-        f"stage ({stage_counts(a)}, from {_UNEVEN})",
+        lambda a: f"{_STAGES} ({a.num_virtual_stages_per_pipeline_rank}) must divide the layers "
+        f"of every pipeline stage ({stage_counts(a)}, from {_UNEVEN})",
+    ),
+    (
+        lambda a: not uneven(a) and per_stage(a) % a.num_virtual_stages_per_pipeline_rank,
+        lambda a: f"{_STAGES} ({a.num_virtual_stages_per_pipeline_rank}) must divide the layers "
+        f"per pipeline stage ({per_stage(a)})",
     ),
 )

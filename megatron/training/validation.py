@@ -857,6 +857,7 @@ def validate_args(args) -> None:
         _check_rules(args, VPP_RULES)
     if args.num_virtual_stages_per_pipeline_rank is not None:
         _check_rules(args, pipeline_split.VIRTUAL_STAGES_RULES)
+    args.virtual_pipeline_size = _virtual_pipeline_size(args)  # recorded in checkpoints
     if args.rampup_batch_size is not None:
         _check_rampup(args)
     _check_interleaved_microbatches(args)
@@ -864,6 +865,12 @@ def validate_args(args) -> None:
     _check_warmup(args)
     _check_iterations_to_skip(args)
     _check_core_configs(args)
+
+
+def _virtual_pipeline_size(args):
+    from .core_configs import virtual_pipeline_size
+
+    return virtual_pipeline_size(args)
 
 
 def _check_iterations_to_skip(args) -> None:

@@ -770,13 +770,6 @@ SILENT_VPP = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (low): a virtual-stage count that does not divide an even split, virtual "
-    "stages at PP=1, or both virtual-pipeline forms are accepted at start-up; the first two fail "
-    "after start-up in megatron-core naming no flag (exit 1, not 2), the third silently drops "
-    "--num-layers-per-virtual-pipeline-stage. Megatron-LM's validate_args asserts all three",
-)
 @pytest.mark.parametrize("extra, world_size, words", SILENT_VPP)
 def test_review_s8d_virtual_stage_layouts_are_refused_naming_the_flag(extra, world_size, words):
     with pytest.raises(ArgumentsError) as err:
@@ -785,15 +778,6 @@ def test_review_s8d_virtual_stage_layouts_are_refused_naming_the_flag(extra, wor
         assert word in str(err.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (medium-low): one virtual stage per pipeline rank (--num-virtual-stages-"
-    "per-pipeline-rank 1, or --num-layers-per-virtual-pipeline-stage equal to the layers per "
-    "stage) reaches megatron-core as virtual_pipeline_model_parallel_size=1: the CLI then fails "
-    "at the first step ('interleaved pipeline parallelism expected each model chunk to have a "
-    "data iterator', one chunk gets a bare iterator) and the interleaved micro-batch rule "
-    "refuses batches a plain pipeline takes. Megatron-LM sets it to None (no interleaving)",
-)
 @pytest.mark.parametrize(
     "extra",
     ["--num-virtual-stages-per-pipeline-rank 1", "--num-layers-per-virtual-pipeline-stage 2"],
@@ -825,19 +809,18 @@ def test_review_s8d_every_aux_loss_coefficient_must_be_finite():
         parse(f"{types} --moe-aux-loss-coeff 0.01 nan")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (low): checkpoints record both spellings of the virtual pipeline "
-    "(--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank) and a "
-    "resume must repeat the same spelling: one that gives the same chunks the other way is "
-    "refused. Compare the virtual pipeline size they give (core_configs.virtual_pipeline_size)",
-)
 def test_review_s8d_a_checkpoint_of_the_same_virtual_pipeline_spelt_otherwise_loads():
     from megatron.training import checkpointing
 
     layers_form = parse(f"{VPP_STAGES} --num-layers-per-virtual-pipeline-stage 1", 2)
     stages_form = parse(f"{VPP_STAGES} --num-virtual-stages-per-pipeline-rank 2", 2)
     checkpointing.check_compatible(stages_form, checkpointing._saved_args(layers_form), "ckpt")
+    plain = parse(VPP_STAGES, 2)  # one chunk per rank: another layout, refused
+    with pytest.raises(checkpointing.CheckpointError, match=r"rank\): checkpoint 2, this run None"):
+        checkpointing.check_compatible(plain, checkpointing._saved_args(layers_form), "ckpt")
+    older = {**checkpointing._saved_args(layers_form), "num_layers_per_virtual_pipeline_stage": 1}
+    del older["virtual_pipeline_size"]  # a checkpoint written before the size was recorded
+    checkpointing.check_compatible(stages_form, older, "ckpt")
 
 
 def test_review_s8d_bucket_padding_without_distopt_is_refused():
