@@ -628,9 +628,11 @@ def _check_finite(args) -> None:
     """Float flags take finite numbers only: an inf or NaN hyper-parameter trains to NaN."""
     for flag in FLAGS:
         value = getattr(args, flag.attr, None)
-        if flag.attr in args.given and isinstance(value, float) and not math.isfinite(value):
-            if not (flag.attr in INFINITE_OK and value == math.inf):
-                raise ArgumentsError(f"{flag.names[0]} must be a finite number, got {value}")
+        values = value if isinstance(value, list) else [value]  # nargs flags: every value
+        for v in values:
+            if flag.attr in args.given and isinstance(v, float) and not math.isfinite(v):
+                if not (flag.attr in INFINITE_OK and v == math.inf):
+                    raise ArgumentsError(f"{flag.names[0]} must be a finite number, got {v}")
     if not args.lr > 0:
         raise ArgumentsError(
             f"--lr must be > 0, got {args.lr} (a zero learning rate trains nothing)"

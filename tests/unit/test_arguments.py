@@ -797,12 +797,6 @@ def test_review_s8d_bucket_flags_without_overlap_grad_reduce_are_refused(extra):
     parse(f"{extra} --overlap-grad-reduce")  # where they take effect
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (low): with several --moe-aux-loss-coeff values (one per load-balancing "
-    "type) a nan or inf one passes start-up (the finite check reads float flags only; the "
-    "unwrapped single value is covered): the router's loss then turns the grads NaN at step 1",
-)
 def test_review_s8d_every_aux_loss_coefficient_must_be_finite():
     types = "--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss"
     with pytest.raises(ArgumentsError, match="--moe-aux-loss-coeff must be a finite number"):
