@@ -107,6 +107,7 @@ def _common_state(args, scheduler, state) -> dict:
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
+        "skipped_train_samples": state.skipped_train_samples,
         "args": _saved_args(args),
         "opt_param_scheduler": scheduler.state_dict(),
         # What --no-save-optim / --no-save-rng left out; a load that needs it is refused.
@@ -498,3 +499,4 @@ def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
     state.iteration = loaded["iteration"]
     state.consumed_train_samples = loaded["consumed_train_samples"]
     state.consumed_valid_samples = loaded["consumed_valid_samples"]
+    state.skipped_train_samples = loaded.get("skipped_train_samples", 0)  # older: none recorded

@@ -88,6 +88,10 @@ def training_line(
     parts = [
         f" iteration {state.iteration:8d}/{args.train_iters:8d}",
         f" consumed samples: {state.consumed_train_samples:12d}",
+    ]
+    if state.skipped_train_samples:  # --iterations-to-skip, as Megatron-LM
+        parts.append(f" skipped samples: {state.skipped_train_samples:12d}")
+    parts += [
         f" elapsed time per iteration (ms): {elapsed * 1000.0:.1f}",
         f" tokens per second: {tokens_per_s:.1f}",
         f" ETA: {eta}",

@@ -123,6 +123,7 @@ class TrainingLog:
         by_samples.update({log_figures.TAGS[k]: v for k, v in extra.items()})
         self.tb.scalars(by_samples, state.iteration, samples=state.consumed_train_samples)
         values = {"decoupled-learning-rate": lrs[1], "max_attention_logit": max_logit}
+        values["skipped-train-samples"] = state.skipped_train_samples or None  # once > 0
         if args.log_memory_to_tensorboard and self.tb.writer is not None:  # the writing rank's
             values.update(log_memory.figures(self.device))
         self.tb.scalars(values, state.iteration)

@@ -48,6 +48,7 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    skipped_train_samples: int = 0  # of --iterations-to-skip; counted in consumed samples too
     num_params: int = 0
     pending_rng_state: dict | None = None  # loaded, applied after the data iterators exist
 
@@ -317,6 +318,7 @@ def _skip_step(train_iter, state, batch_size: int) -> None:
             next(iterator)
     state.iteration += 1
     state.consumed_train_samples += batch_size
+    state.skipped_train_samples += batch_size
     print_rank_0(f" > iteration {state.iteration} skipped (--iterations-to-skip): batch dropped")
 
 

@@ -114,14 +114,14 @@ def test_iterations_to_skip_drop_a_batch_without_a_step():
     assert skipped_lines[3][2] == 12  # consumed samples count the dropped batch
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review s8d (low): --iterations-to-skip keeps no count of the dropped samples: "
-    "Megatron-LM's training_log adds ' skipped samples: N |' after the consumed samples (and "
-    "TensorBoard's skipped-train-samples; the count is saved in checkpoints as "
-    "skipped_train_samples), so a log shows that consumed samples include dropped batches",
-)
-def test_review_s8d_iterations_to_skip_log_the_skipped_samples():
-    proc = run(BASE + "--train-iters 3 --iterations-to-skip 1".split())
+def test_iterations_to_skip_count_the_dropped_samples(tmp_path):
+    """As Megatron-LM's training_log: ' skipped samples: N |' after the consumed samples once a
+    batch was dropped; the count is saved with the checkpoint and carries on after a resume."""
+    save = str(tmp_path / "save")
+    common = BASE + ["--save", save, "--train-iters", 4, "--iterations-to-skip", 1]
+    proc = run(common + ["--exit-interval", 3])  # saves at 3 and exits
     line = next(x for x in proc.stdout.splitlines() if re.search(r"iteration\s+3/", x))
     assert re.search(r"consumed samples:\s+12 \| skipped samples:\s+4 \|", line), line
+    resumed = run(common + ["--load", save])
+    line = next(x for x in resumed.stdout.splitlines() if re.search(r"iteration\s+4/", x))
+    assert re.search(r"consumed samples:\s+16 \| skipped samples:\s+4 \|", line), line
