@@ -7,8 +7,11 @@ With ``--use-pytorch-profiler`` a ``torch.profiler`` trace (shapes and stacks) i
 range (``cudaProfilerStart`` / ``cudaProfilerStop`` with NVTX ranges per op), for
 ``nsys profile --capture-range=cudaProfilerApi``: CUDA only. The schedule is Megatron-LM's:
 ``torch.profiler.schedule(wait=start - 1, warmup=1, active=end - start)``, stepped before each
-training step of this run; the capture stops after the step numbered ``--profile-step-end``.
-One addition: a run that ends earlier stops the profiler at its end, so its trace is written.
+training step of this run, records steps ``start`` to ``end - 1`` (counted from 1 in this run);
+the Nsight range opens before step ``start + 1`` (counted as iterations, resumed ones too) and
+closes after step ``end``: the two paths differ by one step, as in Megatron-LM. Additions: a run
+that ends inside the window stops the profiler at its end, so its trace is written; one that
+ends before it says that nothing was recorded.
 """
 
 import torch
@@ -71,6 +74,7 @@ class StepProfiler:
         self.on = bool(args.profile) and rank in args.profile_ranks
         self.torch_profiler = None
         self.nvtx = None
+        self.steps = 0  # before_step calls: steps this run started
         if self.on and args.use_pytorch_profiler:
             start, end = args.profile_step_start, args.profile_step_end
             self.torch_profiler = torch.profiler.profile(
@@ -87,6 +91,7 @@ class StepProfiler:
         """Called before the step that follows ``iteration`` (the steps done so far)."""
         if not self.on:
             return
+        self.steps += 1
         if self.torch_profiler is not None:
             self.torch_profiler.step()
         elif iteration == self.args.profile_step_start:
@@ -100,10 +105,22 @@ class StepProfiler:
             self.stop()
 
     def stop(self) -> None:
-        """End the capture (writing the torch.profiler trace); later calls do nothing."""
+        """End the capture (writing the torch.profiler trace); later calls do nothing. Says so
+        where the run ended before the window began: nothing was recorded."""
+        if self.on and self._recorded_nothing():
+            print(
+                f" > --profile: this run ended before --profile-step-start "
+                f"({self.args.profile_step_start}): nothing recorded",
+                flush=True,
+            )
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
         elif self.nvtx is not None:
             self.nvtx.__exit__(None, None, None)
             torch.cuda.cudart().cudaProfilerStop()
         self.on, self.torch_profiler, self.nvtx = False, None, None
+
+    def _recorded_nothing(self) -> bool:
+        if self.torch_profiler is not None:  # it records steps start .. end - 1
+            return self.steps < self.args.profile_step_start
+        return self.nvtx is None  # the capture range opens before step start + 1

@@ -55,3 +55,15 @@ def test_ranks_not_listed_do_not_profile(tmp_path):
     _steps(profiler, 3)
     profiler.stop()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_ending_before_the_window_says_nothing_was_recorded(tmp_path, capsys):
+    profiler = StepProfiler(_args(tmp_path, 3, 5), rank=0)
+    _steps(profiler, 2)
+    profiler.stop()
+    assert os.listdir(tmp_path) == []
+    assert "ended before --profile-step-start (3): nothing recorded" in capsys.readouterr().out
+    recorded = StepProfiler(_args(tmp_path / "other", 1, 2), rank=0)
+    _steps(recorded, 3)
+    recorded.stop()
+    assert "nothing recorded" not in capsys.readouterr().out
