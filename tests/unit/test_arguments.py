@@ -744,7 +744,7 @@ def test_iterations_to_skip_must_name_steps_of_the_run():
         parse("--iterations-to-skip 10 -1 3")
 
 
-# Review s8d: xfail(strict) repros. Each bad layout below starts and then fails (or runs) in
+# Review s8d (fixed): each bad layout below started and then failed (or ran) in
 # megatron-core without naming a flag; Megatron-LM's validate_args refuses or normalizes it.
 VPP_STAGES = "--pipeline-model-parallel-size 2 --global-batch-size 4"
 SILENT_VPP = [
@@ -771,7 +771,7 @@ SILENT_VPP = [
 
 
 @pytest.mark.parametrize("extra, world_size, words", SILENT_VPP)
-def test_review_s8d_virtual_stage_layouts_are_refused_naming_the_flag(extra, world_size, words):
+def test_virtual_stage_layouts_are_refused_naming_the_flag(extra, world_size, words):
     with pytest.raises(ArgumentsError) as err:
         parse(extra, world_size)
     for word in words:
@@ -782,7 +782,7 @@ def test_review_s8d_virtual_stage_layouts_are_refused_naming_the_flag(extra, wor
     "extra",
     ["--num-virtual-stages-per-pipeline-rank 1", "--num-layers-per-virtual-pipeline-stage 2"],
 )
-def test_review_s8d_one_virtual_stage_is_no_virtual_pipeline(extra):
+def test_one_virtual_stage_is_no_virtual_pipeline(extra):
     from megatron.training.core_configs import transformer_config
 
     args = parse(f"{VPP_STAGES} {extra}", 2)  # 4 layers, PP 2: 2 layers per stage
@@ -791,19 +791,19 @@ def test_review_s8d_one_virtual_stage_is_no_virtual_pipeline(extra):
 
 
 @pytest.mark.parametrize("extra", ["--ddp-num-buckets 3", "--ddp-bucket-size 1000"])
-def test_review_s8d_bucket_flags_without_overlap_grad_reduce_are_refused(extra):
+def test_bucket_flags_without_overlap_grad_reduce_are_refused(extra):
     with pytest.raises(ArgumentsError, match="--overlap-grad-reduce"):
         parse(extra)
     parse(f"{extra} --overlap-grad-reduce")  # where they take effect
 
 
-def test_review_s8d_every_aux_loss_coefficient_must_be_finite():
+def test_every_aux_loss_coefficient_must_be_finite():
     types = "--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss"
     with pytest.raises(ArgumentsError, match="--moe-aux-loss-coeff must be a finite number"):
         parse(f"{types} --moe-aux-loss-coeff 0.01 nan")
 
 
-def test_review_s8d_a_checkpoint_of_the_same_virtual_pipeline_spelt_otherwise_loads():
+def test_a_checkpoint_of_the_same_virtual_pipeline_spelt_otherwise_loads():
     from megatron.training import checkpointing
 
     layers_form = parse(f"{VPP_STAGES} --num-layers-per-virtual-pipeline-stage 1", 2)
@@ -817,7 +817,7 @@ def test_review_s8d_a_checkpoint_of_the_same_virtual_pipeline_spelt_otherwise_lo
     checkpointing.check_compatible(stages_form, older, "ckpt")
 
 
-def test_review_s8d_bucket_padding_without_distopt_is_refused():
+def test_bucket_padding_without_distopt_is_refused():
     with pytest.raises(ArgumentsError, match="--use-distributed-optimizer"):
         parse("--ddp-pad-buckets-for-high-nccl-busbw")
     parse("--ddp-pad-buckets-for-high-nccl-busbw --use-distributed-optimizer")
