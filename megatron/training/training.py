@@ -228,6 +228,11 @@ def pretrain(
     if torch.distributed.get_rank() == 0:  # rank 0's DP group; built at start, every step runs it
         for plan in muon_figures.plans(optimizer):
             print(f" > {plan.summary()}", flush=True)
+    missing = args.load and checkpointing.read_tracker(args.load) is None
+    if missing and args.exit_on_missing_checkpoint:
+        print_rank_0(f" > --exit-on-missing-checkpoint: no checkpoint in --load {args.load}")
+        exit_conditions.release()
+        return state  # Megatron-LM exits here (code 0), before any data or step
     if args.load:
         checkpointing.load(args, model, optimizer, scheduler, state)
     update_num_microbatches(state.consumed_train_samples, consistency_check=False)

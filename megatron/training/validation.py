@@ -144,6 +144,10 @@ UNSUPPORTED = (
         "--use-distributed-optimizer or drop it",
     ),
     (
+        lambda a: a.exit_on_missing_checkpoint and not a.load,
+        "--exit-on-missing-checkpoint exits when --load holds no checkpoint: it needs --load",
+    ),
+    (
         lambda a: a.ddp_num_buckets is not None and a.ddp_bucket_size is not None,
         "--ddp-num-buckets and --ddp-bucket-size both set the DDP bucket size: give one (as "
         "Megatron-LM)",

@@ -200,3 +200,15 @@ def test_torch_dist_options_save_and_resume_exactly(tmp_path):
     refused = run(FOUR + ["--load", load, "--no-load-rng", "--dist-ckpt-strictness", "raise_all"])
     assert refused.returncode == 1 and "rng_state" in refused.stderr
     assert "refused by --dist-ckpt-strictness raise_all" in refused.stderr
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    """With --exit-on-missing-checkpoint an empty --load ends the run (code 0, as Megatron-LM)
+    before any step; without it the run starts from scratch."""
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    args = TINY + ["--train-iters", 2, "--optimizer", "adam", "--load", empty]
+    proc = run(args + ["--exit-on-missing-checkpoint"])
+    assert proc.returncode == 0 and not losses(proc), proc.stderr[-2000:]
+    assert "--exit-on-missing-checkpoint: no checkpoint in --load" in proc.stdout
+    assert sorted(losses(run(args))) == [1, 2]

@@ -358,6 +358,7 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
         ["--tokenizer-library huggingface and --tokenizer-type NullTokenizer disagree"],
     ),
     ("--async-save --ckpt-format torch", 1, ["--async-save needs --ckpt-format torch_dist"]),
+    ("--exit-on-missing-checkpoint", 1, ["--exit-on-missing-checkpoint", "needs --load"]),
 ]
 
 
