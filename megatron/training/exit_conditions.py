@@ -71,17 +71,20 @@ class ExitConditions:
         asks after every evaluation batch)."""
         if self.minutes is None:
             return False
-        flag = torch.tensor([int(self.elapsed_minutes() > self.minutes)], device=device)
+        flag = torch.tensor([int(self._past_limit())], device=device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
     def elapsed_minutes(self) -> float:
         return (time.time() - self.start_time) / 60.0
 
+    def _past_limit(self) -> bool:
+        return self.minutes is not None and self.elapsed_minutes() > self.minutes
+
     def _agree(self, device) -> tuple[bool, bool]:
         local = [
             self.signal is not None and self.signal.received,
-            self.minutes is not None and self.elapsed_minutes() > self.minutes,
+            self._past_limit(),
         ]
         flags = torch.tensor(local, dtype=torch.int32, device=device)
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)

@@ -47,9 +47,13 @@ def _moe_macs(config) -> float:
 def _moe_layer_count(config) -> int:
     if not config.num_moe_experts:
         return 0
-    freq = config.moe_layer_freq
+    return moe_layer_count(config.num_layers, config.moe_layer_freq)
+
+
+def moe_layer_count(num_layers: int, freq) -> int:
+    """MoE layers of the decoder by --moe-layer-freq: every ``freq``-th layer, or a 0/1 list."""
     if isinstance(freq, int):
-        return sum(1 for i in range(config.num_layers) if i % freq == 0)
+        return sum(1 for i in range(num_layers) if i % freq == 0)
     return sum(freq)
 
 

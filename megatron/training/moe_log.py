@@ -20,6 +20,8 @@ from megatron.core.transformer.moe.moe_utils import (
 
 from megatron.core import parallel_state
 
+from .flops import moe_layer_count
+
 
 def track_names(args) -> list:
     """Megatron-LM's names for the losses its flags turn on (its containment test included:
@@ -78,10 +80,5 @@ def _average(values: torch.Tensor, group) -> None:
 
 
 def _moe_layers(args) -> int:
-    """MoE layers of the decoder (--moe-layer-freq: every N-th, or a 0/1 list) plus MTP's."""
-    freq = args.moe_layer_freq
-    if isinstance(freq, int):
-        count = sum(1 for i in range(args.num_layers) if i % freq == 0)
-    else:
-        count = sum(freq)
-    return count + (args.mtp_num_layers or 0)
+    """MoE layers of the decoder (--moe-layer-freq) plus MTP's."""
+    return moe_layer_count(args.num_layers, args.moe_layer_freq) + (args.mtp_num_layers or 0)
