@@ -424,11 +424,11 @@ def check_saved_parts(args, parts: dict, folder: str) -> None:
 def _with_virtual_size(saved: dict) -> dict:
     """Checkpoints that recorded only --num-layers-per-virtual-pipeline-stage: the model chunks
     per pipeline rank it gave (None: one)."""
-    per = saved.get("num_layers_per_virtual_pipeline_stage")
     if "virtual_pipeline_size" in saved or "pipeline_model_parallel_size" not in saved:
         return saved
-    size = per and saved["num_layers"] // saved["pipeline_model_parallel_size"] // per
-    return {**saved, "virtual_pipeline_size": size if size and size > 1 else None}
+    per = saved.get("num_layers_per_virtual_pipeline_stage")
+    size = saved["num_layers"] // saved["pipeline_model_parallel_size"] // per if per else 1
+    return {**saved, "virtual_pipeline_size": size if size > 1 else None}
 
 
 def check_compatible(args, saved: dict, folder: str) -> None:

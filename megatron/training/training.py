@@ -228,8 +228,7 @@ def pretrain(
     if torch.distributed.get_rank() == 0:  # rank 0's DP group; built at start, every step runs it
         for plan in muon_figures.plans(optimizer):
             print(f" > {plan.summary()}", flush=True)
-    missing = args.load and checkpointing.read_tracker(args.load) is None
-    if missing and args.exit_on_missing_checkpoint:
+    if args.exit_on_missing_checkpoint and checkpointing.read_tracker(args.load) is None:
         print_rank_0(f" > --exit-on-missing-checkpoint: no checkpoint in --load {args.load}")
         exit_conditions.release()
         return state  # Megatron-LM exits here (code 0), before any data or step
@@ -354,7 +353,7 @@ def _evaluate_and_print(args, forward_step, iterator, model, state, logs, final=
     ("validation" or "test"), labelled as Megatron-LM labels it. The test split's loss is printed
     only (Megatron-LM writes it under the validation tags) and leaves the validation position.
     ``logs``: (TrainingLog, ExitConditions)."""
-    if iterator is False or args.eval_iters == 0:
+    if iterator is False:  # no such split, or --eval-iters 0 (pretrain)
         return
     log, stop = logs
     is_test = final == "test"

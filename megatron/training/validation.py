@@ -918,10 +918,8 @@ def _check_interleaved_microbatches(args) -> None:
     """megatron-core's interleaved 1F1B runs each virtual stage on groups of PP micro-batches
     (microbatch_group_size_per_vp_stage, PP here): a step's micro-batch count, at every
     --rampup-batch-size size too, must be a multiple of PP, or the first step raises."""
-    from .core_configs import virtual_pipeline_size
-
     pp, unit = args.pipeline_model_parallel_size, args.micro_batch_size * args.data_parallel_size
-    if virtual_pipeline_size(args) is None:
+    if args.virtual_pipeline_size is None:
         return
     sizes = [("--global-batch-size", args.global_batch_size)]
     if args.rampup_batch_size is not None:
