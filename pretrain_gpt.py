@@ -29,7 +29,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.utils import get_model_config  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
-from megatron.training import cpu_mode, data_check, datasets  # noqa: E402
+from megatron.training import cpu_mode, data_check, datasets, rerun  # noqa: E402
 from megatron.training.arguments import ArgumentsError, parse_args  # noqa: E402
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.core_configs import transformer_config  # noqa: E402
@@ -92,12 +92,14 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     )
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(args, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of per-token losses over unmasked tokens, with the token count: the schedule divides
-    by it, and the reported ``lm loss`` pair is reduced token-weighted over DP (Megatron-LM)."""
+    by it, and the reported ``lm loss`` pair is reduced token-weighted over DP (Megatron-LM).
+    The rank's loss goes through the rerun state machine's checks first (NaN/Inf, spiky)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
+    rerun.validate_loss(args, loss)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
     return loss, num_tokens, {"lm loss": report}
@@ -112,7 +114,7 @@ def forward_step(args, data_iterator, model):
     timer.stop()
     # loss_mask: the MTP layers' losses skip the masked tokens too (unused without MTP)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    return output, partial(loss_func, loss_mask)
+    return output, partial(loss_func, args, loss_mask)
 
 
 def dataset_config(args, tokenizer):
@@ -266,7 +268,7 @@ def main(argv=None) -> int:
     initialize(args)
     guard = FailureBroadcast("pretrain_gpt.py").start()
     try:
-        train(args, exit_conditions, tokenizer)
+        code = train(args, exit_conditions, tokenizer)
     except Exception as err:  # every failing rank says why, the others stop naming it
         label, code = _classify(err)
         guard.fail_with(err, label, expected=code is not None)
@@ -279,7 +281,7 @@ def main(argv=None) -> int:
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
-    return 0
+    return code
 
 
 def tokenizer_from_args(args):
@@ -300,10 +302,12 @@ def tokenizer_from_args(args):
     return tokenizer
 
 
-def train(args, exit_conditions, tokenizer) -> None:
+def train(args, exit_conditions, tokenizer) -> int:
+    """Train; the process's exit code (0, or the rerun state machine's 16/17 as Megatron-LM's:
+    every rank stops at the same step, so the shutdown stays orderly)."""
     args.padded_vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     config = transformer_config(args)
-    pretrain(
+    state = pretrain(
         args,
         partial(model_provider, args, config),
         partial(forward_step, args),
@@ -311,6 +315,7 @@ def train(args, exit_conditions, tokenizer) -> None:
         config,
         exit_conditions,
     )
+    return state.exit_code
 
 
 def model_vocab_size(args, tokenizer_vocab_size: int) -> int:

@@ -156,6 +156,15 @@ SERIES = [
         ["0022-moe-expert-bias-out-of-place.patch"],
     ),
     (
+        "rerun_state_machine: report_stats logs its figures instead of raising",
+        "--rerun-mode report_stats (REPORT_DETERMINISM_STATS) read caller.filename and\n"
+        "caller.lineno, which a Caller (message, rank) lacks: the first report raised an\n"
+        "AttributeError on rank 0 alone, after the other ranks had left the gather. The report\n"
+        "names each check by its message.",
+        [],
+        ["0023-rerun-report-stats-caller.patch"],
+    ),
+    (
         "tests, docs: Muon unit tests and an API guide page",
         "Single-process unit tests (GPU or CPU) and docs/source/api-guide/muon.md.",
         ["tests/unit_tests/test_muon_core.py", "docs/source/api-guide/muon.md"],

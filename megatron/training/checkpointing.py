@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.training import cpu_mode
 
-from . import dist_ckpt
+from . import dist_ckpt, rerun
 from .log import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -148,9 +148,11 @@ def _model_key(model, index: int) -> str:
 # ----------------------------------------------------------------------------------- save
 
 
-def save(args, model, optimizer, scheduler, state, on_saved=None) -> None:
+def save(args, model, optimizer, scheduler, state, on_saved=None, rerun_state=None) -> None:
     """Write a complete checkpoint of ``state.iteration``, then point the tracker at it and call
-    ``on_saved()`` (with --async-save: once every rank's background write has finished)."""
+    ``on_saved()`` (with --async-save: once every rank's background write has finished).
+    ``rerun_state``: the rerun state machine's (rerun.state_dict), when a step waits to be
+    re-run from this checkpoint."""
     start = time.perf_counter()
     if args.overlap_param_gather:  # params updated by the last step are gathered lazily
         for chunk in model:
@@ -162,7 +164,7 @@ def save(args, model, optimizer, scheduler, state, on_saved=None) -> None:
         os.makedirs(partial)
     _barrier()
     writer = _save_torch_dist if args.ckpt_format == "torch_dist" else _save_torch
-    request = writer(partial, args, model, optimizer, scheduler, state)
+    request = writer(partial, args, model, optimizer, scheduler, (state, rerun_state))
     finish = functools.partial(_publish, args, partial, final, (state.iteration, start), on_saved)
     if request is not None:  # --async-save: the files are still being written
         dist_ckpt.schedule_async(request, finish)
@@ -180,7 +182,10 @@ def _publish(args, partial: str, final: str, when: tuple, on_saved) -> None:
     if _rank0():
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        previous = _tracked(args.save)
         write_tracker(args.save, iteration)
+        if retired(previous, iteration, args.save_retain_interval):
+            _delete(args.save, previous)
     print_rank_0(
         f"  successfully saved checkpoint from iteration {iteration:7d} to {final} "
         f"[ {args.ckpt_format}{', async' if args.async_save else ''}, "
@@ -188,6 +193,34 @@ def _publish(args, partial: str, final: str, when: tuple, on_saved) -> None:
     )
     if on_saved is not None:
         on_saved()
+
+
+def retired(previous, iteration: int, retain_interval) -> bool:
+    """Megatron-LM's --save-retain-interval N: a new save retires the checkpoint the tracker
+    named before it (``previous``) unless N divides its iteration; the latest one always stays,
+    and so do checkpoints the run did not write last (older ones, another run's)."""
+    if retain_interval is None or previous is None:
+        return False
+    return 0 < previous != iteration and previous % retain_interval != 0
+
+
+def _tracked(root: str):
+    """The tracker's iteration, None when there is none or it does not read as one (rank 0
+    alone reads it here: nothing is raised while the other ranks wait)."""
+    try:
+        return read_tracker(root)
+    except CheckpointError:
+        return None
+
+
+def _delete(root: str, iteration: int) -> None:
+    """Remove a retired checkpoint (a symbolic link is left alone, as Megatron-LM)."""
+    folder = checkpoint_dir(root, iteration)
+    if os.path.islink(folder):
+        print(f"  kept checkpoint {folder} (--save-retain-interval): a symbolic link", flush=True)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    print(f"  deleted checkpoint {folder} (--save-retain-interval)", flush=True)
 
 
 def finalize_async_saves(blocking: bool = False) -> None:
@@ -204,10 +237,14 @@ def write_tracker(root: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(root, TRACKER))
 
 
-def _sharded_state(args, model, optimizer, scheduler, state, *, sharding, loading, optim, rng):
+def _sharded_state(args, model, optimizer, scheduler, states, *, sharding, loading, optim, rng):
     """The sharded state dict of a save or a load; ``sharding``: the DistOpt layout (a save's,
-    or the one the loaded checkpoint has); ``optim``/``rng``: whether those parts are in it."""
+    or the one the loaded checkpoint has); ``optim``/``rng``: whether those parts are in it;
+    ``states``: (TrainState, the rerun state machine's state or None)."""
+    state, rerun_state = states
     sd = _common_state(args, scheduler, state)
+    if rerun_state is not None:  # common: mode, state, iteration; a ShardedObject per rank
+        sd["rerun_state_machine"] = rerun_state
     for i, chunk in enumerate(model):
         sd[_model_key(model, i)] = chunk.module.sharded_state_dict()
     if optim:
@@ -232,12 +269,12 @@ def _sharded_state(args, model, optimizer, scheduler, state, *, sharding, loadin
     return sd
 
 
-def _save_torch_dist(folder, args, model, optimizer, scheduler, state):
+def _save_torch_dist(folder, args, model, optimizer, scheduler, states):
     """Write (or, with --async-save, start writing) ``folder``; the AsyncRequest or None."""
     sharding = dist_ckpt.sharding_metadata(args)
     parts = dict(optim=not args.no_save_optim, rng=not args.no_save_rng)
     sd = _sharded_state(
-        args, model, optimizer, scheduler, state, sharding=sharding, loading=False, **parts
+        args, model, optimizer, scheduler, states, sharding=sharding, loading=False, **parts
     )
     strategy, validate = dist_ckpt.save_strategy(args)
     return dist_checkpointing.save(
@@ -260,7 +297,18 @@ def torch_file(folder: str) -> str:
     return os.path.join(folder, name, "model_optim_rng.pt")
 
 
-def _save_torch(folder, args, model, optimizer, scheduler, state) -> None:
+def rerun_file(folder: str, rank: int) -> str:
+    """The torch format's file of one rank's rerun state machine state (every rank has its own:
+    its flags, failed result and micro-batches)."""
+    return os.path.join(folder, "rerun_state_machine", f"rank_{rank:05d}.pt")
+
+
+def _save_torch(folder, args, model, optimizer, scheduler, states) -> None:
+    state, rerun_state = states
+    if rerun_state is not None:
+        path = rerun_file(folder, torch.distributed.get_rank())
+        _makedirs_for(path)
+        torch.save(rerun.per_rank(rerun_state), path)
     path = torch_file(folder)
     if args.use_distributed_optimizer and not args.no_save_optim:  # a DP collective
         _makedirs_for(path)
@@ -362,7 +410,24 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
     check_compatible(args, loaded.get("args", {}), folder)
     check_saved_parts(args, loaded.get("saved_parts", {}), folder)
     loaded["_distrib_optim"] = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+    loaded["rerun_state_machine"] = _read_rerun_file(folder)
     return loaded
+
+
+def _read_rerun_file(folder: str):
+    """This rank's rerun state machine state of a torch checkpoint, None when it has none. The
+    folder's file count is the same on every rank: all of them refuse a world-size change."""
+    files = os.path.dirname(rerun_file(folder, 0))
+    if not os.path.isdir(files):
+        return None
+    world = torch.distributed.get_world_size()
+    if len(os.listdir(files)) != world:
+        raise CheckpointError(
+            f"checkpoint {folder} holds a step to re-run saved by {len(os.listdir(files))} ranks "
+            f"(rerun state machine): resume it with that many ranks, this run has {world}"
+        )
+    path = rerun_file(folder, torch.distributed.get_rank())
+    return _read(lambda: torch.load(path, map_location="cpu", weights_only=False), path)
 
 
 def _load_torch_dist(folder, common, args, model, optimizer, scheduler, state) -> dict:
@@ -370,8 +435,17 @@ def _load_torch_dist(folder, common, args, model, optimizer, scheduler, state) -
     --ckpt-fully-parallel-load."""
     sharding = dist_ckpt.loaded_sharding_metadata(common)
     parts = dict(optim=not args.no_load_optim, rng=not args.no_load_rng)
+    # the rank's part of a saved rerun state machine (a template the load fills)
+    rerun_state = rerun.state_dict(None, force=True) if common.get("rerun_state_machine") else None
     sd = _sharded_state(
-        args, model, optimizer, scheduler, state, sharding=sharding, loading=True, **parts
+        args,
+        model,
+        optimizer,
+        scheduler,
+        (state, rerun_state),
+        sharding=sharding,
+        loading=True,
+        **parts,
     )
     strict = dist_ckpt.strictness(args)
     strategy = dist_ckpt.load_strategy(args, folder)
@@ -500,3 +574,5 @@ def _apply(loaded, args, model, optimizer, scheduler, state) -> None:
     state.consumed_train_samples = loaded["consumed_train_samples"]
     state.consumed_valid_samples = loaded["consumed_valid_samples"]
     state.skipped_train_samples = loaded.get("skipped_train_samples", 0)  # older: none recorded
+    if rerun.load_state_dict(loaded.get("rerun_state_machine")):
+        print_rank_0(f" > the rerun state machine re-runs iteration {state.iteration + 1}")

@@ -97,6 +97,14 @@ def optimizer_config(args) -> OptimizerConfig:
     return OptimizerConfig(**kw)
 
 
+def _grads_checked_by_rerun(args) -> bool:
+    """Megatron-LM's check of each bucket's local grad norm (NaN/Inf, before the DP reduction)
+    through the rerun state machine, with --check-for-nan-in-loss-and-grad. Not with the machine
+    disabled (the check would raise on one rank while its peers wait in the reduction: the loop's
+    collective check covers it) nor with fp16 (its loss scaler owns overflowing grads)."""
+    return args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and not args.fp16
+
+
 def ddp_config(args, num_parameters: int = 0) -> DistributedDataParallelConfig:
     """``num_parameters``: this rank's, over all its model chunks; --ddp-num-buckets divides it
     into the bucket size, as Megatron-LM's get_model does."""
@@ -104,6 +112,7 @@ def ddp_config(args, num_parameters: int = 0) -> DistributedDataParallelConfig:
     kw.update(
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
+        check_for_nan_in_grad=_grads_checked_by_rerun(args),
     )
     if args.ddp_num_buckets is not None:
         kw.update(bucket_size=max(num_parameters // args.ddp_num_buckets, 1))

@@ -14,6 +14,12 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from megatron.core import parallel_state
 
 
+def start_step() -> None:
+    """Zero the tracker before a forward-backward: a re-run of the step counts once."""
+    if "values" in MTPLossLoggingHelper.tracker:
+        MTPLossLoggingHelper.tracker["values"].zero_()
+
+
 def mtp_losses(num_microbatches: int) -> dict:
     """{"mtp_1 loss": ..., ...} of the step just run, or {} where no MTP layer ran."""
     tracker = MTPLossLoggingHelper.tracker

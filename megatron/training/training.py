@@ -28,12 +28,11 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing, failures, memory, moe_log, muon_figures
+from . import checkpointing, failures, memory, moe_log, mtp_log, muon_figures, rerun
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
 from .log import print_rank_0, print_rank_last, validation_block
-from .mtp_log import mtp_losses
 from .profiling import StepProfiler
 from .progress import ProgressLog
 from .schedule import get_scheduler
@@ -51,6 +50,7 @@ class TrainState:
     skipped_train_samples: int = 0  # of --iterations-to-skip; counted in consumed samples too
     num_params: int = 0
     pending_rng_state: dict | None = None  # loaded, applied after the data iterators exist
+    exit_code: int = 0  # the process's: the rerun state machine's when it ended the run
 
 
 # ------------------------------------------------------------------------------------ model
@@ -153,15 +153,20 @@ def reduce_losses(outputs: list) -> dict:
 
 
 def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, iteration=None):
-    """One iteration; returns (losses, skipped, (grad norm, num zeros), max attention logit)."""
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    moe_log.start_step()  # --num-experts: the routers' losses of this step only
-    outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
+    """One iteration; returns (losses, skipped, (grad norm, num zeros), max attention logit).
+    The rerun state machine may run the forward and backward again on the same micro-batches
+    (``data_iterator`` wrapped by rerun.wrap) and RNG state, or end the run (rerun.Stop)."""
+    for _ in rerun.steps(data_iterator):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        moe_log.start_step()  # --num-experts: the routers' losses of this (re-)run only
+        mtp_log.start_step()
+        outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
     memory.empty_cache(args.empty_unused_memory_level, 1, _device())
     if args.check_for_nan_in_loss_and_grad:
-        # fp16's loss scaler already skips steps with inf/NaN grads: there only the loss counts
+        # What the machine does not judge (disabled or report_stats, the first step, fp16's
+        # grads), collectively. fp16's loss scaler already skips steps with inf/NaN grads.
         grads = [] if args.fp16 else failures.model_grad_buffers(model)
         failures.check_finite(outputs, grads, iteration, _device())
     timer = started(model[0].config.timers, "optimizer", 1, args.barrier_with_L1_time)
@@ -172,7 +177,7 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
     if ok:
         scheduler.step(increment=get_current_global_batch_size())
     losses = reduce_losses(outputs)
-    losses.update(mtp_losses(get_num_microbatches()))  # --mtp-num-layers: mtp_<k> loss
+    losses.update(mtp_log.mtp_losses(get_num_microbatches()))  # --mtp-num-layers: mtp_<k> loss
     losses.update(moe_log.moe_losses(args, get_num_microbatches(), _device()))
     return losses, not ok, (grad_norm, num_zeros), max_logit
 
@@ -188,7 +193,7 @@ def evaluate(args, forward_step, data_iterator, model, state, advance=True, stop
         chunk.eval()
     totals: dict | None = {}
     micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    with suspended(model[0].config):  # the chunks share one config
+    with suspended(model[0].config), rerun.evaluating():  # the chunks share one config
         for _ in range(args.eval_iters):
             outputs = run_schedule(args, forward_step, data_iterator, model, True, micro)
             memory.empty_cache(args.empty_unused_memory_level, 1, _device())
@@ -221,6 +226,7 @@ def pretrain(
     ``exit_conditions`` (made at process start, so that its signal handler and clock cover
     start-up) decides early exits; one is made here when not given."""
     exit_conditions = exit_conditions or ExitConditions(args, time.time())
+    rerun.initialize(args)  # before a --load that may hold a step to re-run
     config.timers = make_timers(args, _device())  # megatron-core's schedules and optimizer
     model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider, config)
     state = TrainState(num_params=count_parameters(model))
@@ -236,6 +242,7 @@ def pretrain(
         checkpointing.load(args, model, optimizer, scheduler, state)
     update_num_microbatches(state.consumed_train_samples, consistency_check=False)
     train_iter, valid_iter, test_iter = data_iterators_provider(args, state, len(model))
+    train_iter = rerun.wrap(train_iter)  # a re-run of a step replays its micro-batches
     if args.eval_iters == 0:  # Megatron-LM: no validation or test evaluation
         valid_iter = test_iter = False
     checkpointing.restore_pending_rng(state)
@@ -284,9 +291,14 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         if state.iteration in args.iterations_to_skip:  # Megatron-LM's index: steps done so far
             _skip_step(train_iter, state, batch_size)
             continue
-        step = train_step(
-            args, forward_step, train_iter, model, optimizer, scheduler, state.iteration + 1
-        )
+        try:
+            step = train_step(
+                args, forward_step, train_iter, model, optimizer, scheduler, state.iteration + 1
+            )
+        except rerun.Stop as stopped:
+            reason = _rerun_stop(args, (model, optimizer, scheduler), state, train_iter, stopped)
+            saved_at = state.iteration  # no final save: the machine's own checkpoint or none
+            break
         state.iteration += 1
         state.consumed_train_samples += batch_size
         log.step(state, step, model, optimizer, batch_size)
@@ -309,6 +321,23 @@ def train_loop(args, forward_step, model, optimizer, scheduler, state, iterators
         _save(args, model, optimizer, scheduler, state, log)
     checkpointing.finalize_async_saves(blocking=True)  # no async save outlives the run
     return reason
+
+
+def _rerun_stop(args, parts, state, train_iter, stopped) -> str:
+    """The rerun state machine ends the run before this step's update, as Megatron-LM: a
+    checkpoint of the steps done so far (with the machine's state: the step to re-run, its
+    micro-batches) when it asks for one and --save is given; the process exits with its code."""
+    state.exit_code = stopped.code
+    if stopped.checkpoint and args.save:
+        model, optimizer, scheduler = parts
+        machine_state = rerun.state_dict(train_iter)
+        checkpointing.save(args, model, optimizer, scheduler, state, rerun_state=machine_state)
+    elif stopped.checkpoint:
+        print_rank_0(" > the rerun state machine asked for a checkpoint: no --save, none written")
+    return (
+        f"rerun state machine: stopped before the update of iteration {state.iteration + 1} "
+        f"(exit code {stopped.code})"
+    )
 
 
 def _skip_step(train_iter, state, batch_size: int) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from megatron.core.optimizer.muon_config import MAX_PLAN_TFLOPS, MIN_PLAN_GBPS
 
-from . import pipeline_split, profiling
+from . import pipeline_split, profiling, rerun
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
 REQUIRED = (
@@ -46,6 +46,7 @@ POSITIVE = (
     ("eval_interval", "--eval-interval"),
     ("global_batch_size", "--global-batch-size"),
     ("save_interval", "--save-interval"),
+    ("save_retain_interval", "--save-retain-interval"),
     ("exit_interval", "--exit-interval"),
     ("num_experts", "--num-experts"),
     ("muon_num_ns_steps", "--muon-num-ns-steps"),
@@ -99,12 +100,6 @@ def _has_te() -> bool:
 
 
 UNSUPPORTED = (
-    (
-        lambda a: "rerun_mode" in a.given and a.rerun_mode != "disabled",
-        "--rerun-mode validate_results and report_stats are not supported here: this stack has "
-        "no rerun state machine (re-running a step to tell transient from persistent faults); "
-        "use --rerun-mode disabled or drop the flag",
-    ),
     (
         lambda a: a.transformer_impl == "transformer_engine" and not _has_te(),
         "--transformer-impl transformer_engine: Transformer Engine is not installed here; "
@@ -385,6 +380,18 @@ RULES = (
     (
         lambda a: a.save_interval is not None and a.save is None,
         lambda a: "--save-interval needs --save",
+    ),
+    (
+        lambda a: a.save_retain_interval is not None and a.save_interval is None,
+        lambda a: "--save-retain-interval needs --save and --save-interval (it decides which of "
+        "the interval's checkpoints stay)",
+    ),
+    (
+        lambda a: a.save_retain_interval is not None
+        and a.save_interval is not None
+        and a.save_retain_interval % a.save_interval,
+        lambda a: f"--save-retain-interval ({a.save_retain_interval}) must be a multiple of "
+        f"--save-interval ({a.save_interval}), as Megatron-LM requires",
     ),
     (
         lambda a: not a.add_position_embedding and a.position_embedding_type != "rope",
@@ -859,6 +866,7 @@ def validate_args(args) -> None:
     _check_rules(args, RULES)
     _check_rules(args, pipeline_split.RULES)
     _check_rules(args, profiling.RULES)
+    _check_rules(args, rerun.RULES)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _check_rules(args, VPP_RULES)
     if args.num_virtual_stages_per_pipeline_rank is not None:

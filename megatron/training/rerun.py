@@ -1,0 +1,222 @@
+"""Megatron-LM's rerun state machine (megatron-core's ``rerun_state_machine``) in this loop.
+
+    --rerun-mode validate_results (default)   a rejected result (NaN/Inf loss or local grad norm
+                                              with --check-for-nan-in-loss-and-grad, a spiky loss
+                                              with --check-for-spiky-loss, large grads with
+                                              --check-for-large-grads) re-runs the step on the
+                                              same data and RNG state: a different result is a
+                                              transient fault (exit 17 after a checkpoint when
+                                              the check is fatal, else training goes on); the
+                                              same result saves a checkpoint holding the
+                                              machine's state and exits 16, to be resumed on
+                                              another GPU, which tells a persistent fault from
+                                              a correct result (exit 17 if fatal)
+    --rerun-mode report_stats                 every step runs twice; the relative differences
+                                              of the checked values are logged every 2 steps
+    --rerun-mode disabled                     no re-run; a spiky loss or large grads only warn
+
+``--error-injection-rate N`` makes one rank in N reject a checked result (from the second step
+on, as the machine validates nothing before a first optimizer step) and
+``--error-injection-type`` decides what its re-runs see. Every decision is an all-reduce over
+all ranks inside the machine, so every rank re-runs, saves and exits together.
+"""
+
+import contextlib
+import functools
+import logging
+import sys
+
+import torch
+from megatron.core.rerun_state_machine import (
+    RerunDataIterator,
+    RerunDiagnostic,
+    RerunErrorInjector,
+    RerunMode,
+    destroy_rerun_state_machine,
+    get_rerun_state_machine,
+    initialize_rerun_state_machine,
+)
+
+from megatron.core import tensor_parallel
+
+# Megatron-LM's CLI names; its report_stats is the machine's REPORT_DETERMINISM_STATS
+MODES = {
+    "disabled": RerunMode.DISABLED,
+    "validate_results": RerunMode.VALIDATE_RESULTS,
+    "report_stats": RerunMode.REPORT_DETERMINISM_STATS,
+}
+SPIKY_LOSS_FACTOR = 10  # Megatron-LM's pretrain_gpt: a loss >= 10x the largest seen is spiky
+
+
+def _checks(a) -> bool:
+    return a.check_for_nan_in_loss_and_grad or a.check_for_spiky_loss or a.check_for_large_grads
+
+
+# Cross-flag checks (validation.py runs them): nothing given here may be silently ignored.
+RULES = (
+    (
+        lambda a: a.error_injection_rate < 0,
+        lambda a: f"--error-injection-rate must be >= 0 (one rank in N rejects a checked "
+        f"result; 0: no injection), got {a.error_injection_rate}",
+    ),
+    (
+        lambda a: a.error_injection_rate > 0 and a.rerun_mode != "validate_results",
+        lambda a: f"--error-injection-rate injects faults into --rerun-mode validate_results's "
+        f"checks; with --rerun-mode {a.rerun_mode} nothing is injected: drop it or change the mode",
+    ),
+    (
+        lambda a: a.error_injection_rate > 0 and not _checks(a),
+        lambda a: "--error-injection-rate needs a check to inject into: "
+        "--check-for-nan-in-loss-and-grad (on unless --no-check-for-nan-in-loss-and-grad), "
+        "--check-for-spiky-loss or --check-for-large-grads",
+    ),
+    (
+        lambda a: "error_injection_type" in a.given and a.error_injection_rate == 0,
+        lambda a: "--error-injection-type needs --error-injection-rate > 0 (no fault is injected)",
+    ),
+)
+
+
+class Stop(Exception):
+    """The machine ends the run: ``checkpoint`` (save first) and the process exit ``code``."""
+
+    def __init__(self, checkpoint: bool, code: int):
+        super().__init__(f"rerun state machine: exit code {code}")
+        self.checkpoint, self.code = checkpoint, code
+
+
+def _save_tracker_states():
+    return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _restore_tracker_states(saved) -> None:
+    if saved["rng_tracker_states"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states(saved["rng_tracker_states"])
+
+
+def initialize(args) -> None:
+    """The process's machine from the flags (replacing one a previous run in this process left).
+    Besides the RNG states the machine keeps itself, a re-run restores the model-parallel RNG
+    tracker's (dropout), as Megatron-LM's initialize does."""
+    destroy_rerun_state_machine()
+    injector = RerunErrorInjector(
+        error_injection_rate=args.error_injection_rate,
+        error_injection_type=RerunDiagnostic(args.error_injection_type),
+    )
+    initialize_rerun_state_machine(
+        state_save_func=_save_tracker_states,
+        state_restore_func=_restore_tracker_states,
+        mode=MODES[args.rerun_mode],
+        error_injector=injector,
+    )
+    if args.rerun_mode == "report_stats":
+        _show_reports()
+
+
+def _show_reports() -> None:
+    """report_stats's only output is the machine's INFO-level report, which Python's default
+    logging (WARNING and up, no handler) would drop: show that logger's INFO lines."""
+    logger = logging.getLogger("megatron.core.rerun_state_machine")
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+
+
+def enabled(args) -> bool:
+    return args.rerun_mode != "disabled"
+
+
+def wrap(iterators):
+    """The training iterator(s) made replayable: each micro-batch read in a step is kept until
+    the next step starts, so that a re-run reads the same batches (None: a rank without data)."""
+    if isinstance(iterators, list):
+        return [wrap(it) for it in iterators]
+    return None if iterators is None else RerunDataIterator(iterators)
+
+
+_EVALUATING = []  # non-empty inside evaluating()
+
+
+@contextlib.contextmanager
+def evaluating():
+    """Evaluation's forwards are no training step: the machine is off (as Megatron-LM's evaluate
+    turns it off) and no loss is checked, so none feeds the spiky-loss reference either."""
+    machine = get_rerun_state_machine()
+    mode = machine.get_mode()
+    machine.mode = RerunMode.DISABLED  # set_mode would log a warning at every evaluation
+    _EVALUATING.append(True)
+    try:
+        yield
+    finally:
+        _EVALUATING.pop()
+        machine.mode = mode
+
+
+def validate_loss(args, loss: torch.Tensor) -> None:
+    """Megatron-LM's pretrain_gpt checks of one micro-batch's loss (before any DP reduction).
+    The NaN/Inf checks run only with the machine on: disabled, upstream's check raises on the
+    failing rank alone while its peers wait in a collective; here the loop's collective check
+    (failures.check_finite) covers that mode."""
+    if _EVALUATING:
+        return
+    # A copy: the machine keeps the first run's result to compare with the re-run's, and the
+    # schedule divides the loss in place after this (by its tokens and micro-batches).
+    loss = loss.detach().clone()
+    machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad and enabled(args):
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,  # the forward pass is deterministic: a re-run must match exactly
+                fatal=True,
+            )
+    if args.check_for_spiky_loss:
+        machine.validate_result(
+            result=loss,
+            rejection_func=functools.partial(
+                machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
+
+
+def steps(data_iterator):
+    """Yield once per (re-)run of this step's forward and backward; then raise ``Stop`` if the
+    machine ends the run. Collective: every rank loops the same number of times."""
+    machine = get_rerun_state_machine()
+    while machine.should_run_forward_backward(data_iterator):
+        yield
+    checkpoint, stop, code = machine.should_checkpoint_and_exit()
+    if stop:
+        raise Stop(checkpoint, code)
+
+
+def state_dict(data_iterator, force: bool = False):
+    """The machine's state to checkpoint: None unless a step waits to be re-run (``force``: the
+    template a torch_dist load fills). {mode, state, current_iteration} are the same on every
+    rank; "sharded" (a ShardedObject per rank) holds the rank's own flags, failed result and
+    the step's micro-batches."""
+    return get_rerun_state_machine().state_dict(data_iterator, "torch_dist", force=force)
+
+
+def per_rank(saved: dict) -> dict:
+    """A state_dict() with the rank's part as a plain dict (the torch format's per-rank file)."""
+    return {**saved, "sharded": saved["sharded"].data}
+
+
+def load_state_dict(saved) -> bool:
+    """Restore a checkpointed machine (a step to re-run); False when there is none to restore,
+    or --rerun-mode disabled (the machine says it ignores the saved state, as upstream)."""
+    machine = get_rerun_state_machine()
+    if not machine.validate_state_dict(saved):
+        return False
+    machine.load_state_dict(saved)
+    return machine.get_mode() != RerunMode.DISABLED
+
