@@ -219,4 +219,3 @@ def load_state_dict(saved) -> bool:
         return False
     machine.load_state_dict(saved)
     return machine.get_mode() != RerunMode.DISABLED
-
