@@ -9,7 +9,8 @@ Launch (4 CPU ranks, TP=2 x DP=2, Muon, DistributedOptimizer, the built-in stdli
         --num-workers 0 --tokenizer-type ByteLevelTokenizer --save /tmp/ckpt --log-interval 5
 
 Flags follow Megatron-LM (``--help`` lists them with their defaults); a bad flag exits 2 with a
-message naming it, a checkpoint that does not fit exits 1.
+message naming it, a checkpoint that does not fit exits 1; the rerun state machine exits 16
+(resume to re-run a step) or 17 (a result failed validation), as Megatron-LM.
 """
 
 import os

@@ -316,9 +316,11 @@ def nan_loss_on_rank_1(tmp):
 
 
 def launch_nan(tmp):
-    """--lr 1e4 diverges: exit 1 naming the iteration; the last good checkpoint stays latest."""
+    """--lr 1e4 diverges: exit 1 naming the iteration; the last good checkpoint stays latest.
+    With --rerun-mode disabled (the default's re-run: tests/e2e/test_rerun.py)."""
     save = os.path.join(tmp, "save")
-    proc = run(TINY + ["--lr", "1e4", "--train-iters", 8, "--save", save, "--save-interval", 2])
+    flags = ["--lr", "1e4", "--train-iters", 8, "--save", save, "--save-interval", 2]
+    proc = run(TINY + flags + ["--rerun-mode", "disabled"])
     latest = open(os.path.join(save, "latest_checkpointed_iteration.txt")).read()
     nan_at = int(proc.stderr.split("at iteration ")[1].split(":")[0])
     assert int(latest) < nan_at and int(latest) % 2 == 0, (latest, nan_at)

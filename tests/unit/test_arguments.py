@@ -303,12 +303,6 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ),
     ("--transformer-impl transformer_engine", 1, ["--transformer-impl transformer_engine"]),
     ("--sequence-parallel", 1, ["--sequence-parallel"]),
-    (
-        "--rerun-mode report_stats",
-        1,
-        ["--rerun-mode validate_results and report_stats", "disabled"],
-    ),
-    ("--rerun-mode validate_results", 1, ["no rerun state machine"]),
     ("--attention-backend flash", 1, ["--attention-backend"]),
     ("--bf16 --fp16", 1, ["--bf16 and --fp16"]),
     (
