@@ -27,7 +27,9 @@ from .cli import TINY, losses, run
 BASE = TINY + ["--train-iters", 3, "--global-batch-size", 8, "--hidden-dropout", 0.1]
 INJECT = ["--error-injection-rate", 1, "--error-injection-type"]
 NON_FATAL = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"]
-RERUN = re.compile(r"First rerun: unexpected result is (?:not )?reproducible .*?\((\S+) !?= (\S+)")
+RERUN = re.compile(
+    r"First rerun: unexpected result is (?:not )?reproducible .*?\((\S+) !?= ([^\s)]+)"
+)
 STOPPED = "rerun state machine: stopped before the update of iteration {} (exit code {})"
 
 
