@@ -27,6 +27,7 @@ modes' own traffic (NVLink) left out.
 """
 
 import argparse
+import dataclasses
 import math
 
 import torch
@@ -181,6 +182,9 @@ def project(model: str, dp: int, a) -> dict:
     unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
     # The plan a planner blind to the link would choose: shortest FLOP critical path.
     flop_only = plan.rebuilt(model=link_model.free_links())
+    # The fastest plan at least a.min_efficiency balanced (--muon-plan-min-efficiency); 0: none.
+    floor = a.min_efficiency or None
+    floored = floor and plan.rebuilt(model=dataclasses.replace(link_model, min_efficiency=floor))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
     return {
         "model": model,
@@ -198,6 +202,11 @@ def project(model: str, dp: int, a) -> dict:
         "flop_ns": ns_seconds(flop_only, rate, link, tp_link, latency),
         "flop_ns_flops": flop_only.critical_path_flops() / rate,
         "flop_efficiency": flop_only.efficiency(),
+        "floor": floor,
+        "floor_ns": floored and ns_seconds(floored, rate, link, tp_link, latency),
+        "floor_ns_flops": floored and floored.critical_path_flops() / rate,
+        "floor_efficiency": floored and floored.efficiency(),
+        "floor_comm": floored and exchange_seconds(floored, forward, back, link),
         "unsplit_ns": unsplit.critical_path_flops() / rate,
         "unsplit_efficiency": unsplit.efficiency(),
         "unsplit_comm": exchange_seconds(unsplit, forward, back, link),
@@ -211,9 +220,10 @@ def markdown(rows: list[dict]) -> str:
         "| model | TP x DP (GPUs) | buckets | model step | gangs "
         "| ours: NS (+ gang sums) + exchange | efficiency | ours overhead "
         "| FLOPs-only plan: NS (+ gang) (efficiency) | its overhead "
+        f"{_floor_head(rows)}"
         "| one owner per matrix: NS + exchange (efficiency) | its overhead "
         "| gather-everything: NS + all-gather | baseline overhead |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * _floored(rows)
     )
     lines = [head]
     for r in rows:
@@ -227,11 +237,34 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['efficiency']:.3f} | {ours / r['step']:.1%} "
             f"| {_ms(r['flop_ns_flops'])} (+ {_ms(r['flop_ns'] - r['flop_ns_flops'])}) "
             f"({r['flop_efficiency']:.3f}) | {(r['flop_ns'] + r['comm']) / r['step']:.1%} "
+            f"{_floor_cells(r)}"
             f"| {_ms(r['unsplit_ns'])} + {_ms(r['unsplit_comm'])} ({r['unsplit_efficiency']:.2f}) "
             f"| {unsplit / r['step']:.1%} "
             f"| {_ms(r['base_ns'])} + {_ms(r['base_comm'])} | {base / r['step']:.1%} |"
         )
     return "\n".join(lines)
+
+
+def _floored(rows: list[dict]) -> bool:
+    return bool(rows and rows[0]["floor"])
+
+
+def _floor_head(rows: list[dict]) -> str:
+    if not _floored(rows):
+        return ""
+    floor = rows[0]["floor"]
+    return f"| plan at efficiency >= {floor:g}: NS (+ gang) + exchange (efficiency) | its overhead "
+
+
+def _floor_cells(r: dict) -> str:
+    """The floored plan's columns (``--muon-plan-min-efficiency``), empty without a floor."""
+    if not r["floor"]:
+        return ""
+    ns, flops, comm = r["floor_ns"], r["floor_ns_flops"], r["floor_comm"]
+    return (
+        f"| {_ms(flops)} (+ {_ms(ns - flops)}) + {_ms(comm)} ({r['floor_efficiency']:.3f}) "
+        f"| {(ns + comm) / r['step']:.1%} "
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -276,6 +309,12 @@ def parse_args(argv=None):
         "--tp-mode", choices=["duplicated", "distributed", "blockwise"], default="duplicated"
     )
     parser.add_argument("--one-bucket", action="store_true", help="no --overlap-grad-reduce")
+    parser.add_argument(
+        "--min-efficiency",
+        type=float,
+        default=0.9,
+        help="also plan with this --muon-plan-min-efficiency (0: no such column)",
+    )
     parser.add_argument("--dps", type=int, nargs="+", default=list(DPS))
     return parser.parse_args(argv)
 

@@ -65,6 +65,7 @@ PLAN_RANGES = (
     ("muon_plan_tflops", "--muon-plan-tflops", *_RATE),
     ("muon_plan_dp_link_gbps", "--muon-plan-dp-link-gbps", *_GBPS),
     ("muon_plan_nvlink_gbps", "--muon-plan-nvlink-gbps", *_GBPS),
+    ("muon_plan_min_efficiency", "--muon-plan-min-efficiency", lambda v: 0 < v <= 1, "in (0, 1]"),
 )
 INFINITE_OK = ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps")
 
@@ -87,6 +88,7 @@ DISTOPT_ONLY = (
     "muon_plan_dp_link_gbps",
     "muon_plan_nvlink_gbps",
     "muon_plan_nvlink_domain",
+    "muon_plan_min_efficiency",
 )
 
 

@@ -155,6 +155,7 @@ MUON_CLI_DEFAULTS = [  # flags_core_v0.16.1.tsv, then main_muon_flags.tsv for ma
     ("muon_plan_dp_link_gbps", None),
     ("muon_plan_nvlink_gbps", None),
     ("muon_plan_nvlink_domain", None),
+    ("muon_plan_min_efficiency", None),  # ours: the fastest plan
 ]
 
 
@@ -252,6 +253,7 @@ ALIASES = [
     ("--muon-plan-nvlink-gbps 7200", "muon_plan_nvlink_gbps", 7200.0),
     ("--muon-plan-tflops 800", "muon_plan_tflops", 800.0),
     ("--muon-plan-nvlink-domain 72", "muon_plan_nvlink_domain", 72),
+    ("--muon-plan-min-efficiency 0.9", "muon_plan_min_efficiency", 0.9),
     ("--num-experts 4", "num_experts", 4),
 ]
 
@@ -276,6 +278,16 @@ ERRORS = [  # (extra flags, world size, words the message must contain)
     ("--optimizer lion", 1, ["--optimizer", "invalid choice"]),
     ("--optimizer muon --muon-tp-mode sideways", 1, ["--muon-tp-mode", "duplicated"]),
     ("--optimizer muon --muon-plan-nvlink-domain 8", 1, ["--muon-plan-nvlink-domain", "add --use"]),
+    (
+        "--optimizer muon --muon-plan-min-efficiency 0.9",
+        1,
+        ["--muon-plan-min-efficiency", "add --use"],
+    ),
+    (
+        "--optimizer muon --use-distributed-optimizer --muon-plan-min-efficiency 1.1",
+        1,
+        ["--muon-plan-min-efficiency must be in (0, 1]", "got 1.1"],
+    ),
     (
         "--optimizer muon --use-distributed-optimizer --muon-plan-tflops 0",
         1,

@@ -85,12 +85,13 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
     info = MuonParamInfo((512, 128))
     # per step X X^T (2 s^2 l), A A (2 s^3), B X (2 s^2 l); the projection uses the same count
     assert ns_cost(info, 5) == 5 * (4 * 128**2 * 512 + 2 * 128**3)
-    a = projection.parse_args([])
-    for dp in (8, 1024):
-        r = projection.project("1B", dp, a)
+    for dp, floor in ((8, "0.9"), (1024, "0")):  # a third plan, floored, at DP 8 only
+        r = projection.project("1B", dp, projection.parse_args(["--min-efficiency", floor]))
         assert r["base_ns"] / dp <= r["ns"] <= r["base_ns"]
         assert r["ns_flops"] <= r["unsplit_ns"] and 0 < r["efficiency"] <= 1
         assert r["ns"] + r["comm"] < r["base_ns"] + r["base_comm"]
+        assert ("plan at efficiency >= 0.9" in projection.markdown([r])) == (dp == 8)
+        assert r["floor_efficiency"] >= 0.9 if dp == 8 else r["floor"] is None
 
 
 LAYOUT_BUCKET = 9000  # small DDP buckets: matrices straddle shards and buckets end padded

@@ -34,6 +34,7 @@ OURS_OFF = {
     "muon_plan_dp_link_gbps": None,
     "muon_plan_nvlink_gbps": None,
     "muon_plan_nvlink_domain": None,
+    "muon_plan_min_efficiency": None,  # None: the fastest plan, however balanced
 }
 
 
@@ -125,6 +126,9 @@ BAD = [
     (dict(muon_plan_nvlink_gbps=math.nan), ["muon_plan_nvlink_gbps", ">= 0.001"]),
     (dict(muon_plan_nvlink_domain=0), ["muon_plan_nvlink_domain", "int >= 1"]),
     (dict(muon_plan_nvlink_domain=8.0), ["muon_plan_nvlink_domain", "int >= 1"]),
+    (dict(muon_plan_min_efficiency=0.0), ["muon_plan_min_efficiency", "a number in (0, 1]"]),
+    (dict(muon_plan_min_efficiency=1.5), ["muon_plan_min_efficiency", "(0, 1]"]),
+    (dict(muon_plan_min_efficiency=math.nan), ["muon_plan_min_efficiency", "(0, 1]"]),
     # matched RMS fixes the scale: combining it with upstream's scale knobs is ambiguous
     # giving both scale rules explicitly is an error: two rules for one number
     (
@@ -157,6 +161,7 @@ GOOD = [
     dict(muon_coefficient_type="polar_express", muon_fp32_matmul_prec="highest"),
     dict(muon_distopt_exchange_dtype="bf16", muon_momentum=0.0, muon_num_ns_steps=1),
     dict(muon_plan_tflops=800.0, muon_plan_dp_link_gbps=math.inf, muon_plan_nvlink_domain=72),
+    dict(muon_plan_min_efficiency=1.0),
 ]
 
 

@@ -178,6 +178,32 @@ def test_the_chosen_plan_is_the_fastest_at_the_planning_link(plan_1b_dp256, flop
     assert flops_only.critical_path_flops() <= chosen.critical_path_flops()
 
 
+def test_an_efficiency_floor_picks_the_fastest_plan_that_reaches_it(
+    plan_1b_dp256, flops_only_1b_dp256
+):
+    """``--muon-plan-min-efficiency 0.9``: where the fastest plan is less balanced (1B at DP
+    256, nodes unknown: ~0.67), the planner takes the fastest candidate at >= 0.9 counted FLOP
+    efficiency; it is slower than the fastest and no slower than the FLOPs-only plan. A floor
+    no candidate reaches (1.0 here) still gets the best balanced one."""
+    rate, link, tp_link = 0.4 * 990e12, 50e9, 450e9
+
+    def seconds(plan):
+        ns = projection.ns_seconds(plan, rate, link, tp_link)
+        return ns + projection.exchange_seconds(plan, 4, 4, link)
+
+    def floored(floor):
+        model = dataclasses.replace(plan_1b_dp256.model, min_efficiency=floor)
+        return plan_1b_dp256.rebuilt(model=model)
+
+    fastest, flops_only, floor = plan_1b_dp256, flops_only_1b_dp256, floored(0.9)
+    assert fastest.efficiency() < 0.9 <= floor.efficiency()
+    assert (
+        seconds(fastest) < seconds(floor) <= seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
+    )
+    best = floored(1.0)
+    assert best.efficiency() < 1.0 and best.critical_path_flops() <= floor.critical_path_flops()
+
+
 def test_a_gang_splits_its_polynomial_where_it_saves_time():
     """Tall fc1 of 8B (28672 x 4096) over 8 members: splitting saves FLOPs, so with a free link
     it splits; with a slow link the gather of the 4096^2 polynomial costs more than it saves."""

@@ -44,6 +44,8 @@ DEFAULT_MATCHED_ADAMW_RMS: Optional[float] = None
 DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
 # The DistOpt Muon planner's machine (``muon_split.PlanLinks``): None, the built-in H100-class one.
 DEFAULT_PLAN_FIGURE = None
+# Ours, off: the DistOpt Muon planner picks the fastest plan, however balanced in FLOPs.
+DEFAULT_PLAN_MIN_EFFICIENCY = None
 DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / (||X||_F + eps)
 
 
@@ -131,7 +133,7 @@ def validate_muon_config(config) -> None:
 
 def _validate_plan(config) -> None:
     """The planner's machine: a rate in (0, ``MAX_PLAN_TFLOPS``], bandwidths of at least
-    ``MIN_PLAN_GBPS`` (inf: a free link), a domain of GPUs."""
+    ``MIN_PLAN_GBPS`` (inf: a free link), a domain of GPUs; an efficiency floor in (0, 1]."""
     rate = config.muon_plan_tflops
     ok = rate is None or (_is_number(rate) and 0 < rate <= MAX_PLAN_TFLOPS)
     _require(ok, "muon_plan_tflops", rate, f"be None or a number in (0, {MAX_PLAN_TFLOPS:g}]")
@@ -142,6 +144,9 @@ def _validate_plan(config) -> None:
     domain = config.muon_plan_nvlink_domain
     ok = domain is None or (isinstance(domain, int) and not isinstance(domain, bool) and domain > 0)
     _require(ok, "muon_plan_nvlink_domain", domain, "be None or an int >= 1 (GPUs)")
+    floor = config.muon_plan_min_efficiency
+    ok = floor is None or (_is_number(floor) and 0 < floor <= 1)
+    _require(ok, "muon_plan_min_efficiency", floor, "be None or a number in (0, 1]")
 
 
 def _is_number(value) -> bool:

@@ -864,7 +864,7 @@ def attach(
         exchange_dtype: the exchange's dtype where NS does not set it, in ``EXCHANGE_DTYPES``
             ("fp32", "bf16"; ``exchange_dtypes``).
         window: Muon elements per exchange; None: one exchange per DP group.
-        links: the machine the planner assumes (``muon_split.PlanLinks``).
+        links: the machine the planner assumes and its efficiency floor (``muon_split.PlanLinks``).
     """
     specs = muon.ortho_specs()
     if len(specs) > 1:
@@ -879,7 +879,9 @@ def attach(
     forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
     sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
     model = dataclasses.replace(
-        cost_model(muon.orthogonalizer, steps, *sizes), **links.link_costs()
+        cost_model(muon.orthogonalizer, steps, *sizes),
+        **links.link_costs(),
+        min_efficiency=links.min_efficiency or 0.0,
     )
     if distopt.buffers:  # gangs within a node, or spread evenly over nodes, ring over NVLink
         group = distopt.buffers[0].data_parallel_group

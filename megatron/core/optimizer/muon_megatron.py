@@ -321,6 +321,7 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
             config.muon_plan_dp_link_gbps,
             config.muon_plan_nvlink_gbps,
             config.muon_plan_nvlink_domain,
+            config.muon_plan_min_efficiency,
         ),
         param_info=infos,
         orthogonalizer=TPOrthogonalizer(

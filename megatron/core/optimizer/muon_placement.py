@@ -21,7 +21,9 @@ twice, with the model's link cost and with free links (``_shapers``). Each is ti
 their collectives in flight on a communication thread, every gang collective at the model's
 link cost, plus the all-to-all's busiest rank), "no splits" included; among those within
 ``TIME_SLACK`` (2%) of the shortest, the one shortest in FLOPs wins (the link time is a model,
-the FLOPs are exact). The link cost is a planning assumption (``muon_split.PlanLinks``,
+the FLOPs are exact); a floor on the counted FLOP efficiency (``NSCostModel.min_efficiency``,
+``--muon-plan-min-efficiency``) first drops the candidates below it (all but the best balanced
+where none reaches it). The link cost is a planning assumption (``muon_split.PlanLinks``,
 H100-class unless set); it only chooses among exact plans, and a free link (0) gives the plan
 shortest in FLOPs.
 """
@@ -73,7 +75,8 @@ def assign_units(
     of at most ``n`` matrices for each ``n`` in ``bundles`` (``bundle_units``); among those whose
     critical path (gang collectives charged at the model's link cost, ``span``) is within
     ``TIME_SLACK`` of the shortest, the one with the shortest FLOP critical path (the better
-    balanced) wins, the first on ties.
+    balanced) wins, the first on ties. With ``model.min_efficiency`` only the candidates at
+    least that balanced take part (``_balanced_enough``).
 
     Args:
         works: the Muon matrices of one exchange, as the planner sees them.
@@ -93,12 +96,23 @@ def assign_units(
         candidates += [_assign(works, world, shape, f * total / max(world, 1)) for f in targets]
         candidates += [bundle_units(works, world, shape, n) for n in bundles]
     timed = [(span(works, *c, world, model), c) for c in candidates if c is not None]
+    if model is not None and model.min_efficiency:
+        timed = _balanced_enough(timed, works, world, model, total / max(world, 1))
     fastest = min(length for length, _ in timed)
     if model is None:
         return next(c for length, c in timed if length == fastest)
     near = [c for length, c in timed if length <= fastest * (1 + TIME_SLACK)]
     flops = [span(works, *c, world, model, link=False) for c in near]
     return near[flops.index(min(flops))]  # the first of the best balanced
+
+
+def _balanced_enough(timed: list, works: list[Work], world: int, model, ideal: float) -> list:
+    """The timed candidates whose counted FLOP efficiency (``ideal`` over their FLOP critical
+    path) reaches ``model.min_efficiency`` (``--muon-plan-min-efficiency``); where none does,
+    the best balanced alone, so a floor out of reach still gets the closest plan."""
+    flops = [span(works, *c, world, model, link=False) for _, c in timed]
+    enough = [pair for pair, f in zip(timed, flops) if ideal >= model.min_efficiency * f]
+    return enough or [timed[flops.index(min(flops))]]
 
 
 def span(works: list[Work], units, gangs: list[int], world: int, model, link=True) -> float:

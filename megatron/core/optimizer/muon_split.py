@@ -53,12 +53,14 @@ TP_LINK_FLOPS_PER_BYTE = 0.4 * 990e12 / 450e9
 @dataclass(frozen=True)
 class PlanLinks:
     """The machine the planner weighs gang collectives and the exchange on (``--muon-plan-*``);
-    None: the H100-class default above. Only the choice among exact plans depends on it."""
+    None: the H100-class default above. Only the choice among exact plans depends on it, and on
+    ``min_efficiency``: a floor on the plan's counted NS FLOP efficiency (None: the fastest)."""
 
     tflops: Optional[float] = None  # achieved matmul TFLOP/s per GPU (default 396)
     dp_link_gbps: Optional[float] = None  # per GPU and direction between nodes (default 400)
     nvlink_gbps: Optional[float] = None  # per GPU and direction inside a node (default 3600)
     nvlink_domain: Optional[int] = None  # GPUs sharing NVLink (default: those on one host)
+    min_efficiency: Optional[float] = None  # the fastest plan at least this balanced
 
     def link_costs(self) -> dict:
         """``NSCostModel``'s ``link_flops_per_byte`` and ``tp_link_flops_per_byte`` for these
@@ -208,6 +210,9 @@ class NSCostModel:
     # The latency of one ring step (a send to the next member and a receive from the previous),
     # in matmul FLOPs; 0: collectives cost their bytes only.
     step_latency_flops: float = 0.0
+    # Planning only: the least counted NS FLOP efficiency (ideal / FLOP critical path) the
+    # chosen plan must reach where a candidate does (else the best balanced); 0: the fastest.
+    min_efficiency: float = 0.0
 
     def ring_bytes(self, members: tuple, elements: int) -> tuple[float, float]:
         """Bytes a member sends (and as many receives) in one gang collective, as rings move
