@@ -202,6 +202,8 @@ def test_an_efficiency_floor_picks_the_fastest_plan_that_reaches_it(
     )
     best = floored(1.0)
     assert best.efficiency() < 1.0 and best.critical_path_flops() <= floor.critical_path_flops()
+    assert "(below the floor 1, which no plan reaches: the best balanced)" in best.summary()
+    assert "below the floor" not in floor.summary()
 
 
 def test_a_gang_splits_its_polynomial_where_it_saves_time():

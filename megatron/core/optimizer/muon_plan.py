@@ -376,7 +376,8 @@ class MuonExchangePlan:
     def summary(self) -> str:
         """The plan in one line, for the training log: its matrices, DP ranks (and nodes, where
         known), exchanges, which matrices split over gangs of how many ranks, the counted NS
-        FLOP efficiency and the sync points per step.
+        FLOP efficiency (and where it stays below the efficiency floor, that no plan reaches it)
+        and the sync points per step.
 
         Returns:
             One line of text.
@@ -389,8 +390,17 @@ class MuonExchangePlan:
         return (
             f"Muon exchange plan: {len(self.matrices)} matrices, {where}, "
             f"{len(self.exchanges)} exchange(s), {gangs}{self._unsplittable()}; NS FLOP "
-            f"efficiency {self.efficiency():.3f}, {self.sync_points()} sync points per step"
+            f"efficiency {self.efficiency():.3f}{self._short_of_floor()}, "
+            f"{self.sync_points()} sync points per step"
         )
+
+    def _short_of_floor(self) -> str:
+        """For the summary: where the efficiency floor (``--muon-plan-min-efficiency``) was out
+        of reach, say so (the planner then kept the best balanced plan). Empty otherwise."""
+        floor = self.model.min_efficiency if self.model is not None else 0.0
+        if not floor or self.efficiency() >= floor:
+            return ""
+        return f" (below the floor {floor:g}, which no plan reaches: the best balanced)"
 
     def _unsplittable(self) -> str:
         """Why some matrices cannot split over DP, for the summary: a TP-sharded matrix splits
