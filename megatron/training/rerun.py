@@ -15,8 +15,8 @@
                                               of the checked values are logged every 2 steps
     --rerun-mode disabled                     no re-run; a spiky loss or large grads only warn
 
-``--error-injection-rate N`` makes one rank in N reject a checked result (from the second step
-on, as the machine validates nothing before a first optimizer step) and
+``--error-injection-rate N`` makes one rank in N reject a checked result (from the process's
+second step on: the machine validates nothing before its first optimizer step) and
 ``--error-injection-type`` decides what its re-runs see. Every decision is an all-reduce over
 all ranks inside the machine, so every rank re-runs, saves and exits together.
 """
