@@ -74,10 +74,11 @@ def test_fatal_transient_fault_saves_and_exits_17(tmp_path):
 
 def test_a_real_nan_reruns_reproduces_and_exits_16_with_a_checkpoint(tmp_path):
     """The default (validate_results, --check-for-nan-in-loss-and-grad): a diverging run's NaN
-    is reproduced on the re-run; the checkpoint before that step holds the machine's state."""
+    is reproduced on the re-run; the checkpoint before that step holds the machine's state.
+    Saved every step, --save-retain-interval 2 keeps the even ones and the latest."""
     save = str(tmp_path / "save")
     extra = ["--lr", "1e4", "--train-iters", 8, "--save", save, "--ckpt-format", "torch"]
-    proc = run(TINY + extra)
+    proc = run(TINY + extra + ["--save-interval", 1, "--save-retain-interval", 2])
     assert proc.returncode == 16, _output(proc)[-3000:]
     failed = int(re.search(r"stopped before the update of iteration (\d+)", proc.stdout)[1])
     assert re.search(r"found (NaN|Inf) in local", proc.stderr)
@@ -85,6 +86,8 @@ def test_a_real_nan_reruns_reproduces_and_exits_16_with_a_checkpoint(tmp_path):
     latest = checkpointing.read_tracker(save)
     assert latest == failed - 1
     assert os.path.isfile(checkpointing.rerun_file(checkpointing.checkpoint_dir(save, latest), 0))
+    kept = {int(n[len("iter_") :]) for n in os.listdir(save) if n.startswith("iter_")}
+    assert kept == {i for i in range(1, failed) if i % 2 == 0} | {latest}, (kept, failed)
 
 
 def _moved_to_another_node(folder: str) -> None:
