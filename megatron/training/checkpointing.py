@@ -64,6 +64,7 @@ MODEL_SHAPE = (
     ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
     ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
     ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
     ("expert_model_parallel_size", "--expert-model-parallel-size"),
 )
 OPTIMIZER_SHAPE = (

@@ -10,7 +10,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.training import cpu_mode
 
-from . import pipeline_split
+from . import pipeline_layout, pipeline_split
 from .arguments import FLAGS
 
 
@@ -61,6 +61,8 @@ def virtual_pipeline_size(args):
     """Model chunks per pipeline rank, None without interleaving: one chunk per rank is the
     plain schedule, as Megatron-LM sets it (megatron-core's interleaved schedule with one chunk
     fails at the first step)."""
+    if pipeline_layout.given(args):
+        return pipeline_layout.virtual_size(args)
     if args.num_virtual_stages_per_pipeline_rank is not None:
         size = args.num_virtual_stages_per_pipeline_rank
     elif args.num_layers_per_virtual_pipeline_stage is not None:

@@ -56,7 +56,9 @@ _UNEVEN = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-lay
 
 RULES = (
     (
-        lambda a: not uneven(a) and split_layers(a) % a.pipeline_model_parallel_size,
+        lambda a: not uneven(a)
+        and a.pipeline_model_parallel_layout is None  # the layout places every layer itself
+        and split_layers(a) % a.pipeline_model_parallel_size,
         lambda a: f"{_even_what(a)} must be divisible by --pipeline-model-parallel-size "
         f"({a.pipeline_model_parallel_size}), or set {_UNEVEN}",
     ),

@@ -14,7 +14,7 @@ import torch
 
 from megatron.core.optimizer.muon_config import MAX_PLAN_TFLOPS, MIN_PLAN_GBPS
 
-from . import pipeline_split, profiling, rerun
+from . import pipeline_layout, pipeline_split, profiling, rerun
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
 REQUIRED = (
@@ -866,6 +866,9 @@ def validate_args(args) -> None:
     _apply_data_args_files(args)
     _derive(args)
     _check_rules(args, RULES)
+    if pipeline_layout.given(args):  # before the split's rules: a conflict is named as such
+        _check_rules(args, pipeline_layout.RULES)
+        args.notices.append(pipeline_layout.notice(args))
     _check_rules(args, pipeline_split.RULES)
     _check_rules(args, profiling.RULES)
     _check_rules(args, rerun.RULES)

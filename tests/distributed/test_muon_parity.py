@@ -15,6 +15,8 @@ from parity import assert_close_runs, update_rel_error
 from tiny_gpt import TinyGPT, build_model, shard, train, unshard
 
 from megatron.core.optimizer.muon_functional import MuonParamInfo
+from megatron.training.arguments import parse_args
+from megatron.training.core_configs import transformer_config
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -22,7 +24,9 @@ STEPS = 3
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
 
 # Tolerance on parity.update_rel_error (||got - ref|| / ||ref - initial||). Measured: TP2 both
-# exact modes ~7e-6, DP2 ~5e-6, PP2 0, TP2xPP2xDP2 ~7e-6; blockwise vs exact ~0.7. TP and DP
+# exact modes ~7e-6, DP2 ~5e-6, PP2 0, TP2xPP2xDP2 ~7e-6, the layouts of
+# --pipeline-model-parallel-layout 0 (PP3) and ~5e-6 (PP2 x 2 virtual stages x DP2, DistOpt);
+# blockwise vs exact ~0.7. TP and DP
 # only reorder fp32 sums (~1e-7 relative on gradients); Muon's update is a smooth function of
 # the momentum (no sign flips as in Adam's first steps), and NS's small-singular-value gain
 # (a^k = 3.4445^5 ~ 500 at most) bounds the amplification. 1e-4 leaves >10x margin over the
@@ -30,6 +34,20 @@ MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
 TOL = 1e-4
 LOSS_RTOL = 1e-5
 WRONG = 100 * TOL  # a broken exchange must miss the reference by at least this
+CLI = (  # TinyGPT's shape, as pretrain_gpt.py flags
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-2 --mock-data"
+)
+
+
+def cli_spec(layout: str, pp: int, world_size: int | None = None) -> TinyGPT:
+    """The tiny GPT with the pipeline fields ``pretrain_gpt.py`` sets for this layout: the
+    parsed layout and, with virtual stages, the send/recv settings (core_configs.pipeline_p2p)."""
+    flags = f"{CLI} --pipeline-model-parallel-size {pp} --pipeline-model-parallel-layout {layout}"
+    config = transformer_config(parse_args(flags.split(), world_size=world_size or pp))
+    names = ("pipeline_model_parallel_layout", "overlap_p2p_comm", "batch_p2p_comm")
+    return TinyGPT(extra={name: getattr(config, name) for name in names})
+
 
 FIRST1 = {"num_layers_in_first_pipeline_stage": 1}
 LAST1 = {"num_layers_in_last_pipeline_stage": 1}
@@ -43,12 +61,30 @@ LAYOUTS = {
     # uneven stages (--decoder-first/last-pipeline-num-layers): layers 1 | 3, and 1 | 2 | 1
     "pp2_first1_dp2_distopt": dict(world_size=4, pp=2, spec=TinyGPT(extra=FIRST1), distopt=True),
     "pp3_first1_last1": dict(world_size=3, pp=3, spec=TinyGPT(extra={**FIRST1, **LAST1})),
+    # --pipeline-model-parallel-layout: the loss alone on the last stage (layers 1 | 3 | 0); the
+    # embedding alone on a virtual stage, layers 0 1 | 2 1 over PP2 x 2 virtual stages, DistOpt
+    "pp3_layout_loss_stage": dict(world_size=3, pp=3, spec=cli_spec("Et|ttt|L", pp=3)),
+    "pp2_vpp2_layout_dp2_distopt": dict(
+        world_size=4, pp=2, vpp=2, spec=cli_spec("E|tt|t|tL", pp=2, world_size=4), distopt=True
+    ),
+}
+STAGES = {  # each rank's model chunks, spelt as the layout spells a stage
+    "pp2_first1_dp2_distopt": [["Et"]] * 2 + [["tttL"]] * 2,
+    "pp3_first1_last1": [["Et"], ["tt"], ["tL"]],
+    "pp3_layout_loss_stage": [["Et"], ["ttt"], ["L"]],
+    "pp2_vpp2_layout_dp2_distopt": [["E", "t"]] * 2 + [["tt", "tL"]] * 2,
 }
 
 
-def run_layout(world_size, tp=1, pp=1, spec=None, **kwargs):
+def run_layout(world_size, tp=1, pp=1, vpp=None, spec=None, **kwargs):
     return run_distributed(
-        train, world_size, tp=tp, pp=pp, args=(spec or TinyGPT(), STEPS), kwargs={**MUON, **kwargs}
+        train,
+        world_size,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        args=(spec or TinyGPT(), STEPS),
+        kwargs={**MUON, **kwargs},
     )
 
 
@@ -68,18 +104,21 @@ def test_muon_layout_matches_one_process(layout):
     assert all((ref[k] - initial[k]).norm() > 0 for k in errors)
 
 
-def _stage_layers(spec: TinyGPT) -> int:
-    return len(build_model(spec)[0].module.decoder.layers)
+def _stages(spec: TinyGPT) -> list[str]:
+    """This rank's chunks as built: E where it holds the embedding, t per layer, L the loss."""
+    built = [chunk.module for chunk in build_model(spec)]
+    return ["E" * m.pre_process + "t" * len(m.decoder.layers) + "L" * m.post_process for m in built]
 
 
-def test_uneven_layouts_build_uneven_stages():
+@pytest.mark.parametrize("name", STAGES)
+def test_uneven_layouts_build_uneven_stages(name):
     """The uneven layouts above are what they say (an even split would match one process too)."""
-    for name, counts in (("pp2_first1_dp2_distopt", [1, 1, 3, 3]), ("pp3_first1_last1", [1, 2, 1])):
-        layout = LAYOUTS[name]
-        got = run_distributed(
-            _stage_layers, layout["world_size"], pp=layout["pp"], args=(layout["spec"],)
-        )
-        assert got == counts, name
+    layout = LAYOUTS[name]
+    args = (layout["world_size"],)
+    got = run_distributed(
+        _stages, *args, pp=layout["pp"], vpp=layout.get("vpp"), args=(layout["spec"],)
+    )
+    assert got == STAGES[name]
 
 
 # ----------------------------------------------------------------- blockwise: TP-local Muon

@@ -32,12 +32,14 @@ def _resume_from(save: str, iteration: int, into: str) -> str:
 LAYOUTS = [  # (name, ranks, flags, checkpoint format)
     ("adam-tp2", 2, "--optimizer adam --tensor-model-parallel-size 2", "torch_dist"),
     # with a Multi-Token Prediction layer on the last stage: its weights, loss and grads resume;
-    # uneven stages (layers 1 | 2), the split recorded in the checkpoint
+    # uneven stages from --pipeline-model-parallel-layout, recorded in the checkpoint: the
+    # embedding alone, then layers 1 | 1 1 over 2 virtual stages (--decoder-first-pipeline-*
+    # reach the same model-building path: test_arguments.py, test_muon_parity.py)
     (
-        "muon-pp2-uneven-mtp",
+        "muon-pp2-layout-vpp-mtp",
         2,
         MUON + " --pipeline-model-parallel-size 2 --mtp-num-layers 1 --num-layers 3 "
-        "--decoder-first-pipeline-num-layers 1",
+        "--pipeline-model-parallel-layout E|t|t|tmL",
         "torch",
     ),
     ("muon-tp2", 2, MUON + " --tensor-model-parallel-size 2", "torch_dist"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.transformer.enums import LayerType
 
 from megatron.core.optimizer import OptimizerConfig
 from megatron.training import arguments
@@ -431,6 +432,29 @@ SILENT_VPP = [
 ]
 ERRORS += SILENT_VPP
 
+LAYOUT, PP2 = "--pipeline-model-parallel-layout", "--pipeline-model-parallel-size 2"
+LAYOUT_ERRORS = [  # refused as Megatron-LM / megatron-core refuse them, naming the flags
+    (f"{PP2} {LAYOUT} E|tt|t|tL --num-virtual-stages-per-pipeline-rank 2", 2, [LAYOUT, "give one"]),
+    (f"{PP2} {LAYOUT} Et|tttL --num-layers-per-virtual-pipeline-stage 2", 2, [LAYOUT, "give one"]),
+    (f"{PP2} {LAYOUT} Et|tttL {FIRST} 1", 2, [LAYOUT, FIRST, "give one"]),
+    (f"{PP2} {LAYOUT} Et|tttL --account-for-loss-in-pipeline-split", 2, [LAYOUT, "-loss-in-"]),
+    (f"{PP2} {LAYOUT} Et|tt|tL", 2, [LAYOUT, "lists 3 stage(s)", "multiple of"]),
+    (f"{LAYOUT} Ett|ttL", 1, [LAYOUT, "needs --pipeline-model-parallel-size >= 2"]),
+    (f"{PP2} {LAYOUT} Ex|tttL", 2, [LAYOUT, "Invalid layer character: x"]),
+    (f"{PP2} {LAYOUT} Et|ttL", 2, [LAYOUT, "Number of decoder layers 3", "--num-layers 4"]),
+    (f"{PP2} {LAYOUT} tE|tttL", 2, [LAYOUT, "The first layer must be embedding"]),
+    (f"{PP2} {LAYOUT} Et|tLtt", 2, [LAYOUT, "The last layer must be loss"]),
+    (f"{PP2} {LAYOUT} Et|tttmL", 2, [LAYOUT, "mtp layers", "--mtp-num-layers None"]),
+    (f"{PP2} {LAYOUT} Etm|tttL --mtp-num-layers 1", 2, [LAYOUT, "before MTP"]),
+    (f"{PP2} {LAYOUT} E|tt|ttm|L --mtp-num-layers 1", 2, [LAYOUT, "off the last pipeline rank"]),
+    (  # 2 micro-batches: the interleaved schedule the layout's 4 stages give needs a multiple of 2
+        f"{PP2} {LAYOUT} E|tt|t|tL --global-batch-size 2",
+        2,
+        ["--global-batch-size 2", "interleaved", "multiple of --pipeline-model-parallel-size"],
+    ),
+]
+ERRORS += LAYOUT_ERRORS
+
 if not torch.cuda.is_available():  # on GPUs recomputation runs
     ERRORS.append(("--recompute-granularity full", 1, ["--recompute-granularity", "CUDA"]))
 
@@ -654,6 +678,45 @@ def test_a_checkpoint_of_another_pipeline_split_is_refused():
     other = parse(f"--pipeline-model-parallel-size 2 {FIRST} 2", 2)
     with pytest.raises(checkpointing.CheckpointError, match=f"{FIRST}: checkpoint 1, this run 2"):
         checkpointing.check_compatible(other, saved, "ckpt")
+
+
+@pytest.mark.parametrize(
+    "layout, world_size, virtual, first, built",
+    [  # built: decoder layers per (pipeline rank, virtual stage)
+        ("Et|ttt|L", 3, None, 1, [[1], [3], [0]]),
+        ("E|tt|t|tL", 2, 2, None, [[0, 1], [2, 1]]),
+        ("EttttL", 1, None, None, [[4]]),
+    ],
+)
+def test_pipeline_layout_reaches_the_transformer_config(layout, world_size, virtual, first, built):
+    """The layout fills megatron-core's field (which builds the stages: test_muon_parity.py),
+    its stage count sets the virtual pipeline, and it is printed once at start-up."""
+    from megatron.training.core_configs import transformer_config
+
+    pp = f"--pipeline-model-parallel-size {world_size}"
+    args = parse(f"{pp} --global-batch-size 4 {LAYOUT} {layout}", world_size)
+    config = transformer_config(args)
+    assert config.virtual_pipeline_model_parallel_size == args.virtual_pipeline_size == virtual
+    assert config.num_layers_in_first_pipeline_stage is None  # the layout alone splits
+    counts = config.pipeline_model_parallel_layout.layout
+    assert [[stage.count(LayerType.decoder) for stage in rank] for rank in counts] == built
+    assert any(n.startswith(f"{LAYOUT} places the layers") for n in args.notices)
+
+
+def test_a_checkpoint_of_another_pipeline_layout_is_refused():
+    """A resume must keep the layout (torch-format files hold each stage's layers)."""
+    from megatron.training import checkpointing
+
+    args = parse(f"{PP2} {LAYOUT} Et|tttL", 2)
+    saved = checkpointing._saved_args(args)
+    checkpointing.check_compatible(args, saved, "ckpt")  # the same layout loads
+    other = parse(f"{PP2} {LAYOUT} Ett|ttL", 2)
+    with pytest.raises(
+        checkpointing.CheckpointError, match=re.escape(f"{LAYOUT}: checkpoint 'Et|tttL'")
+    ):
+        checkpointing.check_compatible(other, saved, "ckpt")
+    with pytest.raises(checkpointing.CheckpointError, match=f"{FIRST}: checkpoint None"):
+        checkpointing.check_compatible(parse(f"{PP2} {FIRST} 1", 2), saved, "ckpt")
 
 
 PROFILE = "--profile --use-pytorch-profiler --tensorboard-dir tb"
