@@ -10,6 +10,11 @@ group, scaled by 1 / micro-batches and averaged over the MoE layers (MTP layers 
 megatron-core's own reduction averages with ``ReduceOp.AVG``, which gloo lacks: here a SUM over
 the group's size. Every rank joins (zeros on a stage without MoE layers); the tracker is zeroed
 before each step, so evaluations in between add nothing.
+
+With --moe-per-layer-logging also each layer's figure, as megatron-core's ``track_moe_metrics``
+writes it: ``moe/<name>_layer_<i>`` = that layer's reduced loss / micro-batches, for every layer
+of the tracker (decoder layers, then MTP's; 0 on a dense layer), kept for TensorBoard
+(``per_layer_figures``, written every step as upstream writes them).
 """
 
 import torch
@@ -39,9 +44,18 @@ def track_names(args) -> list:
     return names + (["z_loss"] if args.moe_z_loss_coeff is not None else [])
 
 
+_PER_LAYER: dict = {}  # the last step's --moe-per-layer-logging figures
+
+
 def start_step() -> None:
     """Zero the tracker: the next step's forwards alone fill it."""
     clear_aux_losses_tracker()
+    _PER_LAYER.clear()
+
+
+def per_layer_figures() -> dict:
+    """{``moe/<name>_layer_<i>``: value} of the step just run ({} without the flag)."""
+    return dict(_PER_LAYER)
 
 
 def moe_losses(args, num_microbatches: int, device) -> dict:
@@ -55,11 +69,18 @@ def moe_losses(args, num_microbatches: int, device) -> dict:
         entry = tracker.setdefault(name, {})
         if "values" not in entry:  # no MoE layer here: join the reductions with zeros
             entry.update(values=torch.zeros(layers, device=device), reduce_group=None)
-        total = _reduced(entry).sum().item() / (num_microbatches * _moe_layers(args))
+        reduced = _reduced(entry)
+        total = reduced.sum().item() / (num_microbatches * _moe_layers(args))
         if total > 0.0:  # Megatron-LM prints a loss only where it is positive
             out[name] = total
+        if args.moe_per_layer_logging:
+            _PER_LAYER.update(_layer_figures(name, reduced / num_microbatches))
     clear_aux_losses_tracker()
     return out
+
+
+def _layer_figures(name: str, values: torch.Tensor) -> dict:
+    return {f"moe/{name}_layer_{i}": v for i, v in enumerate(values.tolist())}
 
 
 def _reduced(entry: dict) -> torch.Tensor:

@@ -4,7 +4,8 @@ Every --tensorboard-log-interval steps (TensorBoard, last rank): this step's ``l
 ``batch-size``, losses (``lm loss``), ``loss-scale`` (unless --no-log-loss-scale-to-tensorboard),
 ``world-size`` (--log-world-size-to-tensorboard), ``grad-norm``, ``num-zeros``, ``params-norm``,
 each also against consumed samples (``<tag> vs samples``), ``mem-*`` (--log-memory-to-tensorboard,
-``log_memory.py``) and ``max_attention_logit``.
+``log_memory.py``) and ``max_attention_logit``. Every step, as upstream: ``moe/<loss>_layer_<i>``
+(--moe-per-layer-logging, ``moe_log.py``).
 
 Every --log-interval steps (all ranks join: timers, params norm and Muon figures are
 collectives): the console line (``log.training_line``), then the timers' report
@@ -18,7 +19,7 @@ import math
 
 from megatron.core import parallel_state
 
-from . import log_figures, log_memory, muon_figures
+from . import log_figures, log_memory, moe_log, muon_figures
 from .flops import flops_per_iteration
 from .log import IntervalStats, TensorBoard, print_rank_last, throughput, training_line
 from .schedule import learning_rates
@@ -97,6 +98,8 @@ class TrainingLog:
         losses, skipped, (grad_norm, num_zeros), max_logit = step
         self.stats.add(losses, skipped, max_logit)
         args, it = self.args, state.iteration
+        # --moe-per-layer-logging: every step, as megatron-core's track_moe_metrics writes them
+        self.tb.scalars(moe_log.per_layer_figures(), it)
         to_tb = bool(args.tensorboard_dir) and it % args.tensorboard_log_interval == 0
         to_console = it % args.log_interval == 0
         if not (to_tb or to_console):

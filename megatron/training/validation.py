@@ -78,6 +78,7 @@ TENSORBOARD_ONLY = (
     ("log_loss_scale_to_tensorboard", "--no-log-loss-scale-to-tensorboard"),
     ("tensorboard_log_interval", "--tensorboard-log-interval"),
     ("tensorboard_queue_size", "--tensorboard-queue-size"),
+    ("moe_per_layer_logging", "--moe-per-layer-logging"),
 )
 
 
@@ -370,6 +371,10 @@ RULES = (
     (
         lambda a: a.expert_model_parallel_size > 1 and a.num_experts is None,
         lambda a: "--expert-model-parallel-size > 1 needs --num-experts",
+    ),
+    (
+        lambda a: a.moe_per_layer_logging and a.num_experts is None,
+        lambda a: "--moe-per-layer-logging logs the MoE routers' losses: it needs --num-experts",
     ),
     (
         lambda a: a.expert_model_parallel_size > 1

@@ -64,7 +64,8 @@ RECIPES = [
         "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
         "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-ffn-hidden-size 32 "
         "--moe-shared-expert-intermediate-size 32 --moe-router-dtype fp32 "
-        "--moe-z-loss-coeff 1e-3 --grad-reduce-in-bf16 --num-layers 2 --hidden-size 32 "
+        "--moe-z-loss-coeff 1e-3 --moe-per-layer-logging --grad-reduce-in-bf16 --num-layers 2 "
+        "--hidden-size 32 "
         "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 "
         "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity "
         "--num-attention-heads 4 --position-embedding-type rope --swiglu --normalization RMSNorm "
@@ -75,8 +76,10 @@ RECIPES = [
 
 
 @pytest.mark.parametrize("name, nproc, flags", RECIPES, ids=[r[0] for r in RECIPES])
-def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
+def test_megatron_lm_shaped_recipe_trains_with_muon(tmp_path, name, nproc, flags):
     args = f"{TINY_DATA} {LOGGING} {MUON} {flags}".split()
+    if "--moe-per-layer-logging" in flags:  # its figures go to TensorBoard only, every step
+        args += ["--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "2"]
     proc = run(args, nproc=nproc)
     table = losses(proc)
     total = int(re.findall(r"iteration\s+\d+/\s*(\d+)", proc.stdout)[-1])
@@ -94,3 +97,22 @@ def test_megatron_lm_shaped_recipe_trains_with_muon(name, nproc, flags):
         for name in ("load_balancing_loss", "z_loss"):
             values = [float(v) for v in re.findall(rf"\| {name}: (\S+) \|", proc.stdout)]
             assert len(values) == total and all(0 < v < 10 for v in values), (name, values)
+    if "--moe-per-layer-logging" in flags:
+        _check_per_layer(str(tmp_path / "tb"), proc.stdout, layers=3)  # 2 layers + 1 MTP
+
+
+def _check_per_layer(tb: str, stdout: str, layers: int) -> None:
+    """Each step's moe/<name>_layer_<i> scalars (every step, as upstream: the other scalars
+    follow --tensorboard-log-interval 2) average to the figure the console printed."""
+    from .test_train import _tensorboard_scalars
+
+    scalars = _tensorboard_scalars(tb)
+    assert [step for step, _ in scalars["lm loss"]] == [2, 4]
+    for name in ("load_balancing_loss", "z_loss"):
+        printed = [float(v) for v in re.findall(rf"\| {name}: (\S+) \|", stdout)]
+        tags = [f"moe/{name}_layer_{i}" for i in range(layers)]
+        assert f"moe/{name}_layer_{layers}" not in scalars and all(t in scalars for t in tags)
+        assert all([s for s, _ in scalars[t]] == [1, 2, 3, 4] for t in tags)
+        per_step = zip(*(scalars[t] for t in tags))
+        means = [sum(v for _, v in step) / layers for step in per_step]
+        assert means == pytest.approx(printed, rel=1e-5), name  # the console prints 7 digits

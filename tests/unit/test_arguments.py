@@ -454,6 +454,18 @@ LAYOUT_ERRORS = [  # refused as Megatron-LM / megatron-core refuse them, naming 
     ),
 ]
 ERRORS += LAYOUT_ERRORS
+ERRORS += [  # --moe-per-layer-logging writes TensorBoard scalars of the MoE routers' losses
+    (
+        "--moe-per-layer-logging --tensorboard-dir tb",
+        1,
+        ["--moe-per-layer-logging", "--num-experts"],
+    ),
+    (
+        "--moe-per-layer-logging --num-experts 4",
+        1,
+        ["--moe-per-layer-logging", "--tensorboard-dir"],
+    ),
+]
 
 if not torch.cuda.is_available():  # on GPUs recomputation runs
     ERRORS.append(("--recompute-granularity full", 1, ["--recompute-granularity", "CUDA"]))
