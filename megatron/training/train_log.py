@@ -9,7 +9,8 @@ each also against consumed samples (``<tag> vs samples``), ``mem-*`` (--log-memo
 
 Every --log-interval steps (all ranks join: timers, params norm and Muon figures are
 collectives): the console line (``log.training_line``), then the timers' report
-(--timing-log-level, --timing-log-option), the memory line (--log-memory-interval); in
+(--timing-log-level, --timing-log-option), the memory line (--log-memory-interval), the CUDA
+allocator's snapshot (--record-memory-history, last rank, ``memory_history.py``); in
 TensorBoard with --log-timers-to-tensorboard ``iteration-time`` (s), ``throughput``
 (--log-throughput) and ``<timer>-time`` (s per step, max over ranks); with --log-muon-figures
 Muon's figures (``muon_figures.py``).
@@ -19,9 +20,16 @@ import math
 
 from megatron.core import parallel_state
 
-from . import log_figures, log_memory, moe_log, muon_figures
+from . import log_figures, log_memory, memory_history, moe_log, muon_figures
 from .flops import flops_per_iteration
-from .log import IntervalStats, TensorBoard, print_rank_last, throughput, training_line
+from .log import (
+    IntervalStats,
+    TensorBoard,
+    is_last_rank,
+    print_rank_last,
+    throughput,
+    training_line,
+)
 from .schedule import learning_rates
 from .timers import Timers, gather_per_rank
 
@@ -134,6 +142,7 @@ class TrainingLog:
     def _interval(self, state, optimizer, batch_size, now) -> None:
         lrs, scale, grad_norm, extra = now
         args = self.args
+        memory_history.snapshot(args, is_last_rank())  # --record-memory-history
         self.stats.freeze()
         names = timer_names(args)
         ms = self.timers.seconds_per_rank(names) * (1000.0 / max(1, self.stats.iterations))

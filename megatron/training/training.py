@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.qk_clip import clip_qk
 
-from . import checkpointing, failures, memory, moe_log, mtp_log, muon_figures, rerun
+from . import checkpointing, failures, memory, memory_history, moe_log, mtp_log, muon_figures, rerun
 from .arguments import ArgumentsError
 from .core_configs import ddp_config, optimizer_config
 from .exit_conditions import ExitConditions
@@ -109,6 +109,7 @@ def _device():
 
 def setup_model_and_optimizer(args, model_provider, config):
     """``config.timers`` (Megatron's timers, when set) also time the optimizer's phases."""
+    memory_history.start(args)  # --record-memory-history: before the model, as Megatron-LM
     model = get_model(args, model_provider, config)
     _hook_up_schedule(args, config, model)
     opt_config = optimizer_config(args)

@@ -14,7 +14,7 @@ import torch
 
 from megatron.core.optimizer.muon_config import MAX_PLAN_TFLOPS, MIN_PLAN_GBPS
 
-from . import pipeline_layout, pipeline_split, profiling, rerun
+from . import memory_history, pipeline_layout, pipeline_split, profiling, rerun
 from .arguments import FLAGS, ArgumentsError, allowed_values
 
 REQUIRED = (
@@ -876,6 +876,7 @@ def validate_args(args) -> None:
         args.notices.append(pipeline_layout.notice(args))
     _check_rules(args, pipeline_split.RULES)
     _check_rules(args, profiling.RULES)
+    _check_rules(args, memory_history.RULES)
     _check_rules(args, rerun.RULES)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _check_rules(args, VPP_RULES)

@@ -378,12 +378,12 @@ CASES = [  # (id, kind, input, exit code (None: an exception), expected message)
         2,
         "--no-position-embedding is deprecated",
     ),
-    (
+    (  # its figures are TensorBoard scalars: without a writer it would do nothing
         "moe_per_layer_logging",
         "cli",
         "--mock-data --num-experts 2 --moe-per-layer-logging",
         2,
-        "--moe-per-layer-logging is not supported here",
+        "--moe-per-layer-logging configures TensorBoard output: it needs --tensorboard-dir",
     ),
     # -- upstream's other checkpoint formats (were written as torch, logged as the one asked)
     ("ckpt_dcp", "cli", "--mock-data --ckpt-format torch_dcp", 2, "--ckpt-format torch_dcp is"),

@@ -731,6 +731,22 @@ def test_a_checkpoint_of_another_pipeline_layout_is_refused():
         checkpointing.check_compatible(parse(f"{PP2} {FIRST} 1", 2), saved, "ckpt")
 
 
+def test_record_memory_history_needs_cuda(monkeypatch):
+    """CUDA's allocator history: a CPU run refuses the flag (and its path without it); with
+    CUDA both keep Megatron-LM's values."""
+    from megatron.training import cpu_mode
+
+    if cpu_mode.requested():
+        with pytest.raises(ArgumentsError, match="--record-memory-history .* it needs CUDA"):
+            parse("--record-memory-history")
+        monkeypatch.setattr(cpu_mode, "requested", lambda: False)  # the flags' own checks
+    with pytest.raises(ArgumentsError, match="--memory-snapshot-path .* --record-memory-history"):
+        parse("--memory-snapshot-path m.pickle")
+    args = parse("--record-memory-history")
+    assert (args.record_memory_history, args.memory_snapshot_path) == (True, "snapshot.pickle")
+    assert not parse().record_memory_history
+
+
 PROFILE = "--profile --use-pytorch-profiler --tensorboard-dir tb"
 
 

@@ -5,6 +5,7 @@ skips the collections around evaluations, and the cache release goes to the run'
 """
 
 import gc
+import pickle
 
 import torch
 
@@ -43,3 +44,42 @@ def test_empty_cache_goes_to_the_device_types_allocator(monkeypatch):
     assert len(calls) == 2
     monkeypatch.delattr(torch.cpu, "empty_cache")
     memory.empty_cache(2, 1, torch.device("cpu"))  # no allocator cache: nothing to call
+
+
+def test_record_memory_history_calls_torchs_recorder_and_dumps_on_the_last_rank(
+    monkeypatch, tmp_path
+):
+    """--record-memory-history with torch.cuda's recorder, snapshot and OOM hook stood in for
+    (CPU runs refuse the flag: test_arguments.py); what a GPU run would call, with Megatron-LM's
+    arguments, and where the pickles go. Not run against a real CUDA allocator here."""
+    from types import SimpleNamespace
+
+    from megatron.training import memory_history
+
+    calls, observers = [], []
+    monkeypatch.setattr(
+        torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append((a, k))
+    )
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": ["s"]})
+    monkeypatch.setattr(
+        torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False
+    )
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / "snap.pickle")
+    off = SimpleNamespace(record_memory_history=False, memory_snapshot_path=path)
+    memory_history.start(off)
+    memory_history.snapshot(off, last_rank=True)
+    assert (calls, observers, list(tmp_path.iterdir())) == ([], [], [])
+    args = SimpleNamespace(record_memory_history=True, memory_snapshot_path="snap.pickle")
+    memory_history.start(args)
+    assert calls == [
+        ((True,), dict(trace_alloc_max_entries=100_000, trace_alloc_record_context=True))
+    ]
+    memory_history.snapshot(args, last_rank=False)
+    assert list(tmp_path.iterdir()) == []  # only the last rank writes
+    memory_history.snapshot(args, last_rank=True)
+    observers[0](0, 1 << 30, 0, 0)  # an allocation failed: this rank's own file
+    for name in ("snap.pickle", "oom_rank-3_snap.pickle"):
+        with open(tmp_path / name, "rb") as f:
+            assert pickle.load(f) == {"segments": ["s"]}
