@@ -85,27 +85,44 @@ class Stop(Exception):
         self.checkpoint, self.code = checkpoint, code
 
 
-def _save_tracker_states():
-    return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+def _routers(model) -> list:
+    """The MoE routers with an aux-loss-free expert bias (--moe-router-enable-expert-bias)."""
+    return [
+        m for chunk in model for m in chunk.modules() if getattr(m, "expert_bias", None) is not None
+    ]
 
 
-def _restore_tracker_states(saved) -> None:
+def _save_states(model):
+    """What a (re-)run changes before the optimizer step besides the RNG states the machine
+    keeps: the model-parallel RNG tracker's (dropout), and the routers' expert bias, which
+    finalize_model_grads moves at the end of every run (a re-run must start from the bias the
+    step started from, or it routes differently and the bias moves twice)."""
+    return {
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "expert_bias": [r.expert_bias.detach().clone() for r in _routers(model)],
+    }
+
+
+def _restore_states(model, saved) -> None:
     if saved["rng_tracker_states"]:
         tensor_parallel.get_cuda_rng_tracker().set_states(saved["rng_tracker_states"])
+    with torch.no_grad():
+        for router, bias in zip(_routers(model), saved["expert_bias"], strict=True):
+            router.expert_bias.copy_(bias)
 
 
-def initialize(args) -> None:
-    """The process's machine from the flags (replacing one a previous run in this process left).
-    Besides the RNG states the machine keeps itself, a re-run restores the model-parallel RNG
-    tracker's (dropout), as Megatron-LM's initialize does."""
+def initialize(args, model=()) -> None:
+    """The process's machine from the flags (replacing one a previous run in this process left),
+    for ``model`` (its chunks): a re-run restores the state ``_save_states`` names, as Megatron-LM
+    restores the RNG tracker's."""
     destroy_rerun_state_machine()
     injector = RerunErrorInjector(
         error_injection_rate=args.error_injection_rate,
         error_injection_type=RerunDiagnostic(args.error_injection_type),
     )
     initialize_rerun_state_machine(
-        state_save_func=_save_tracker_states,
-        state_restore_func=_restore_tracker_states,
+        state_save_func=functools.partial(_save_states, model),
+        state_restore_func=functools.partial(_restore_states, model),
         mode=MODES[args.rerun_mode],
         error_injector=injector,
     )

@@ -227,9 +227,9 @@ def pretrain(
     ``exit_conditions`` (made at process start, so that its signal handler and clock cover
     start-up) decides early exits; one is made here when not given."""
     exit_conditions = exit_conditions or ExitConditions(args, time.time())
-    rerun.initialize(args)  # before a --load that may hold a step to re-run
     config.timers = make_timers(args, _device())  # megatron-core's schedules and optimizer
     model, optimizer, scheduler = setup_model_and_optimizer(args, model_provider, config)
+    rerun.initialize(args, model)  # before a --load that may hold a step to re-run
     state = TrainState(num_params=count_parameters(model))
     print_rank_0(f" > number of parameters: {state.num_params}")
     if torch.distributed.get_rank() == 0:  # rank 0's DP group; built at start, every step runs it
