@@ -66,13 +66,26 @@ def test_report_stats_runs_every_step_twice_and_reports(reference):
     assert "rel. variability" not in proc.stderr
 
 
-def test_fatal_transient_fault_saves_and_exits_17(tmp_path):
+@pytest.mark.xfail(
+    strict=True,
+    reason="the exit-17 checkpoint holds the machine's finished re-run (RERUNNING_IN_PLACE): "
+    "a resume crashes restoring a state this process never saved",
+)
+def test_fatal_transient_fault_saves_and_exits_17_and_the_job_resumes(tmp_path):
     save = str(tmp_path / "save")
-    proc = run(BASE + INJECT + ["transient_error", "--save", save, "--ckpt-format", "torch"])
+    flags = BASE + ["--save", save, "--ckpt-format", "torch"]
+    proc = run(flags + INJECT + ["transient_error"])
     assert proc.returncode == 17, _output(proc)[-3000:]
     assert "Possible transient error!" in proc.stderr
     assert STOPPED.format(2, 17) in proc.stdout
     assert checkpointing.read_tracker(save) == 1  # the steps done: for further examination
+    # a transient fault is over: the job restarted from that checkpoint trains on
+    resumed = run(flags + ["--load", save])
+    assert sorted(losses(resumed)) == [2, 3], _output(resumed)[-3000:]
+    # nothing was left to re-run: the checkpoint holds no machine state
+    assert not os.path.isdir(
+        os.path.join(checkpointing.checkpoint_dir(save, 1), "rerun_state_machine")
+    )
 
 
 def test_a_real_nan_reruns_reproduces_and_exits_16_with_a_checkpoint(tmp_path):
