@@ -32,6 +32,7 @@ from megatron.core.rerun_state_machine import (
     RerunDiagnostic,
     RerunErrorInjector,
     RerunMode,
+    RerunState,
     destroy_rerun_state_machine,
     get_rerun_state_machine,
     initialize_rerun_state_machine,
@@ -216,11 +217,16 @@ def steps(data_iterator):
 
 
 def state_dict(data_iterator, force: bool = False):
-    """The machine's state to checkpoint: None unless a step waits to be re-run (``force``: the
-    template a torch_dist load fills). {mode, state, current_iteration} are the same on every
-    rank; "sharded" (a ShardedObject per rank) holds the rank's own flags, failed result and
-    the step's micro-batches."""
-    return get_rerun_state_machine().state_dict(data_iterator, "torch_dist", force=force)
+    """The machine's state to checkpoint: None unless a step waits to be re-run from this
+    checkpoint (exit 16; ``force``: the template a torch_dist load fills). After an exit 17 the
+    diagnosis is done: its checkpoint holds no machine state, so a restarted job trains on (a
+    finished in-place re-run, restored, would need RNG states only the exited process had).
+    {mode, state, current_iteration} are the same on every rank; "sharded" (a ShardedObject
+    per rank) holds the rank's own flags, failed result and the step's micro-batches."""
+    machine = get_rerun_state_machine()
+    if not force and machine.state != RerunState.WILL_RERUN_FROM_CHECKPOINT:
+        return None
+    return machine.state_dict(data_iterator, "torch_dist", force=force)
 
 
 def per_rank(saved: dict) -> dict:

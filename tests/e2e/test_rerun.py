@@ -66,11 +66,6 @@ def test_report_stats_runs_every_step_twice_and_reports(reference):
     assert "rel. variability" not in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the exit-17 checkpoint holds the machine's finished re-run (RERUNNING_IN_PLACE): "
-    "a resume crashes restoring a state this process never saved",
-)
 def test_fatal_transient_fault_saves_and_exits_17_and_the_job_resumes(tmp_path):
     save = str(tmp_path / "save")
     flags = BASE + ["--save", save, "--ckpt-format", "torch"]
