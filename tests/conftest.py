@@ -7,7 +7,10 @@ import pytest
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
+# torch.optim imports torch._dynamo when the first optimizer is built (~0.8 s of CPU): once here,
+# not in every rank that harness.run_distributed forks (a test's ranks each built one)
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401
 
 from megatron.training import cpu_mode  # noqa: E402
 
