@@ -55,10 +55,13 @@ def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
     torch.set_num_threads(1)
     # upstream's deprecation and CUDA-tuning warnings, once per rank, drown the tracebacks
     warnings.simplefilter("ignore")
+    import writer_queue
+
     from megatron.core import parallel_state, tensor_parallel
     from megatron.training import cpu_mode
 
     cpu_mode.enable()
+    writer_queue.install()  # torch_dist saves: upstream's spawned queue server would import torch
     torch.distributed.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

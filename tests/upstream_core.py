@@ -100,6 +100,7 @@ def load_and_continue(spec, fmt: str, buckets: str, directory: str):
 
 def main(root: str, *cases: str) -> None:
     import torch
+    import torch._dynamo  # noqa: F401  (once here, not in every forked rank: see conftest.py)
     from harness import run_distributed
     from tiny_gpt import TinyGPT
 

@@ -60,7 +60,11 @@ def _run_rank(request: dict, env: dict) -> None:
     sys.argv = ["pretrain_gpt.py", *request["argv"]]
     code = 1
     try:
+        import writer_queue
+
         import pretrain_gpt
+
+        writer_queue.install()  # torch_dist saves: a forked queue server (tests/writer_queue.py)
 
         code = pretrain_gpt.main(request["argv"])
     except SystemExit as stop:
@@ -129,6 +133,7 @@ def serve() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # nothing of the server's own reaches a launch's output
     sys.path.insert(0, os.getcwd())
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
     import torch
     import torch._dynamo  # noqa: F401  (torch.optim imports it at the first optimizer: ~0.8 s)
 
