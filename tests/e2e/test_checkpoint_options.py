@@ -17,7 +17,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.training import checkpoint_args
 
-from .cli import TINY, losses, run, start
+from .cli import TINY, losses, run
 
 ARGS = TINY + "--optimizer muon --ckpt-format torch".split()
 MUON_FLAGS = ["--optimizer", "muon", "--lr-decay-style", "constant"]
@@ -143,13 +143,14 @@ def _layout(save: str, iteration: int) -> str:
 
 
 def _run_watching_tracker(args, save: str):
-    """Launch; while it runs, every tracker value seen must name a complete checkpoint (renamed
-    from .partial, with dist_checkpointing's metadata.json). Returns (process, values seen)."""
-    proc, output, seen = start(args, nproc=2), [], set()
-    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()))
-    reader.start()
+    """Launch (in a thread); while it runs, every tracker value seen must name a complete
+    checkpoint (renamed from .partial, with dist_checkpointing's metadata.json). Returns
+    (finished launch, values seen)."""
+    done, seen = [], set()
+    launch = threading.Thread(target=lambda: done.append(run(args, nproc=2)))
+    launch.start()
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
-    while proc.poll() is None:
+    while launch.is_alive():
         if os.path.isfile(tracker):
             text = open(tracker).read().strip()
             if text:
@@ -157,10 +158,8 @@ def _run_watching_tracker(args, save: str):
                 assert os.path.isfile(os.path.join(folder, "metadata.json")), f"{text}: partial"
                 seen.add(int(text))
         time.sleep(0.01)
-    reader.join()
-    proc.stdout = output[0]
-    proc.stderr = ""
-    return proc, seen
+    launch.join()
+    return done[0], seen
 
 
 def test_torch_dist_options_save_and_resume_exactly(tmp_path):
