@@ -344,22 +344,26 @@ def _planning_model(**overrides):
     return m.link_flops_per_byte, m.tp_link_flops_per_byte, m.nodes, m.min_efficiency
 
 
+def _planning_models(settings: list) -> list:
+    return [_planning_model(**overrides) for overrides in settings]
+
+
 def test_plan_settings_reach_the_planner():
     """``--muon-plan-*`` (``OptimizerConfig.muon_plan_*``) set the machine the DP=4 plan is
     weighed on (and ``--muon-plan-min-efficiency`` its floor): free links (inf) cost 0 per
     byte, and an NVLink domain of 2 GPUs puts ranks
     0, 1 and 2, 3 in two domains; unset, the built-in H100-class figures and one domain per host
     (this machine: one)."""
-    settings = dict(
+    free = dict(
         muon_plan_dp_link_gbps=math.inf, muon_plan_nvlink_gbps=math.inf, muon_plan_nvlink_domain=2
     )
-    for got in run_distributed(_planning_model, 4, kwargs=settings):
-        assert got == (0.0, 0.0, (0, 0, 1, 1), 0.0)
     slow = dict(muon_plan_tflops=100.0, muon_plan_dp_link_gbps=8.0, muon_plan_min_efficiency=0.9)
-    for got in run_distributed(_planning_model, 4, kwargs=slow):
-        assert got[:2] == (100e12 / 1e9, 100e12 / 450e9) and got[2:] == ((0, 0, 0, 0), 0.9)
-    default = (muon_split.LINK_FLOPS_PER_BYTE, muon_split.TP_LINK_FLOPS_PER_BYTE, (0, 0, 0, 0), 0.0)
-    assert run_distributed(_planning_model, 4)[0] == default
+    # the three DP=4 settings in one fork: each builds its own model and optimizer
+    for got in run_distributed(_planning_models, 4, args=([free, slow, {}],)):
+        assert got[0] == (0.0, 0.0, (0, 0, 1, 1), 0.0)
+        assert got[1][:2] == (100e12 / 1e9, 100e12 / 450e9) and got[1][2:] == ((0, 0, 0, 0), 0.9)
+        default = muon_split.LINK_FLOPS_PER_BYTE, muon_split.TP_LINK_FLOPS_PER_BYTE
+        assert got[2] == (*default, (0, 0, 0, 0), 0.0)
     # TP 2 x DP 2, domains of 3 GPUs: the DP group of TP rank 0 (global 0, 2) lies in one
     # domain, that of TP rank 1 (1, 3) in two; both TP ranks plan with TP rank 0's layout
     # (``shared_layout``; without it, (0, 0) and (0, 1): two plans for one DP rank).

@@ -13,6 +13,10 @@ from .cli import TINY, losses, run, start
 TRACKER = "latest_checkpointed_iteration.txt"
 # Constant lr: the schedule does not depend on where a launch stops.
 COMMON = TINY + ["--train-iters", 200, "--lr-decay-style", "constant", "--optimizer", "muon"]
+# The signal tests launch through real torchrun, where a torch_dist save would start upstream's
+# spawned results-queue server in each rank, which imports torch (~1.7 CPU-s: writer_queue.py).
+# The exit's save is the same call in either format; test_exit_duration... saves torch_dist.
+SIGNALLED = COMMON + ["--ckpt-format", "torch"]
 
 
 def _tracker(save: str) -> int:
@@ -36,7 +40,7 @@ def test_sigterm_to_torchrun_saves_and_resume_is_exact(tmp_path):
     to both ranks, they agree on the step to stop after, save it, and exit 0. A reference run
     without the signal and a launch resuming from the saved step print the same losses."""
     save = str(tmp_path / "save")
-    proc = start(COMMON + ["--exit-signal-handler", "--save", save], nproc=2)
+    proc = start(SIGNALLED + ["--exit-signal-handler", "--save", save], nproc=2)
     output = _signal_after(proc, 2, signal.SIGTERM)
     stopped = losses(_Done(output))
     # torchrun itself exits 1 after forwarding a signal; the ranks' exit 0 is checked below.
@@ -44,9 +48,9 @@ def test_sigterm_to_torchrun_saves_and_resume_is_exact(tmp_path):
     k = _tracker(save)
     assert k == max(stopped) and k >= 2
     assert sorted(os.listdir(save)) == sorted([f"iter_{k:07d}", TRACKER])
-    reference = losses(run(COMMON + ["--exit-interval", k + 2], nproc=2))
+    reference = losses(run(SIGNALLED + ["--exit-interval", k + 2], nproc=2))
     assert stopped == {i: reference[i] for i in range(1, k + 1)}
-    resumed = losses(run(COMMON + ["--exit-interval", k + 2, "--load", save], nproc=2))
+    resumed = losses(run(SIGNALLED + ["--exit-interval", k + 2, "--load", save], nproc=2))
     assert resumed == {k + 1: reference[k + 1], k + 2: reference[k + 2]}
 
 
@@ -56,7 +60,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     import psutil
 
     save = str(tmp_path / "save")
-    proc = start(COMMON + ["--exit-signal-handler", "--save", save], nproc=2)
+    proc = start(SIGNALLED + ["--exit-signal-handler", "--save", save], nproc=2)
     lines = []
     for line in proc.stdout:
         lines.append(line)
