@@ -143,3 +143,24 @@ def test_persistent_fault_torch_dist_pipeline_resume_on_the_same_node(tmp_path):
     assert out.count("Got rescheduled on the same GPU") == 2, out[-3000:]  # both stages
     assert STOPPED.format(2, 16) in second.stdout
     assert checkpointing.read_tracker(save) == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a torch_dist checkpoint holding a step to re-run, resumed with another number of "
+    "ranks, fails as 'corrupt, truncated or incomplete?' (a missing sharded key), even with "
+    "--rerun-mode disabled, which ignores the machine's state",
+)
+def test_a_step_to_rerun_resumed_with_other_ranks_is_refused_by_name(tmp_path):
+    """torch_dist, DP 1 -> 2: the step's micro-batches and failed results are per rank, so the
+    re-run cannot be replayed; the resume says so, and --rerun-mode disabled trains on."""
+    save = str(tmp_path / "save")
+    flags = BASE + ["--save", save]
+    first = run(flags + INJECT + ["persistent_error"])
+    assert STOPPED.format(2, 16) in first.stdout, _output(first)[-3000:]
+    refused = run(flags + ["--load", save], nproc=2)
+    assert refused.returncode != 0
+    assert "holds a step to re-run saved by 1 ranks" in refused.stderr, _output(refused)[-3000:]
+    assert "--rerun-mode disabled" in refused.stderr
+    resumed = run(flags + ["--load", save, "--rerun-mode", "disabled"], nproc=2)
+    assert sorted(losses(resumed)) == [2, 3], _output(resumed)[-3000:]
