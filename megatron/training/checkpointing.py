@@ -411,22 +411,33 @@ def _load_any(folder, args, model, optimizer, scheduler, state) -> dict:
     check_compatible(args, loaded.get("args", {}), folder)
     check_saved_parts(args, loaded.get("saved_parts", {}), folder)
     loaded["_distrib_optim"] = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-    loaded["rerun_state_machine"] = _read_rerun_file(folder)
+    loaded["rerun_state_machine"] = _read_rerun_file(args, folder)
     return loaded
 
 
-def _read_rerun_file(folder: str):
-    """This rank's rerun state machine state of a torch checkpoint, None when it has none. The
-    folder's file count is the same on every rank: all of them refuse a world-size change."""
-    files = os.path.dirname(rerun_file(folder, 0))
-    if not os.path.isdir(files):
-        return None
+def _loads_rerun_state(args, folder: str, saved_ranks) -> bool:
+    """Whether this run loads the step to re-run a checkpoint holds. Not with --rerun-mode
+    disabled (the machine would ignore it, as upstream); another number of ranks is refused on
+    every rank (each rank's part holds its own micro-batches and failed result)."""
+    if args.rerun_mode == "disabled":
+        print_rank_0(f" > --rerun-mode disabled: the step to re-run in {folder} is not re-run")
+        return False
     world = torch.distributed.get_world_size()
-    if len(os.listdir(files)) != world:
+    if saved_ranks is not None and saved_ranks != world:
         raise CheckpointError(
-            f"checkpoint {folder} holds a step to re-run saved by {len(os.listdir(files))} ranks "
-            f"(rerun state machine): resume it with that many ranks, this run has {world}"
+            f"checkpoint {folder} holds a step to re-run saved by {saved_ranks} ranks (rerun "
+            f"state machine): resume it with that many ranks to re-run it, or give --rerun-mode "
+            f"disabled to train on without it; this run has {world}"
         )
+    return True
+
+
+def _read_rerun_file(args, folder: str):
+    """This rank's rerun state machine state of a torch checkpoint, None when it has none or
+    this run does not load it. The folder's file count is the same on every rank."""
+    files = os.path.dirname(rerun_file(folder, 0))
+    if not os.path.isdir(files) or not _loads_rerun_state(args, folder, len(os.listdir(files))):
+        return None
     path = rerun_file(folder, torch.distributed.get_rank())
     return _read(lambda: torch.load(path, map_location="cpu", weights_only=False), path)
 
@@ -437,7 +448,9 @@ def _load_torch_dist(folder, common, args, model, optimizer, scheduler, state) -
     sharding = dist_ckpt.loaded_sharding_metadata(common)
     parts = dict(optim=not args.no_load_optim, rng=not args.no_load_rng)
     # the rank's part of a saved rerun state machine (a template the load fills)
-    rerun_state = rerun.state_dict(None, force=True) if common.get("rerun_state_machine") else None
+    saved = common.get("rerun_state_machine")
+    loads = saved and _loads_rerun_state(args, folder, saved.get("world_size"))
+    rerun_state = rerun.state_dict(None, force=True) if loads else None
     sd = _sharded_state(
         args,
         model,

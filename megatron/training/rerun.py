@@ -221,12 +221,14 @@ def state_dict(data_iterator, force: bool = False):
     checkpoint (exit 16; ``force``: the template a torch_dist load fills). After an exit 17 the
     diagnosis is done: its checkpoint holds no machine state, so a restarted job trains on (a
     finished in-place re-run, restored, would need RNG states only the exited process had).
-    {mode, state, current_iteration} are the same on every rank; "sharded" (a ShardedObject
-    per rank) holds the rank's own flags, failed result and the step's micro-batches."""
+    {mode, state, current_iteration, world_size} are the same on every rank; "sharded" (a
+    ShardedObject per rank) holds the rank's flags, failed result and the step's micro-batches."""
     machine = get_rerun_state_machine()
     if not force and machine.state != RerunState.WILL_RERUN_FROM_CHECKPOINT:
         return None
-    return machine.state_dict(data_iterator, "torch_dist", force=force)
+    saved = machine.state_dict(data_iterator, "torch_dist", force=force)
+    # the ranks that saved it: a resume with another number is refused by name
+    return {**saved, "world_size": torch.distributed.get_world_size()}
 
 
 def per_rank(saved: dict) -> dict:
