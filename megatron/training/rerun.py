@@ -173,6 +173,18 @@ def evaluating():
         machine.mode = mode
 
 
+def judges_nan(args) -> bool:
+    """Whether the machine checks this step's losses and local grad norms for NaN/Inf
+    (validate_results with --check-for-nan-in-loss-and-grad; fp16: the loss, its loss scaler
+    owns the grads), as upstream from a process's second step on. Where it does, the loop's own
+    collective check (failures.check_finite) would be the same work again every step."""
+    return (
+        args.rerun_mode == "validate_results"
+        and args.check_for_nan_in_loss_and_grad
+        and get_rerun_state_machine().first_iteration_complete
+    )
+
+
 def validate_loss(args, loss: torch.Tensor) -> None:
     """Megatron-LM's pretrain_gpt checks of one micro-batch's loss (before any DP reduction).
     The NaN/Inf checks run only with the machine on: disabled, upstream's check raises on the

@@ -157,6 +157,7 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
     """One iteration; returns (losses, skipped, (grad norm, num zeros), max attention logit).
     The rerun state machine may run the forward and backward again on the same micro-batches
     (``data_iterator`` wrapped by rerun.wrap) and RNG state, or end the run (rerun.Stop)."""
+    judged = rerun.judges_nan(args)  # known before the step: from the machine's second step on
     for _ in rerun.steps(data_iterator):
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -165,9 +166,9 @@ def train_step(args, forward_step, data_iterator, model, optimizer, scheduler, i
         mtp_log.start_step()
         outputs = run_schedule(args, forward_step, data_iterator, model, forward_only=False)
     memory.empty_cache(args.empty_unused_memory_level, 1, _device())
-    if args.check_for_nan_in_loss_and_grad:
-        # What the machine does not judge (disabled or report_stats, the first step, fp16's
-        # grads), collectively. fp16's loss scaler already skips steps with inf/NaN grads.
+    if args.check_for_nan_in_loss_and_grad and not judged:
+        # What the machine does not judge (disabled or report_stats, the first step),
+        # collectively. fp16's loss scaler already skips steps with inf/NaN grads.
         grads = [] if args.fp16 else failures.model_grad_buffers(model)
         failures.check_finite(outputs, grads, iteration, _device())
     timer = started(model[0].config.timers, "optimizer", 1, args.barrier_with_L1_time)
