@@ -332,6 +332,9 @@ def _rerun_stop(args, parts, state, train_iter, stopped) -> str:
     state.exit_code = stopped.code
     if stopped.checkpoint and args.save:
         model, optimizer, scheduler = parts
+        # --async-save: the interval save of this same iteration may still be in flight into
+        # the folder this save writes; publish it first (this one then replaces it)
+        checkpointing.finalize_async_saves(blocking=True)
         machine_state = rerun.state_dict(train_iter)
         checkpointing.save(args, model, optimizer, scheduler, state, rerun_state=machine_state)
     elif stopped.checkpoint:

@@ -130,11 +130,6 @@ def test_correct_result_rerun_from_a_torch_checkpoint_on_another_node(tmp_path):
     assert sorted(losses(resumed)) == [2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with --async-save the machine's checkpoint of iteration 1 is written while the "
-    "interval save of iteration 1 is still in flight into the same folder: the run crashes",
-)
 def test_persistent_fault_torch_dist_pipeline_resume_on_the_same_node(tmp_path):
     """PP=2: the stages judge different results (the loss on the last, local grad norms on
     both) and still re-run, save and exit together; resumed on the same node, the machine's
