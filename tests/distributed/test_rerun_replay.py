@@ -6,6 +6,7 @@ rerun.validate_loss as training.train_step and pretrain_gpt's loss_func use them
 import argparse
 import random
 
+import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -202,3 +203,43 @@ def test_the_loops_nan_check_runs_only_where_the_machine_judges_not():
     assert off == [1, 1, 1]  # negative control: without the machine, every step
     (stats,) = run_distributed(_finite_checks, 1, args=("report_stats",))
     assert stats == [1, 1, 1]  # report_stats rejects nothing
+
+
+# ---------------------------------------------- --iterations-to-skip: no batch kept for replay
+
+
+def _kept_while_skipping(skipped: int) -> list:
+    """Micro-batches the replay iterator holds after each of ``skipped`` dropped steps
+    (training._skip_step) and after the next real step has read its own."""
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
+
+    from megatron.training import rerun, training
+
+    rerun.initialize(argparse.Namespace(**ARGS, error_injection_rate=0))
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(0, None, MICRO, 1, 1)  # MICRO micro-batches per step
+    data, state = rerun.wrap(iter(range(1000))), training.TrainState()
+    kept = []
+    for _ in range(skipped):
+        training._skip_step(data, state, MICRO)
+        kept.append(len(data.saved_microbatches))
+    for _ in rerun.steps(data):
+        [next(data) for _ in range(MICRO)]
+    kept.append(data.saved_microbatches)
+    return kept
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the replay iterator keeps every skipped step's micro-batches until the next real "
+    "step: a long --iterations-to-skip range holds all of its batches in memory",
+)
+def test_skipped_steps_leave_no_batches_to_replay():
+    """A re-run replays its own step's micro-batches only: a dropped step's are dropped, or a
+    range of skipped steps would pile up all its batches until the next step."""
+    (kept,) = run_distributed(_kept_while_skipping, 1, args=(5,))
+    assert kept[:-1] == [0] * 5, kept
+    assert kept[-1] == list(range(5 * MICRO, 6 * MICRO))  # the real step's own, read after
