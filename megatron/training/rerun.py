@@ -155,6 +155,14 @@ def wrap(iterators):
     return None if iterators is None else RerunDataIterator(iterators)
 
 
+def drop_batches(iterators) -> None:
+    """Forget the micro-batches read since the step began (a step dropped by
+    --iterations-to-skip: a range of them would otherwise keep all theirs until the next step)."""
+    for iterator in iterators if isinstance(iterators, list) else [iterators]:
+        if iterator is not None:
+            iterator.advance()
+
+
 _EVALUATING = []  # non-empty inside evaluating()
 
 

@@ -354,6 +354,7 @@ def _skip_step(train_iter, state, batch_size: int) -> None:
             continue
         for _ in range(get_num_microbatches()):
             next(iterator)
+    rerun.drop_batches(train_iter)  # nothing of a dropped step is replayed
     state.iteration += 1
     state.consumed_train_samples += batch_size
     state.skipped_train_samples += batch_size

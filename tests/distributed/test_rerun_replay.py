@@ -6,7 +6,6 @@ rerun.validate_loss as training.train_step and pretrain_gpt's loss_func use them
 import argparse
 import random
 
-import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -232,11 +231,6 @@ def _kept_while_skipping(skipped: int) -> list:
     return kept
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the replay iterator keeps every skipped step's micro-batches until the next real "
-    "step: a long --iterations-to-skip range holds all of its batches in memory",
-)
 def test_skipped_steps_leave_no_batches_to_replay():
     """A re-run replays its own step's micro-batches only: a dropped step's are dropped, or a
     range of skipped steps would pile up all its batches until the next step."""
