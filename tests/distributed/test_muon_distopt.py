@@ -68,13 +68,22 @@ HOOKS = {"padded": _buckets_are_padded}
 MOE = dict(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather")
 
 
+# Negative controls run 2 steps (against a 2-step reference): measured, a broken gather here
+# misses by 1.0 and the gang controls of test_muon_gangs.py give nan (tolerance 1e-4). Not 1:
+# after one step the gangs' broken_gather and broken_tp controls still matched (5.8e-6 and
+# 7.9e-6, as the working run), though their collectives were called.
+CONTROL_STEPS = 2
+
+
 @functools.cache
-def reference(dtype: str, moe: bool = False):
+def reference(dtype: str, moe: bool = False, steps: int = STEPS):
     spec = TinyGPT(dtype=dtype, **(MOE if moe else {}))
-    return run_distributed(train, 1, args=(spec, STEPS), kwargs=MUON)[0]
+    return run_distributed(train, 1, args=(spec, steps), kwargs=MUON)[0]
 
 
-def run_layout(dtype, world_size, tp=1, pp=1, ep=1, etp=None, hook=None, moe=False, **kwargs):
+def run_layout(
+    dtype, world_size, tp=1, pp=1, ep=1, etp=None, hook=None, moe=False, steps=STEPS, **kwargs
+):
     kwargs = {
         **MUON,
         "distopt": True,
@@ -85,7 +94,7 @@ def run_layout(dtype, world_size, tp=1, pp=1, ep=1, etp=None, hook=None, moe=Fal
     }
     spec = TinyGPT(dtype=dtype, **(MOE if moe else {}))
     layout = dict(tp=tp, pp=pp, ep=ep, etp=etp)
-    return run_distributed(train, world_size, **layout, args=(spec, STEPS), kwargs=kwargs)
+    return run_distributed(train, world_size, **layout, args=(spec, steps), kwargs=kwargs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -131,8 +140,8 @@ def _zeros_instead(orthogonalize, ex, receives, received, matrix_fn):
 
 
 def test_negative_control_broken_gather_misses_the_reference():
-    initial, ref, _ = reference("fp32")
-    got = run_layout("fp32", **LAYOUTS["dp4"], hook=_lose_gathered_pieces)
+    initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
+    got = run_layout("fp32", **LAYOUTS["dp4"], hook=_lose_gathered_pieces, steps=CONTROL_STEPS)
     errors = update_rel_error(initial, ref, got[0][1])
     assert max(errors.values()) > 100 * TOL["fp32"]
 

@@ -24,6 +24,7 @@ from parity import assert_close_runs, update_rel_error
 from test_muon_checkpoint import build, steps
 from test_muon_distopt import (
     BUCKET,
+    CONTROL_STEPS,
     LOSS_RTOL,
     MUON,
     STEPS,
@@ -124,16 +125,18 @@ def test_gangs_over_tp_duplicated_match_one_process():
     all-gather the result misses."""
     got = run_layout("fp32", 4, tp=2, hook=_split)
     assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
-    initial, ref, _ = reference("fp32")
-    broken = run_layout("fp32", 4, tp=2, hook=functools.partial(_split, broken_tp=True))
+    initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
+    broken_tp = functools.partial(_split, broken_tp=True)
+    broken = run_layout("fp32", 4, tp=2, hook=broken_tp, steps=CONTROL_STEPS)
     worst = max(update_rel_error(initial, ref, broken[0][1]).values())
     assert math.isnan(worst) or worst > 100 * TOL["fp32"]
 
 
 @pytest.mark.parametrize("broken", ["broken_sum", "broken_gather"])
 def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
-    initial, ref, _ = reference("fp32")
-    got = run_layout("fp32", 4, hook=functools.partial(_split, **{broken: True}))
+    initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
+    hook = functools.partial(_split, **{broken: True})
+    got = run_layout("fp32", 4, hook=hook, steps=CONTROL_STEPS)
     worst = max(update_rel_error(initial, ref, got[0][1]).values())
     assert math.isnan(worst) or worst > 100 * TOL["fp32"]  # blocks that disagree diverge
 
@@ -229,9 +232,10 @@ def test_gangs_over_nodes_match_one_process_and_the_plans_bytes():
         assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
         assert _same_sum(*r["sum_bytes"])
         assert r["layouts"] >= {(2, 2)}, r["layouts"]  # the gang of 4: 2 ranks on each node
-    initial, ref, _ = reference("fp32")
+    initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
     hook = functools.partial(_split, nodes=NODES, broken_nodes=True)
-    worst = max(update_rel_error(initial, ref, run_layout("fp32", 4, hook=hook)[0][1]).values())
+    broken = run_layout("fp32", 4, hook=hook, steps=CONTROL_STEPS)
+    worst = max(update_rel_error(initial, ref, broken[0][1]).values())
     assert math.isnan(worst) or worst > 100 * TOL["fp32"]
 
 
