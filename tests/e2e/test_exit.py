@@ -38,7 +38,9 @@ def _signal_after(proc, iteration: int, sig) -> str:
 def test_sigterm_to_torchrun_saves_and_resume_is_exact(tmp_path):
     """SIGTERM to torchrun (what Slurm's --signal sends to the step's tasks): torchrun forwards it
     to both ranks, they agree on the step to stop after, save it, and exit 0. A reference run
-    without the signal and a launch resuming from the saved step print the same losses."""
+    without the signal and a launch resuming from the saved step print the same losses. The
+    reference stops by --exit-interval k + 2: it saves that step and exits 0 as
+    test_exit_duration_and_interval_save_and_exit_zero's timed run does."""
     save = str(tmp_path / "save")
     proc = start(SIGNALLED + ["--exit-signal-handler", "--save", save], nproc=2)
     output = _signal_after(proc, 2, signal.SIGTERM)
@@ -48,7 +50,10 @@ def test_sigterm_to_torchrun_saves_and_resume_is_exact(tmp_path):
     k = _tracker(save)
     assert k == max(stopped) and k >= 2
     assert sorted(os.listdir(save)) == sorted([f"iter_{k:07d}", TRACKER])
-    reference = losses(run(SIGNALLED + ["--exit-interval", k + 2], nproc=2))
+    interval = str(tmp_path / "interval")
+    proc = run(SIGNALLED + ["--exit-interval", k + 2, "--save", interval], nproc=2)
+    _assert_exited(proc, interval, k + 2, f"exiting program at iteration {k + 2}")
+    reference = losses(proc)
     assert stopped == {i: reference[i] for i in range(1, k + 1)}
     resumed = losses(run(SIGNALLED + ["--exit-interval", k + 2, "--load", save], nproc=2))
     assert resumed == {k + 1: reference[k + 1], k + 2: reference[k + 2]}
@@ -84,20 +89,21 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 def test_exit_duration_and_interval_save_and_exit_zero(tmp_path):
     """--exit-duration-in-mins (a fraction of a minute is over once start-up is done) stops after
     the first step, leaving that step's evaluation after its first batch as Megatron-LM does (no
-    validation line); --exit-interval 3 after the third. Both save and exit 0, without the
-    evaluations that follow a completed run (Megatron-LM exits before them)."""
+    validation line). It saves and exits 0, without the evaluations that follow a completed run
+    (Megatron-LM exits before them). --exit-interval: the reference run of
+    test_sigterm_to_torchrun_saves_and_resume_is_exact, checked the same way."""
     timed = ["--exit-duration-in-mins", 0.001, "--eval-interval", 1, "--eval-iters", 3]
-    for flags, expected, message in (
-        (timed, 1, "Exiting during evaluation, timelimit reached"),
-        (["--exit-interval", 3], 3, "exiting program at iteration 3"),
-    ):
-        save = str(tmp_path / f"save{expected}")
-        proc = run(COMMON + flags + ["--save", save])
-        assert sorted(losses(proc)) == list(range(1, expected + 1))
-        assert message in proc.stdout and _tracker(save) == expected
-        assert "exiting program" in proc.stdout and "set |" not in proc.stdout
-        if flags is timed:  # its one evaluation was left: no validation line
-            assert "validation loss" not in proc.stdout
+    save = str(tmp_path / "save")
+    proc = run(COMMON + timed + ["--save", save])
+    _assert_exited(proc, save, 1, "Exiting during evaluation, timelimit reached")
+    assert "validation loss" not in proc.stdout  # its one evaluation was left: no validation line
+
+
+def _assert_exited(proc, save: str, expected: int, message: str) -> None:
+    """Stopped after step ``expected`` (saved, exit 0) with ``message``; no final evaluations."""
+    assert sorted(losses(proc)) == list(range(1, expected + 1))
+    assert message in proc.stdout and _tracker(save) == expected
+    assert "exiting program" in proc.stdout and "set |" not in proc.stdout
 
 
 class _Done:
