@@ -1,8 +1,11 @@
 """The harness itself: layouts, per-rank failures with tracebacks, no hangs."""
 
+import math
+
 import pytest
 import torch
 from harness import RankFailure, run_distributed
+from parity import misses, worst
 
 
 def _ranks():
@@ -60,3 +63,13 @@ def test_a_native_crash_prints_its_stack_and_is_reported(capfd):
         run_distributed(_segfault, 2, timeout=60)
     err = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in err and "_segfault" in err, err[-2000:]
+
+
+def test_a_nan_update_is_the_worst_error_wherever_it_is():
+    """``max`` would skip a NaN that is not first (NaN compares False) and pass a parity test
+    whose later param went NaN; ``worst`` reports it, and a negative control counts it as a
+    miss."""
+    errors = {"embedding": 1e-6, "fc1": math.nan, "fc2": 2e-6}
+    assert max(errors.values()) == 2e-6  # the trap
+    assert worst(errors)[0] == "fc1" and misses(errors, 1.0)
+    assert worst({"a": 1e-6, "b": 2e-6}) == ("b", 2e-6) and not misses({"a": 1e-6}, 1e-4)

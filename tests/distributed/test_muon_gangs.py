@@ -20,7 +20,7 @@ import pytest
 import torch
 from checkpoint_io import load, save
 from harness import run_distributed
-from parity import assert_close_runs, update_rel_error
+from parity import assert_close_runs, misses, update_rel_error
 from test_muon_checkpoint import build, steps
 from test_muon_distopt import (
     BUCKET,
@@ -128,8 +128,7 @@ def test_gangs_over_tp_duplicated_match_one_process():
     initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
     broken_tp = functools.partial(_split, broken_tp=True)
     broken = run_layout("fp32", 4, tp=2, hook=broken_tp, steps=CONTROL_STEPS)
-    worst = max(update_rel_error(initial, ref, broken[0][1]).values())
-    assert math.isnan(worst) or worst > 100 * TOL["fp32"]
+    assert misses(update_rel_error(initial, ref, broken[0][1]), 100 * TOL["fp32"])
 
 
 @pytest.mark.parametrize("broken", ["broken_sum", "broken_gather"])
@@ -137,8 +136,8 @@ def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
     initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
     hook = functools.partial(_split, **{broken: True})
     got = run_layout("fp32", 4, hook=hook, steps=CONTROL_STEPS)
-    worst = max(update_rel_error(initial, ref, got[0][1]).values())
-    assert math.isnan(worst) or worst > 100 * TOL["fp32"]  # blocks that disagree diverge
+    # blocks that disagree diverge (NaN counts as a miss)
+    assert misses(update_rel_error(initial, ref, got[0][1]), 100 * TOL["fp32"])
 
 
 # ------------------------------------------------------------------------- counted figures
@@ -235,8 +234,7 @@ def test_gangs_over_nodes_match_one_process_and_the_plans_bytes():
     initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
     hook = functools.partial(_split, nodes=NODES, broken_nodes=True)
     broken = run_layout("fp32", 4, hook=hook, steps=CONTROL_STEPS)
-    worst = max(update_rel_error(initial, ref, broken[0][1]).values())
-    assert math.isnan(worst) or worst > 100 * TOL["fp32"]
+    assert misses(update_rel_error(initial, ref, broken[0][1]), 100 * TOL["fp32"])
 
 
 def test_counted_step_with_tp_sliced_gangs_is_the_plans_schedule():

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 from harness import run_distributed
-from parity import assert_close_runs, update_rel_error
+from parity import assert_close_runs, misses, update_rel_error
 from tiny_gpt import TinyGPT, train
 
 STEPS = 3
@@ -60,4 +60,4 @@ def test_negative_control_layout_dependent_init_breaks_parity():
     initial, ref, _ = reference("fp32")
     got = run_layout("fp32", **LAYOUTS["tp2_pp2_dp2_distopt"], invariant_init=False)
     errors = update_rel_error(initial, ref, got[0][1])
-    assert max(errors.values()) > 100 * TOL["fp32"]
+    assert misses(errors, 100 * TOL["fp32"])

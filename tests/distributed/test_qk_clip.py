@@ -15,7 +15,7 @@ import torch
 from harness import run_distributed
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.attention import SelfAttention
-from parity import assert_close_runs, update_rel_error
+from parity import assert_close_runs, misses, update_rel_error
 from tiny_gpt import (
     TinyGPT,
     _forward_step,
@@ -94,7 +94,7 @@ def test_negative_control_wrong_rows_miss_the_reference():
     initial, ref, _ = reference()
     got = run_layout(**LAYOUTS["tp2"], optimizer_hook=_swap_query_and_key_scales)
     errors = update_rel_error(initial, ref, got[0][1])
-    assert max(errors.values()) > 100 * TOL
+    assert misses(errors, 100 * TOL)
 
 
 # ------------------------------------------------------------------ logits end at the threshold
@@ -176,7 +176,7 @@ def main_shard_run(optimizer_name: str, break_shards: bool = False, distopt: boo
         start = true_start(optimizer, weight) if distopt else 0
         region = weight.detach().view(-1)[start : start + weight.main_param.numel()].float()
         rel = (weight.main_param.view(-1) - region).abs() / region.abs().clamp_min(1e-30)
-        worst = max(worst, rel.max().item())
+        worst = max(worst, rel.nan_to_num(nan=float("inf")).max().item())  # a NaN: a miss
         row_cuts += int(start % weight.shape[1] != 0)
     return worst, row_cuts, max_logit
 
