@@ -419,7 +419,7 @@ def _loads_rerun_state(args, folder: str, saved_ranks) -> bool:
     """Whether this run loads the step to re-run a checkpoint holds. Not with --rerun-mode
     disabled (the machine would ignore it, as upstream); another number of ranks is refused on
     every rank (each rank's part holds its own micro-batches and failed result)."""
-    if args.rerun_mode == "disabled":
+    if not rerun.enabled(args):
         print_rank_0(f" > --rerun-mode disabled: the step to re-run in {folder} is not re-run")
         return False
     world = torch.distributed.get_world_size()

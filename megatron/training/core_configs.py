@@ -10,7 +10,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.training import cpu_mode
 
-from . import pipeline_layout, pipeline_split
+from . import pipeline_layout, pipeline_split, rerun
 from .arguments import FLAGS
 
 
@@ -101,10 +101,9 @@ def optimizer_config(args) -> OptimizerConfig:
 
 def _grads_checked_by_rerun(args) -> bool:
     """Megatron-LM's check of each bucket's local grad norm (NaN/Inf, before the DP reduction)
-    through the rerun state machine, with --check-for-nan-in-loss-and-grad. Not with the machine
-    disabled (the check would raise on one rank while its peers wait in the reduction: the loop's
-    collective check covers it) nor with fp16 (its loss scaler owns overflowing grads)."""
-    return args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and not args.fp16
+    through the rerun state machine (``rerun.checks_nan``); not with fp16 (its loss scaler owns
+    overflowing grads)."""
+    return rerun.checks_nan(args) and not args.fp16
 
 
 def ddp_config(args, num_parameters: int = 0) -> DistributedDataParallelConfig:

@@ -147,6 +147,14 @@ def enabled(args) -> bool:
     return args.rerun_mode != "disabled"
 
 
+def checks_nan(args) -> bool:
+    """Whether the machine validates NaN/Inf (losses here, each bucket's local grad norm in DDP:
+    ``core_configs``): --check-for-nan-in-loss-and-grad with the machine on. Disabled, upstream's
+    checks raise on the failing rank alone while its peers wait in a collective; the loop's
+    collective check (failures.check_finite) covers that mode."""
+    return args.check_for_nan_in_loss_and_grad and enabled(args)
+
+
 def wrap(iterators):
     """The training iterator(s) made replayable: each micro-batch read in a step is kept until
     the next step starts, so that a re-run reads the same batches (None: a rank without data)."""
@@ -194,17 +202,15 @@ def judges_nan(args) -> bool:
 
 
 def validate_loss(args, loss: torch.Tensor) -> None:
-    """Megatron-LM's pretrain_gpt checks of one micro-batch's loss (before any DP reduction).
-    The NaN/Inf checks run only with the machine on: disabled, upstream's check raises on the
-    failing rank alone while its peers wait in a collective; here the loop's collective check
-    (failures.check_finite) covers that mode."""
+    """Megatron-LM's pretrain_gpt checks of one micro-batch's loss (before any DP reduction);
+    NaN/Inf only where ``checks_nan``."""
     if _EVALUATING:
         return
     # A copy: the machine keeps the first run's result to compare with the re-run's, and the
     # schedule divides the loss in place after this (by its tokens and micro-batches).
     loss = loss.detach().clone()
     machine = get_rerun_state_machine()
-    if args.check_for_nan_in_loss_and_grad and enabled(args):
+    if checks_nan(args):
         for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
             machine.validate_result(
                 result=loss,

@@ -160,21 +160,25 @@ def test_flops_only_plan_balances_with_disjoint_split_gangs(flops_only_1b_dp256)
     assert any(u.splits for m in plan.matrices for u in m.units)
 
 
+# The planner's default machine (396 TFLOP/s achieved, 50 GB/s between nodes, NVLink 450 GB/s)
+RATE, LINK, TP_LINK = 0.4 * 990e12, 50e9, 450e9
+
+
+def _seconds(plan) -> float:
+    """NS, gang collectives and exchange of ``plan``, as the projection times them."""
+    ns = projection.ns_seconds(plan, RATE, LINK, TP_LINK)
+    return ns + projection.exchange_seconds(plan, 4, 4, LINK)
+
+
 def test_the_chosen_plan_is_the_fastest_at_the_planning_link(plan_1b_dp256, flops_only_1b_dp256):
     """At the link the planner assumes (``LINK_FLOPS_PER_BYTE``: 396 TFLOP/s, 50 GB/s), the
     plan it chose takes no longer (NS, gang collectives and exchange, as the projection times
     them) than the FLOPs-only plan, which in turn has the shorter FLOP critical path."""
-    rate, link, tp_link = 0.4 * 990e12, 50e9, 450e9
-    assert muon_split.LINK_FLOPS_PER_BYTE == rate / link
-    assert muon_split.TP_LINK_FLOPS_PER_BYTE == rate / tp_link
-
-    def seconds(plan):
-        return projection.ns_seconds(plan, rate, link, tp_link) + projection.exchange_seconds(
-            plan, 4, 4, link
-        )
+    assert muon_split.LINK_FLOPS_PER_BYTE == RATE / LINK
+    assert muon_split.TP_LINK_FLOPS_PER_BYTE == RATE / TP_LINK
 
     chosen, flops_only = plan_1b_dp256, flops_only_1b_dp256
-    assert seconds(chosen) <= seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
+    assert _seconds(chosen) <= _seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
     assert flops_only.critical_path_flops() <= chosen.critical_path_flops()
 
 
@@ -185,11 +189,6 @@ def test_an_efficiency_floor_picks_the_fastest_plan_that_reaches_it(
     256, nodes unknown: ~0.67), the planner takes the fastest candidate at >= 0.9 counted FLOP
     efficiency; it is slower than the fastest and no slower than the FLOPs-only plan. A floor
     no candidate reaches (1.0 here) still gets the best balanced one."""
-    rate, link, tp_link = 0.4 * 990e12, 50e9, 450e9
-
-    def seconds(plan):
-        ns = projection.ns_seconds(plan, rate, link, tp_link)
-        return ns + projection.exchange_seconds(plan, 4, 4, link)
 
     def floored(floor):
         model = dataclasses.replace(plan_1b_dp256.model, min_efficiency=floor)
@@ -198,7 +197,9 @@ def test_an_efficiency_floor_picks_the_fastest_plan_that_reaches_it(
     fastest, flops_only, floor = plan_1b_dp256, flops_only_1b_dp256, floored(0.9)
     assert fastest.efficiency() < 0.9 <= floor.efficiency()
     assert (
-        seconds(fastest) < seconds(floor) <= seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
+        _seconds(fastest)
+        < _seconds(floor)
+        <= _seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
     )
     best = floored(1.0)
     assert best.efficiency() < 1.0 and best.critical_path_flops() <= floor.critical_path_flops()
