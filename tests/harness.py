@@ -47,12 +47,14 @@ def _free_port() -> int:
 
 def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
     import datetime
+    import os
     import warnings
 
     import torch
 
     _print_stacks_on_fatal_signals()
-    torch.set_num_threads(1)
+    # TEST_RANK_THREADS: another summation order for tools/parity_margins.py (default 1, above)
+    torch.set_num_threads(int(os.environ.get("TEST_RANK_THREADS", "1")))
     # upstream's deprecation and CUDA-tuning warnings, once per rank, drown the tracebacks
     warnings.simplefilter("ignore")
     import writer_queue

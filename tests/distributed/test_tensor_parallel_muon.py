@@ -7,6 +7,7 @@ exact TP modes at TP=2 equal one process on the whole matrices; blockwise does n
 import pytest
 import torch
 from harness import run_distributed
+from parity import record
 
 from megatron.core.optimizer.muon import TensorParallelMuon
 
@@ -54,6 +55,9 @@ TOL = 1e-5
 def test_exact_tp_modes_equal_one_process(mode):
     (ref,) = run_distributed(_run, 1, args=(mode,))
     for got in run_distributed(_run, 2, tp=2, args=(mode,)):
+        record(
+            "parity", "max |diff|", max((a - b).abs().max().item() for a, b in zip(got, ref)), TOL
+        )
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=TOL)
 
