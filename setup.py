@@ -1,5 +1,8 @@
 """Build megatron-core 0.16.1 + the Muon patches as one distribution, megatron-core==0.16.1+muon.
 
+``MEGATRON_MUON_BASE=0.19.2`` builds the staged next base instead (``tools/fork.py``'s ``BASES``):
+megatron-core==0.19.2+muon from ``build/fork-0.19.2``, with upstream's ``megatron.training``.
+
 The pinned upstream archive must be fetched first (``python tools/fork.py fetch``; ``make install``
 does it): inside pip's isolated build environment there is no pip to download it with. This file
 assembles ``build/fork`` (upstream + ``patches/`` + our ``megatron/`` files) and packages that tree.
@@ -21,7 +24,7 @@ try:
 except fork.ForkError as err:
     sys.exit(f"megatron-muon build: {err}")
 
-TREE = "build/fork"
+TREE = fork.FORK_DIR.relative_to(ROOT).as_posix()
 
 
 def pybind11_includes():
@@ -32,8 +35,9 @@ def pybind11_includes():
 setup(
     name="megatron-core",
     version=f"{fork.UPSTREAM_VERSION}+muon",
-    description="Megatron Core 0.16.1 with Muon as a first-class optimizer (incl. DistOpt/ZeRO-1)",
-    python_requires=">=3.10",
+    description=f"Megatron Core {fork.UPSTREAM_VERSION} with Muon as a first-class optimizer "
+    "(incl. DistOpt/ZeRO-1)",
+    python_requires=">=3.10" if fork.BASE == "0.16.1" else ">=3.12",
     package_dir={"": TREE},
     packages=find_namespace_packages(TREE, include=["megatron.core*", "megatron.training*"]),
     package_data={

@@ -10,6 +10,10 @@ The assembled tree lives in ``build/fork``; ``setup.py`` installs it (editable i
 files are *symlinked* into it, so an edit under ``megatron/`` is live at the next import; a new
 file, or a changed patch, needs ``assemble`` again (``make fork``; ``make test`` runs it too).
 Only the standard library is used: this runs before any dependency is installed.
+
+``MEGATRON_MUON_BASE=0.19.2`` selects the next base, staged beside the default 0.16.1 (``BASES``):
+its own archive, series ``patches/0.19.2/`` and tree ``build/fork-0.19.2``. That archive ships
+upstream's ``megatron/training`` too, which is kept; only our ``megatron/core`` is linked over it.
 """
 
 import hashlib
@@ -22,15 +26,30 @@ import tempfile
 from pathlib import Path
 
 UPSTREAM_NAME = "megatron-core"
-UPSTREAM_VERSION = "0.16.1"
-ARCHIVE = f"megatron_core-{UPSTREAM_VERSION}.tar.gz"
-ARCHIVE_SHA256 = "86522feacfa5ef384a6ac627e7d88cf4866811aed3bc9b6c2a85cbf15cff91a3"
-
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("MEGATRON_MUON_CACHE", ROOT / ".cache" / "upstream"))
-FORK_DIR = ROOT / "build" / "fork"
-PATCH_DIR = ROOT / "patches"
-OVERLAY_DIR = ROOT / "megatron"
+
+# version: (archive sha256, patch series, assembled tree, our paths linked over it)
+BASES = {
+    "0.16.1": (
+        "86522feacfa5ef384a6ac627e7d88cf4866811aed3bc9b6c2a85cbf15cff91a3",
+        ROOT / "patches",
+        ROOT / "build" / "fork",
+        ("megatron",),
+    ),
+    "0.19.2": (  # requires Python >= 3.12 (fetched under 3.11 with --ignore-requires-python)
+        "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353",
+        ROOT / "patches" / "0.19.2",
+        ROOT / "build" / "fork-0.19.2",
+        ("megatron/core",),  # upstream's megatron/training stays; our core needs none of ours
+    ),
+}
+BASE = os.environ.get("MEGATRON_MUON_BASE") or "0.16.1"
+if BASE not in BASES:
+    sys.exit(f"fork: error: MEGATRON_MUON_BASE={BASE!r}: known bases are {', '.join(BASES)}")
+UPSTREAM_VERSION = BASE
+ARCHIVE = f"megatron_core-{UPSTREAM_VERSION}.tar.gz"
+ARCHIVE_SHA256, PATCH_DIR, FORK_DIR, OVERLAY = BASES[BASE]
 STAMP = FORK_DIR / ".assembled"
 
 
@@ -61,6 +80,8 @@ def fetch() -> Path:
         req.write_text(f"{UPSTREAM_NAME}=={UPSTREAM_VERSION} --hash=sha256:{ARCHIVE_SHA256}\n")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         cmd += ["--no-build-isolation", "--require-hashes", "-r", str(req), "-d", str(CACHE_DIR)]
+        if sys.version_info < (3, 12) and BASE != "0.16.1":
+            cmd.append("--ignore-requires-python")  # only its metadata is read here
         # upstream's setup.py runs `python3 -m pybind11` while pip reads its metadata
         env = dict(
             os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
@@ -110,8 +131,9 @@ def fingerprint() -> str:
 
 
 def overlay_entries():
-    """Our paths to link: whole folders that upstream lacks, else single files."""
-    for dirpath, dirnames, filenames in os.walk(OVERLAY_DIR):
+    """Our paths to link (under the base's ``OVERLAY``): whole folders upstream lacks, else
+    single files."""
+    for dirpath, dirnames, filenames in (w for top in OVERLAY for w in os.walk(ROOT / top)):
         here = Path(dirpath).relative_to(ROOT)
         for name in sorted(dirnames):
             upstream = FORK_DIR / here / name
