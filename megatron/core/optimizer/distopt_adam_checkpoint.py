@@ -45,12 +45,13 @@ def unshare_steps(optimizer: torch.optim.Optimizer) -> None:
 @torch.no_grad()
 def copy_state(destination: dict, source: dict) -> None:
     """Copy a param's main param and state tensors from ``source``; ``step`` is not one of them
-    (load_state_dict restores it from the param groups).
+    (load_state_dict restores it from the param groups), nor is a non-tensor source value
+    (megatron-core 0.19's loaders pass some; 0.16.1's only tensors).
 
     Args:
         destination: {key: tensor} of this rank's shard, written in place.
         source: {key: tensor} of the loaded shard, same keys and shapes.
     """
     for key, tensor in destination.items():
-        if key != "step":
+        if key != "step" and torch.is_tensor(source[key]):
             tensor.copy_(source[key])

@@ -1,6 +1,8 @@
 """Muon for megatron-core: the public names (upstream 0.16.1's, kept for its callers).
 
-Replaces upstream 0.16.1's emerging_optimizers-based ``muon.py``. The layering, leaves first:
+Replaces upstream 0.16.1's emerging_optimizers-based ``muon.py``, and on megatron-core 0.19 its
+shim of the same name: there ``get_megatron_muon_optimizer`` keeps upstream's behaviour unless
+the config asks for this Muon (``muon_impl='megatron_muon'``). The layering, leaves first:
 
 * ``muon_config.py``: vocabularies and defaults (one home), config validation;
 * ``newton_schulz.py``: pure Newton-Schulz;
@@ -39,6 +41,11 @@ def get_megatron_muon_optimizer(
 ):
     """Upstream 0.16.1's Muon entry point (same parameters), on ``get_megatron_optimizer``.
 
+    On megatron-core 0.19, a config with ``muon_impl`` other than ``'megatron_muon'`` (the
+    default, ``'emerging'``) gets upstream 0.19's shim instead: the config as given to
+    ``get_megatron_optimizer``, and ``layer_wise_distributed_optimizer=True`` needs a ``dist_``
+    optimizer name.
+
     Returns the same optimizer as ``get_megatron_optimizer(config, ...)`` with
     ``config.optimizer='muon'`` (a copy of ``config`` is made if it names another optimizer;
     upstream instead mutated it to 'adam'). Unlike upstream, Muon and AdamW params share one
@@ -59,6 +66,18 @@ def get_megatron_muon_optimizer(
     Returns:
         A ``MegatronOptimizer`` (a ``ChainedOptimizer`` for dense and expert parts).
     """
+    if getattr(config, "muon_impl", "megatron_muon") != "megatron_muon":  # 0.16.1: no field
+        if layer_wise_distributed_optimizer and not config.optimizer.startswith("dist_"):
+            raise ValueError(  # upstream 0.19's words
+                "Layer-wise distributed optimizer is enabled by dist_ prefix in optimizer name."
+            )
+        return get_megatron_optimizer(
+            config,
+            model_chunks,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+        )
     changes = {"optimizer": "muon"}
     if layer_wise_distributed_optimizer:
         sharded = all(c.ddp_config.use_distributed_optimizer for c in model_chunks)

@@ -37,7 +37,8 @@ from .optimizer import param_group_identifier_keys
 
 FORMAT = "declared-state-distopt/1"
 MARK = "declared_state_checkpoint"  # key of the format marker in DistOpt.state_dict()
-GROUP_IDENTITY = (*param_group_identifier_keys, "use_muon")
+# 0.16.1: upstream's keys lack use_muon; patch 0.19.2/0012 adds it to them (no duplicate)
+GROUP_IDENTITY = tuple(dict.fromkeys((*param_group_identifier_keys, "use_muon")))
 
 
 def declared(distopt):

@@ -21,12 +21,15 @@ ScaleMode = Literal["spectral", "shape_scaling", "unit_rms_norm"]
 CoefficientType = Literal["simple", "quintic", "polar_express"]
 MatmulPrecision = Literal["highest", "high", "medium", "low", "fp32", "bf16"]
 ExchangeDtype = Literal["fp32", "bf16"]
+# OptimizerConfig.muon_impl (megatron-core >= 0.17 only): which Muon optimizer='muon' builds.
+MuonImpl = Literal["emerging", "megatron_muon"]
 
 TP_MODES: tuple[str, ...] = ("blockwise", "duplicated", "distributed")
 SCALE_MODES: tuple[str, ...] = ("spectral", "shape_scaling", "unit_rms_norm")
 COEFFICIENT_TYPES: tuple[str, ...] = ("simple", "quintic", "polar_express")
 MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium", "low", "fp32", "bf16")
 EXCHANGE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+MUON_IMPLS: tuple[str, ...] = ("emerging", "megatron_muon")
 
 # Upstream 0.16.1's OptimizerConfig defaults (same values, same meanings).
 DEFAULT_MOMENTUM = 0.95
@@ -39,7 +42,9 @@ DEFAULT_TP_MODE: TPMode = "blockwise"
 DEFAULT_EXTRA_SCALE_FACTOR = 1.0
 # What upstream 0.16.1 runs (TensorParallelMuon's coefficient_type, not a config field there).
 DEFAULT_COEFFICIENTS: CoefficientType = "quintic"
-# Ours: off unless asked for.
+# Ours: off unless asked for. On 0.19.2 optimizer='muon' is upstream's (emerging_optimizers)
+# unless muon_impl='megatron_muon' (patch 0.19.2/0001); 0.16.1 has no such field.
+DEFAULT_MUON_IMPL: MuonImpl = "emerging"
 DEFAULT_MATCHED_ADAMW_RMS: Optional[float] = None
 DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
 # The DistOpt Muon planner's machine (``muon_split.PlanLinks``): None, the built-in H100-class one.
@@ -47,6 +52,21 @@ DEFAULT_PLAN_FIGURE = None
 # Ours, off: the DistOpt Muon planner picks the fastest plan, however balanced in FLOPs.
 DEFAULT_PLAN_MIN_EFFICIENCY = None
 DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / (||X||_F + eps)
+
+
+def is_megatron_muon(config) -> bool:
+    """True where ``config`` asks for this fork's Muon: ``optimizer='muon'`` and, on bases that
+    also ship upstream's emerging-optimizers Muon, ``muon_impl='megatron_muon'``."""
+    # 0.16.1: no muon_impl field; optimizer='muon' is ours
+    return config.optimizer == "muon" and getattr(config, "muon_impl", "megatron_muon") == (
+        "megatron_muon"
+    )
+
+
+def nesterov_field(config) -> str:
+    """The name of ``config``'s Nesterov switch: ``muon_nesterov`` (megatron-core >= 0.17)."""
+    # 0.16.1: muon_use_nesterov (renamed muon_nesterov upstream in 0.17)
+    return "muon_nesterov" if hasattr(config, "muon_nesterov") else "muon_use_nesterov"
 
 
 def resolve_scale(
@@ -112,7 +132,9 @@ def validate_muon_config(config) -> None:
     for name, allowed in _CHOICES.items():
         value = getattr(config, name)
         _require(value in allowed, name, value, f"be one of {list(allowed)}")
-    for name in ("muon_split_qkv", "muon_use_nesterov"):
+    impl = getattr(config, "muon_impl", None)  # 0.16.1: no such field
+    _require(impl is None or impl in MUON_IMPLS, "muon_impl", impl, f"be one of {list(MUON_IMPLS)}")
+    for name in ("muon_split_qkv", nesterov_field(config)):
         _require(isinstance(getattr(config, name), bool), name, getattr(config, name), "be a bool")
     mu = config.muon_momentum
     _require(0.0 <= mu < 1.0, "muon_momentum", mu, "be a float in [0, 1)")

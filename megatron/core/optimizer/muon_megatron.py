@@ -27,7 +27,13 @@ from torch.optim.optimizer import ParamsT
 
 from .. import parallel_state
 from ..utils import get_pg_size
-from .muon_config import EXCHANGE_DTYPES, TP_MODES, validate_muon_config
+from .muon_config import (
+    EXCHANGE_DTYPES,
+    TP_MODES,
+    is_megatron_muon,
+    nesterov_field,
+    validate_muon_config,
+)
 from .muon_distopt import attach
 from .muon_functional import MuonParamInfo
 from .muon_optimizer import Muon
@@ -228,15 +234,18 @@ def check_muon_supported(config, model_chunks) -> None:
     """Validate a Muon config where Muon is built; ValueError for what Muon does not support.
 
     Args:
-        config: the ``OptimizerConfig``; nothing is checked unless ``optimizer == 'muon'``.
+        config: the ``OptimizerConfig``; nothing is checked unless it asks for this Muon
+            (``is_megatron_muon``: ``optimizer == 'muon'``, and ``muon_impl='megatron_muon'``
+            where upstream has its own Muon).
         model_chunks: the DDP-wrapped model chunks.
 
     Raises:
         ValueError: naming the field, its value and what is allowed (never a silent fallback).
     """
-    if config.optimizer != "muon":
+    if not is_megatron_muon(config):
         return
     validate_muon_config(config)
+    _check_not_upstream_muon_only(config)
     unsupported = {
         "optimizer_cpu_offload": "Muon has no CPU-offloaded (HybridDeviceOptimizer) variant",
         "use_precision_aware_optimizer": "Muon keeps its state in the main params' dtype",
@@ -254,6 +263,30 @@ def check_muon_supported(config, model_chunks) -> None:
     check_experts_apart(model_chunks)
 
 
+def _check_not_upstream_muon_only(config) -> None:
+    """Refuse, by name, the settings of upstream's emerging-optimizers Muon (megatron-core >= 0.17)
+    that this Muon does not have; absent fields (0.16.1) pass."""
+    refused = {
+        "use_layer_wise_distributed_optimizer": (
+            True,
+            "upstream's LayerWise optimizer; this Muon shards inside the DistributedOptimizer "
+            "(use_distributed_optimizer=True)",
+        ),
+        "optimizer_cuda_graph": (True, "no CUDA graph of this Muon's step"),
+    }
+    for name, (bad, reason) in refused.items():
+        if getattr(config, name, None) == bad:
+            raise ValueError(
+                f"OptimizerConfig.{name}={bad} with muon_impl='megatron_muon': {reason}"
+            )
+    scalar = getattr(config, "muon_scalar_optimizer", "adam")
+    if scalar != "adam":
+        raise ValueError(
+            f"OptimizerConfig.muon_scalar_optimizer={scalar!r} with muon_impl='megatron_muon': "
+            "its non-matrix params use AdamW (allowed: 'adam')"
+        )
+
+
 def check_experts_apart(model_chunks) -> None:
     """ValueError where one param holds several experts' matrices: Muon orthogonalizes each
     expert's weight on its own (as over SequentialMLP in one process), but the legacy
@@ -266,9 +299,17 @@ def check_experts_apart(model_chunks) -> None:
     Raises:
         ValueError: naming the module and the ways out.
     """
-    from ..transformer.moe.experts import GroupedMLP
-
-    if any(isinstance(m, GroupedMLP) for c in model_chunks for m in c.modules()):
+    try:
+        from ..transformer.moe.experts import GroupedMLP
+    except ImportError:  # 0.16.1: the legacy GroupedMLP exists (removed upstream in 0.17)
+        GroupedMLP = ()
+    configs = [getattr(c, "config", None) for c in model_chunks]
+    if any(getattr(cfg, "moe_single_grouped_weight", False) for cfg in configs):
+        raise ValueError(
+            "optimizer='muon' with moe_single_grouped_weight=True: one param holds all local "
+            "experts, which Muon would orthogonalize together; keep one weight per expert"
+        )
+    if GroupedMLP and any(isinstance(m, GroupedMLP) for c in model_chunks for m in c.modules()):
         raise ValueError(
             "optimizer='muon' with the legacy GroupedMLP experts (moe_grouped_gemm=True with "
             "the local spec or moe_use_legacy_grouped_gemm=True): one param holds all local "
@@ -284,7 +325,7 @@ def muon_kwargs(config) -> dict:
         lr=config.lr,
         weight_decay=config.weight_decay,
         momentum=config.muon_momentum,
-        nesterov=config.muon_use_nesterov,
+        nesterov=getattr(config, nesterov_field(config)),
         ns_steps=config.muon_num_ns_steps,
         ns_coefficients=config.muon_coefficient_type,
         ns_precision=config.muon_fp32_matmul_prec,
