@@ -27,12 +27,17 @@ Where the rows live:
   Adam and Muon alike). fp32 DistOpt shards are views of the model params: scaled once, with them.
 The clip keeps no state (the maxima are reset every step), so checkpoints are unchanged and a
 resumed run clips as the uninterrupted one.
+
+Other attention modules with a ``clip_qk()`` method of their own (megatron-core 0.19's MLA, which
+``qk_clip_config`` admits from 0.17 on) keep upstream's clip: their maxima join the one all-reduce,
+then upstream's method runs, as upstream's ``clip_qk`` of the same name and signature (this module
+replaces it; upstream 0.19's training loop calls ``clip_qk(model, log_max_only=...)``).
 """
 
 from typing import Optional
 
 import torch
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import Attention, SelfAttention
 from megatron.core.utils import get_model_config
 
 from megatron.core import parallel_state
@@ -127,15 +132,33 @@ def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float
     config = get_model_config(model[0])
     if not (config.qk_clip or config.log_max_attention_logit):
         return None
-    layers = [m for chunk in model for m in chunk.modules() if isinstance(m, SelfAttention)]
+    modules = [m for chunk in model for m in chunk.modules()]
+    layers = [m for m in modules if isinstance(m, SelfAttention)]
     _check_ready(layers, optimizer)
-    maxima = _reduce_over_data_parallel([_local_maxima(layer) for layer in layers])
+    others = [m for m in modules if _clips_itself(m)]  # upstream's clip (MLA)
+    local = [_local_maxima(layer) for layer in layers]
+    local += [m.core_attention.current_max_attn_logits.float() for m in others]
+    maxima = _reduce_over_data_parallel(local)
     if config.qk_clip and not log_max_only:
         for layer, max_logits in zip(layers, maxima):
             _clip_layer(layer, max_logits, config, optimizer)
-    for layer in layers:
-        layer.core_attention.current_max_attn_logits = None
+    for module, max_logits in zip(others, maxima[len(layers) :]):
+        module.core_attention.current_max_attn_logits = max_logits
+        if config.qk_clip and not log_max_only:
+            module.clip_qk()  # resets the maxima
+    for module in layers + others:
+        module.core_attention.current_max_attn_logits = None
     return _model_wide_max(maxima)
+
+
+def _clips_itself(module) -> bool:
+    """An attention module other than SelfAttention that has its own upstream ``clip_qk`` and
+    recorded maxima this step (upstream's ``clip_qk`` skips one without)."""
+    if isinstance(module, SelfAttention) or not isinstance(module, Attention):
+        return False
+    own = getattr(type(module), "clip_qk", None) not in (None, getattr(Attention, "clip_qk", None))
+    core = getattr(module, "core_attention", None)
+    return own and getattr(core, "current_max_attn_logits", None) is not None
 
 
 def _check_ready(layers, optimizer) -> None:

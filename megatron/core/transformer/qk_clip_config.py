@@ -8,10 +8,16 @@ or below the threshold, so a run asking for it fails at configuration time on ev
 
 import math
 
+from megatron.core import package_info
+
 
 def validate_qk_clip_config(config) -> None:
     """Raise ValueError naming the field when the QK-clip settings are out of range or the
     attention variant is one the clip cannot bound."""
+    # 0.16.1: MLA refused; from 0.17 on (upstream's clip_qk caller in its training loop) the clip
+    # runs upstream's MLA clip (optimizer/qk_clip.py), so upstream's MLA configs stay valid.
+    if config.multi_latent_attention and (package_info.MAJOR, package_info.MINOR) >= (0, 17):
+        return  # upstream's MLA clip, upstream's rules
     if config.multi_latent_attention and (config.qk_clip or config.log_max_attention_logit):
         raise ValueError(
             "qk_clip / log_max_attention_logit do not support multi_latent_attention: this "
