@@ -1,21 +1,32 @@
 # The two commands a fresh machine needs (see README.md):
 #   make demo   # a real Muon training run on CPU: GPT, TP=2 x DP=2, DistributedOptimizer, 4 ranks
 #   make test   # the test suite
+# make install BASE=0.19.2: the staged next megatron-core base (.venv-0.19.2, build/fork-0.19.2;
+# see tools/fork.py); the default is 0.16.1 (.venv, build/fork). Only a command-line BASE counts.
+ifneq ($(origin BASE),command line)
+BASE := 0.16.1
+endif
+ifeq ($(BASE),0.16.1)
 VENV ?= .venv
+else
+VENV ?= .venv-$(BASE)
+endif
 PY := $(VENV)/bin/python
+ENV := MEGATRON_MUON_BASE=$(BASE)
 
 .PHONY: install fork demo test lint check-patches bench pr
 
 install:
-	@tools/bootstrap.sh
+	@$(ENV) VENV=$(VENV) tools/bootstrap.sh
 
 fork: install  # after editing patches/ or adding a file under megatron/
-	@$(PY) tools/fork.py assemble
+	@$(ENV) $(PY) tools/fork.py assemble
 
 demo: install
 	@bash examples/cpu_quickstart.sh
 
 test: install
+	@MEGATRON_MUON_BASE=0.19.2 $(PY) tools/fork.py fetch  # for test_fork_build (2 MB, hashed)
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install
@@ -23,6 +34,8 @@ lint: install
 
 check-patches: install
 	@$(PY) tools/fork.py check
+	@MEGATRON_MUON_BASE=0.19.2 $(PY) tools/fork.py fetch
+	@MEGATRON_MUON_BASE=0.19.2 $(PY) tools/fork.py check
 
 bench: install  # quick benchmarks, one table of ratios (< 5 min on 2 cores); see bench/README.md
 	@$(PY) -m pip install --quiet --no-deps -r requirements/bench.txt
