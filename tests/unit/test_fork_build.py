@@ -1,6 +1,7 @@
 """The fork build: the patch series applies to the pristine pinned archive; failures are named."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,33 @@ def test_patch_series_applies_to_pristine_archive():
     )
     assert result.returncode == 0, result.stderr
     assert "apply cleanly to megatron_core-0.16.1.tar.gz" in result.stdout
+
+
+def test_next_base_series_applies_to_its_pristine_archive():
+    """The staged 0.19.2 series (patches/0.19.2/) against its own pinned archive, with git apply
+    and no fuzz; `make test` fetches that archive (hash-checked, 2 MB)."""
+    env = dict(os.environ, MEGATRON_MUON_BASE="0.19.2")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "fork.py"), "check"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "14 patches apply cleanly to megatron_core-0.19.2.tar.gz" in result.stdout
+
+
+def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
+    assert (fork.BASE, fork.FORK_DIR, fork.PATCH_DIR) == (
+        "0.16.1",
+        ROOT / "build/fork",
+        ROOT / "patches",
+    )
+    assert fork.OVERLAY == ("megatron",)
+    sha, series, tree, overlay = fork.BASES["0.19.2"]
+    assert sha == "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
+    assert (series, tree) == (ROOT / "patches/0.19.2", ROOT / "build/fork-0.19.2")
+    assert overlay == ("megatron/core",)  # upstream's megatron/training is kept
 
 
 def test_patched_tree_is_what_python_imports(fork):
