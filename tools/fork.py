@@ -41,7 +41,13 @@ BASES = {
         "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353",
         ROOT / "patches" / "0.19.2",
         ROOT / "build" / "fork-0.19.2",
-        ("megatron/core",),  # upstream's megatron/training stays; our core needs none of ours
+        # upstream's megatron/training stays; of ours only pretrain_gpt.py's entry on its loop
+        (
+            "megatron/core",
+            "megatron/training/cpu_mode.py",
+            "megatron/training/cpu_loop.py",
+            "megatron/training/gpt_entry.py",
+        ),
     ),
 }
 BASE = os.environ.get("MEGATRON_MUON_BASE") or "0.16.1"
@@ -132,7 +138,8 @@ def fingerprint() -> str:
 
 def overlay_entries():
     """Our paths to link (under the base's ``OVERLAY``): whole folders upstream lacks, else
-    single files."""
+    single files (as given, or found in our folders)."""
+    yield from (Path(top) for top in OVERLAY if (ROOT / top).is_file())
     for dirpath, dirnames, filenames in (w for top in OVERLAY for w in os.walk(ROOT / top)):
         here = Path(dirpath).relative_to(ROOT)
         for name in sorted(dirnames):

@@ -51,7 +51,13 @@ def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
     sha, series, tree, overlay = fork.BASES["0.19.2"]
     assert sha == "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
     assert (series, tree) == (ROOT / "patches/0.19.2", ROOT / "build/fork-0.19.2")
-    assert overlay == ("megatron/core",)  # upstream's megatron/training is kept
+    # upstream's megatron/training is kept; of ours only pretrain_gpt.py's entry on its loop
+    assert overlay == (
+        "megatron/core",
+        "megatron/training/cpu_mode.py",
+        "megatron/training/cpu_loop.py",
+        "megatron/training/gpt_entry.py",
+    )
 
 
 def test_patched_tree_is_what_python_imports(fork):
