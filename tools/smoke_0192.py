@@ -51,6 +51,8 @@ def _tiny_gpt(distopt: bool):
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,  # deterministic: the same steps at any DP size
+        attention_dropout=0.0,
     )
     model = GPTModel(
         config=config,
