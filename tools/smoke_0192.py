@@ -7,9 +7,9 @@ runs it; by hand: ``.venv-0.19.2/bin/python tools/smoke_0192.py``). One gloo pro
 3. upstream's ``optimizer='muon'`` (the default ``muon_impl='emerging'``) still builds upstream's
    emerging-optimizers Muon and steps.
 
-The CPU stand-ins are this checkout's ``megatron/training/cpu_mode.py`` (0.16.1 side: not part of
-the 0.19.2 tree, whose ``megatron.training`` is upstream's), loaded by path. Exits non-zero on a
-failure; prints one line per check.
+The CPU stand-ins are this checkout's ``megatron/training/cpu_mode.py``, loaded by path (our core
+imports nothing of ours from ``megatron.training``, which on 0.19.2 is upstream's). Exits non-zero
+on a failure; prints one line per check.
 """
 
 import importlib.util
