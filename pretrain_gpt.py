@@ -13,11 +13,38 @@ message naming it, a checkpoint that does not fit exits 1; the rerun state machi
 (resume to re-run a step) or 17 (a result failed validation), as Megatron-LM.
 """
 
+import importlib.machinery
 import os
 import sys
-import time
-import warnings
-from functools import partial
+
+
+def _installed_path() -> list:
+    """sys.path less this script's folder: its megatron/training (our loop's source) shadows the
+    installed megatron.training of a base that ships upstream's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+
+
+def _upstream_loop_installed() -> bool:
+    spec = importlib.machinery.PathFinder.find_spec("megatron", _installed_path())
+    places = (spec.submodule_search_locations or []) if spec else []
+    return any(os.path.isfile(os.path.join(p, "training", "global_vars.py")) for p in places)
+
+
+# Base megatron-core 0.19: upstream's own megatron.training (its pretrain()) runs the loop through
+# megatron/training/gpt_entry.py. What follows this block is our loop's entry (base 0.16.1).
+if _upstream_loop_installed():
+    if __name__ != "__main__":
+        raise ImportError("pretrain_gpt.py on upstream's loop: import megatron.training.gpt_entry")
+    sys.path[:] = _installed_path()
+    import runpy
+
+    # As __main__: processes that multiprocessing spawns re-import it, not this file.
+    runpy.run_module("megatron.training.gpt_entry", run_name="__main__", alter_sys=True)
+
+import time  # noqa: E402
+import warnings  # noqa: E402
+from functools import partial  # noqa: E402
 
 # Upstream warns about optional accelerated kernels (TE, Apex) at import; the fallbacks are fine.
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) is not installed")
