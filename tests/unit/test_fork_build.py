@@ -38,7 +38,7 @@ def test_next_base_series_applies_to_its_pristine_archive():
         env=env,
     )
     assert result.returncode == 0, result.stderr
-    assert "14 patches apply cleanly to megatron_core-0.19.2.tar.gz" in result.stdout
+    assert "16 patches apply cleanly to megatron_core-0.19.2.tar.gz" in result.stdout
 
 
 def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
@@ -57,6 +57,7 @@ def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
         "megatron/training/cpu_mode.py",
         "megatron/training/cpu_loop.py",
         "megatron/training/gpt_entry.py",
+        "megatron/training/muon_args.py",
     )
 
 

@@ -1,0 +1,293 @@
+"""megatron-muon's flags on upstream Megatron-LM's command line (base megatron-core 0.19.2).
+
+Upstream 0.19.2's ``megatron/training/arguments.py`` has no flag for the ``OptimizerConfig``
+fields that patch ``0.19.2/0001`` adds. Patch ``0.19.2/0030-training-args-megatron-muon`` calls
+into this module from three places of upstream's file:
+
+- ``add_megatron_arguments``: ``add_megatron_muon_args(parser)`` registers ``--muon-impl`` and
+  our knobs, each ``dest`` an ``OptimizerConfig`` field, so upstream's
+  ``get_megatron_optimizer_config`` (which copies every ``args`` attribute named like a field)
+  hands them to megatron-core unchanged;
+- ``validate_args``: ``validate_megatron_muon_args(args)``, just before upstream's emerging
+  optimizer check, which then skips ``--muon-impl megatron_muon`` (``is_megatron_muon``): our
+  Muon runs inside the ``DistributedOptimizer`` that ``--use-distributed-optimizer`` asks for,
+  not in upstream's LayerWise optimizer that the check rewrites it into for its own Muon.
+
+Patch ``0.19.2/0031-checkpoint-args-muon-impl`` calls ``check_checkpoint_muon_impl`` from
+upstream's ``check_checkpoint_args``: the two Muons' optimizer states are not interchangeable.
+
+Every default is ``OptimizerConfig``'s (read from its fields, never repeated here); the names
+are our 0.16.1 command line's (``megatron/training/flags.tsv``, rows ``ours``).
+"""
+
+import argparse
+import dataclasses
+import math
+import re
+
+from megatron.core.optimizer.muon_config import (
+    EXCHANGE_DTYPES,
+    MUON_IMPLS,
+    is_megatron_muon,
+    validate_muon_config,
+)
+
+__all__ = [
+    "add_megatron_muon_args",
+    "check_checkpoint_muon_impl",
+    "is_megatron_muon",
+    "validate_megatron_muon_args",
+]
+
+# args attribute: {dest: the option string given}, filled while parsing, read (and removed) once
+GIVEN = "_megatron_muon_given"
+
+
+def _float_or_none(text: str):
+    return None if text.lower() == "none" else float(text)
+
+
+# Our knobs: (option strings, dest = OptimizerConfig field, type, choices, help). Read only by
+# --muon-impl megatron_muon; the first name is the one our 0.16.1 command line has.
+KNOBS = (
+    (
+        ("--muon-matched-adamw-rms",),
+        "muon_matched_adamw_rms",
+        _float_or_none,
+        None,
+        "Scale Muon's updates to this AdamW-like RMS, r * sqrt(max(m, n)) (Moonlight: 0.2), "
+        "instead of --muon-scale-mode/--muon-extra-scale-factor; none: off.",
+    ),
+    (
+        ("--muon-exchange-dtype", "--muon-distopt-exchange-dtype"),
+        "muon_distopt_exchange_dtype",
+        str,
+        EXCHANGE_DTYPES,
+        "dtype of the Muon momentum the DistributedOptimizer exchanges (fp32 is exact; bf16 "
+        "Newton-Schulz exchanges bf16 both ways, exactly). Needs --use-distributed-optimizer.",
+    ),
+    (
+        ("--muon-plan-tflops",),
+        "muon_plan_tflops",
+        _float_or_none,
+        None,
+        "Achieved matmul TFLOP/s per GPU the DistOpt Muon planner assumes (none: 396, "
+        "H100-class). Needs --use-distributed-optimizer.",
+    ),
+    (
+        ("--muon-plan-dp-link-gbps",),
+        "muon_plan_dp_link_gbps",
+        _float_or_none,
+        None,
+        "Gb/s per GPU and direction between nodes the planner assumes (none: 400; inf: free). "
+        "Needs --use-distributed-optimizer.",
+    ),
+    (
+        ("--muon-plan-nvlink-gbps",),
+        "muon_plan_nvlink_gbps",
+        _float_or_none,
+        None,
+        "Gb/s per GPU and direction over NVLink the planner assumes (none: 3600; inf: free). "
+        "Needs --use-distributed-optimizer.",
+    ),
+    (
+        ("--muon-plan-nvlink-domain",),
+        "muon_plan_nvlink_domain",
+        int,
+        None,
+        "GPUs sharing NVLink, consecutive global ranks (default: the GPUs of one host; 72 on "
+        "NVL72). Needs --use-distributed-optimizer.",
+    ),
+    (
+        ("--muon-plan-min-efficiency",),
+        "muon_plan_min_efficiency",
+        _float_or_none,
+        None,
+        "Floor in (0, 1] on the DistOpt Muon plan's counted Newton-Schulz FLOP efficiency: the "
+        "fastest plan that reaches it (none: the fastest plan). Needs --use-distributed-optimizer.",
+    ),
+)
+# Settings of the DistributedOptimizer's Muon exchange and plan: without DistOpt they do nothing.
+DISTOPT_ONLY = tuple(dest for _, dest, *_ in KNOBS if dest != "muon_matched_adamw_rms")
+# Where inf is a value (a free link); every other float knob must be finite.
+INFINITE_OK = ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps")
+
+# What our Muon does not do, by upstream 0.19.2's flag: (dest, refused when, flag, reason).
+REFUSED = (
+    (
+        "muon_scalar_optimizer",
+        lambda v: v != "adam",
+        "--muon-scalar-optimizer",
+        "the non-matrix params use AdamW inside our Muon (allowed: adam)",
+    ),
+    (
+        "optimizer_cpu_offload",
+        bool,
+        "--optimizer-cpu-offload",
+        "our Muon has no CPU-offloaded variant",
+    ),
+    (
+        "use_precision_aware_optimizer",
+        bool,
+        "--use-precision-aware-optimizer",
+        "our Muon keeps its state in the main params' dtype",
+    ),
+    ("optimizer_cuda_graph", bool, "--optimizer-cuda-graph", "no CUDA graph of our Muon's step"),
+    ("use_megatron_fsdp", bool, "--use-megatron-fsdp", "our Muon shards inside the DistOpt only"),
+    ("use_torch_fsdp2", bool, "--use-torch-fsdp2", "our Muon shards inside the DistOpt only"),
+)
+
+
+def _field_defaults() -> dict:
+    """OptimizerConfig's field defaults: the one home of every default."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+
+
+class _StoreGiven(argparse.Action):
+    """argparse's store, also noting which flag set the value (a knob given at its default is
+    still a knob given: with upstream's Muon it would be ignored, so it is refused)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given = dict(getattr(namespace, GIVEN, None) or {})
+        given[self.dest] = option_string
+        setattr(namespace, GIVEN, given)
+
+
+def add_megatron_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register ``--muon-impl`` and our Muon's knobs (defaults: ``OptimizerConfig``'s)."""
+    defaults = _field_defaults()
+    group = parser.add_argument_group(
+        title="megatron-muon",
+        description="megatron-muon's exact, sharded Muon: --optimizer muon --muon-impl "
+        "megatron_muon (with --use-distributed-optimizer it shards inside the "
+        "DistributedOptimizer). The knobs below need --muon-impl megatron_muon.",
+    )
+    group.add_argument(
+        "--muon-impl",
+        type=str,
+        default=defaults["muon_impl"],
+        choices=MUON_IMPLS,
+        dest="muon_impl",
+        help="Which Muon --optimizer muon builds: emerging (upstream's emerging_optimizers "
+        "TensorParallelMuon; with --use-distributed-optimizer its LayerWise optimizer) or "
+        "megatron_muon (ours: exact inside the DistributedOptimizer, fp16 too; its checkpoints "
+        "are not upstream's). Default: %(default)s.",
+    )
+    for names, dest, type_, choices, text in KNOBS:
+        group.add_argument(
+            *names,
+            type=type_,
+            default=defaults[dest],
+            choices=choices,
+            dest=dest,
+            action=_StoreGiven,
+            help=f"{text} Default: %(default)s.",
+        )
+    return parser
+
+
+def validate_megatron_muon_args(args) -> None:
+    """Check ``--muon-impl`` and our knobs in upstream's ``validate_args``, before its emerging
+    optimizer check (which skips ``is_megatron_muon(args)``).
+
+    ``--muon-impl megatron_muon`` with ``--optimizer dist_muon`` (upstream's deprecated name)
+    becomes ``--optimizer muon --use-distributed-optimizer``: our Muon inside the DistOpt.
+
+    Raises:
+        ValueError: naming the flag, its value and what is allowed.
+    """
+    given = getattr(args, GIVEN, None) or {}
+    if hasattr(args, GIVEN):
+        delattr(args, GIVEN)  # parse-time bookkeeping: not an argument (nor saved in checkpoints)
+    flags = sorted(given.values())
+    if args.muon_impl != "megatron_muon":
+        if flags:
+            verb = "configures" if len(flags) == 1 else "configure"
+            raise ValueError(
+                f"{', '.join(flags)} {verb} megatron-muon's Muon, but --muon-impl is "
+                f"{args.muon_impl!r}: add --muon-impl megatron_muon (with --optimizer muon) or "
+                "drop them"
+            )
+        return
+    if args.optimizer == "dist_muon":
+        from megatron.training.utils import warn_rank_0
+
+        warn_rank_0(
+            "optimizer='dist_muon' is deprecated. "
+            "Use --optimizer muon --use-distributed-optimizer instead."
+        )
+        args.optimizer = "muon"
+        args.use_distributed_optimizer = True
+    if args.optimizer != "muon":
+        raise ValueError(
+            f"--muon-impl megatron_muon selects the Muon that --optimizer muon builds, but "
+            f"--optimizer is {args.optimizer!r}: add --optimizer muon or drop --muon-impl"
+        )
+    distopt = sorted(flag for dest, flag in given.items() if dest in DISTOPT_ONLY)
+    if distopt and not args.use_distributed_optimizer:
+        verb = "configures" if len(distopt) == 1 else "configure"
+        raise ValueError(
+            f"{', '.join(distopt)} {verb} the DistributedOptimizer's Muon exchange and plan: "
+            "add --use-distributed-optimizer or drop them"
+        )
+    for dest, refused, flag, reason in REFUSED:
+        value = getattr(args, dest, None)
+        if value is not None and refused(value):
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise ValueError(f"{flag}{shown} with --muon-impl megatron_muon: {reason}")
+    for names, dest, type_, *_ in KNOBS:
+        value = getattr(args, dest)
+        if type_ is _float_or_none and value is not None and dest not in INFINITE_OK:
+            if not math.isfinite(value):
+                raise ValueError(f"{names[0]} must be a finite number or none, got {value}")
+    _check_values(args)
+
+
+def _check_values(args) -> None:
+    """megatron-core's own check of the Muon fields (``validate_muon_config``), run now on the
+    values args will give ``OptimizerConfig``; its message names the fields, ours the flags."""
+    view = argparse.Namespace(
+        **{name: getattr(args, name, default) for name, default in _field_defaults().items()}
+    )
+    try:
+        validate_muon_config(view)
+    except ValueError as err:
+        text = str(err)
+        fields = dict.fromkeys(re.findall(r"\bmuon_\w+", text))
+        named = ", ".join(_flag(name) for name in fields) or "--muon-impl megatron_muon"
+        raise ValueError(f"{named}: {text}") from None
+
+
+def _flag(field: str) -> str:
+    """The flag of an OptimizerConfig Muon field: ours from KNOBS, else upstream's spelling."""
+    for names, dest, *_ in KNOBS:
+        if dest == field:
+            return names[0]
+    return "--muon-no-split-qkv" if field == "muon_split_qkv" else "--" + field.replace("_", "-")
+
+
+def check_checkpoint_muon_impl(checkpoint_args, args) -> None:
+    """Refuse to resume one Muon's optimizer state with the other (upstream's LayerWise/emerging
+    state and ours differ in layout and keys). A checkpoint saved without ``--muon-impl`` is
+    upstream's; ``--no-load-optim`` (or ``--finetune``) loads the model only, which either Muon
+    can then train. Called from upstream's ``check_checkpoint_args`` (every format) and, for
+    ``torch_dist``, as soon as the checkpoint's args are read: before the sharded optimizer state
+    to load is built from this run's optimizer (a mismatch would fail there, unnamed).
+
+    Raises:
+        RuntimeError: one line naming ``--muon-impl``, the saved value and this run's.
+    """
+    if args.optimizer != "muon" or args.no_load_optim or args.finetune:
+        return
+    if getattr(checkpoint_args, "optimizer", None) not in ("muon", "dist_muon"):
+        return
+    saved = getattr(checkpoint_args, "muon_impl", None) or _field_defaults()["muon_impl"]
+    if saved != args.muon_impl:
+        raise RuntimeError(
+            f"checkpoint was saved with --muon-impl {saved}; this run uses {args.muon_impl}: "
+            "the two Muons' optimizer states are not interchangeable (resume with --muon-impl "
+            f"{saved}, or add --no-load-optim to load the model only)"
+        )
