@@ -1,5 +1,6 @@
 """Test-wide setup: CPU mode for the test process, quiet upstream warnings, shared fixtures."""
 
+import os
 import warnings
 
 import pytest
@@ -15,7 +16,11 @@ import torch._dynamo  # noqa: E402,F401
 from megatron.training import cpu_mode  # noqa: E402
 
 cpu_mode.enable_if_needed()
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# With TEST_RANK_THREADS (tools/parity_margins.py) forked ranks run OpenMP pools of their own: a
+# parent that never started one lets them (libgomp's workers do not survive a fork; a rank that
+# used the parent's pool hung)
+rank_threads = os.environ.get("TEST_RANK_THREADS", "1") != "1"
+torch.set_num_threads(1 if rank_threads else max(1, min(2, torch.get_num_threads())))
 
 
 @pytest.fixture(autouse=True)
