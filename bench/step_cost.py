@@ -40,7 +40,7 @@ from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, trai
 
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 # elements; with --overlap-grad-reduce DDP cuts the model into buckets of one or two matrices,
 # as its 40M-element buckets do on billion-parameter models. Both layouts are timed.
 SMALL_BUCKET = 40_000

@@ -20,7 +20,7 @@ from megatron.training.muon_recipe import SEED_RECIPE
 
 BEFORE, AFTER = 2, 2
 BUCKET = 6000  # as test_muon_distopt.py: ~12 buckets, matrices straddle DP shard boundaries
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 
 
 def build(spec, optimizer_kwargs, seed=0):

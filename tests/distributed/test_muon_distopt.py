@@ -24,7 +24,7 @@ STEPS = 3
 # DDP makes several buckets only with overlap_grad_reduce; 6000 elements cut the tiny GPT into
 # ~12 buckets, and matrices straddle DP shard boundaries in every layout.
 BUCKET = 6000
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 
 # Tolerances on parity.update_rel_error, as in test_muon_parity.py: DP sharding only reorders
 # fp32 gradient sums (the exchange itself moves fp32 values unchanged and NS runs on the very same
@@ -150,7 +150,7 @@ def test_negative_control_broken_gather_misses_the_reference():
 # ------------------------------------------------------------------ bf16 and the exchange dtype
 
 
-def _exchange_run(exchange: str, force_fp32: bool = False, precision: str = "bf16", **overrides):
+def _exchange_run(exchange: str, force_fp32: bool = False, precision: str = "medium", **overrides):
     """Params, wire dtypes and exchange bytes after 3 steps at DP=4; ``force_fp32``: the
     exchange as before it followed the NS dtype (fp32 both ways, owners scale)."""
 
@@ -183,8 +183,8 @@ def _bf16_exchanges():
         "auto": _exchange_run("fp32"),
         "fp32": _exchange_run("fp32", force_fp32=True),
         "bf16": _exchange_run("bf16"),
-        "fp32 NS, fp32": _exchange_run("fp32", precision="fp32"),
-        "fp32 NS, bf16": _exchange_run("bf16", precision="fp32"),
+        "fp32 NS, fp32": _exchange_run("fp32", precision="highest"),
+        "fp32 NS, bf16": _exchange_run("bf16", precision="highest"),
     }
 
 

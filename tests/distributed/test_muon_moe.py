@@ -16,7 +16,7 @@ from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
 SPEC = TinyGPT(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather")
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 # Same reasoning as test_muon_parity.TOL (fp32 sums reordered by the all-to-all dispatch and
 # the DP/TP reductions; NS is smooth). Top-2 routing is discrete, but a tie flip would change the
 # loss by far more than LOSS_RTOL, which the comparison would catch.

@@ -21,7 +21,7 @@ from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
 # fp32 Newton-Schulz, so the comparison measures the layouts, not bf16 matmul rounding.
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 
 # Tolerance on parity.update_rel_error (||got - ref|| / ||ref - initial||). Measured: TP2 both
 # exact modes ~7e-6, DP2 ~5e-6, PP2 0, TP2xPP2xDP2 ~7e-6, the layouts of

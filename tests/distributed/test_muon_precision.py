@@ -21,7 +21,7 @@ from tiny_gpt import (
 from megatron.core import parallel_state as ps
 from megatron.training.muon_recipe import SEED_RECIPE
 
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 # 2**10: small enough that the tiny model's fp16 grads never overflow on their own;
 # hysteresis 1: the first overflow already backs the scale off (Megatron's default waits 2).
 FP16 = dict(MUON, initial_loss_scale=2.0**10, hysteresis=1)

@@ -36,7 +36,7 @@ TAU = 0.5
 CLIP = dict(qk_clip=True, qk_clip_threshold=TAU, qk_clip_alpha=0.5)
 SPEC = TinyGPT(num_layers=2, extra=CLIP)
 # the seed recipe: exact TP (duplicated), as the parity reference needs
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 BUCKET = 6000  # with overlap_grad_reduce: several buckets, QKV matrices cut by DP shards
 
 # Tolerance on parity.update_rel_error, as in test_muon_parity.py (measured there ~7e-6 for these

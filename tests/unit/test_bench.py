@@ -23,7 +23,7 @@ from megatron.core.optimizer.muon_functional import MuonParamInfo  # noqa: E402
 from megatron.core.optimizer.muon_plan import ns_cost  # noqa: E402
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
-MUON = dict(optimizer="muon", muon_fp32_matmul_prec="fp32", **SEED_RECIPE)
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 BUCKET = 6000  # several buckets; matrices straddle DP shard boundaries (as in the parity tests)
 
 

@@ -161,7 +161,7 @@ ERRORS = {
 }
 
 # the seed's recipe at fp32 Newton-Schulz, lr and wd as build_optimizer's defaults
-LAYER_WISE = dict(lr=1e-2, weight_decay=0.01, clip_grad=0.0, muon_fp32_matmul_prec="fp32")
+LAYER_WISE = dict(lr=1e-2, weight_decay=0.01, clip_grad=0.0, muon_fp32_matmul_prec="highest")
 LAYER_WISE.update(SEED_RECIPE)
 
 
@@ -270,7 +270,7 @@ def test_muon_config_reaches_the_optimizer():
         nesterov=False,
         ns_steps=3,
         ns_coefficients="quintic",
-        ns_precision="fp32",
+        ns_precision="highest",
         matched_adamw_rms=None,
         scale_mode="unit_rms_norm",
         extra_scale_factor=2.0,
@@ -291,7 +291,7 @@ def _config_run():
         muon_use_nesterov=False,
         muon_num_ns_steps=3,
         muon_coefficient_type="quintic",
-        muon_fp32_matmul_prec="fp32",
+        muon_fp32_matmul_prec="highest",
         muon_matched_adamw_rms=None,
         muon_scale_mode="unit_rms_norm",
         muon_extra_scale_factor=2.0,

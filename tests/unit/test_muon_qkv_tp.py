@@ -52,7 +52,7 @@ def _manual_qkv(u, spec):
 @pytest.mark.parametrize("scale_mode", ["spectral", "unit_rms_norm"])  # uniform / per-block s
 def test_qkv_split_equals_manual_per_block_ns(scale_mode):
     u = _randn(QKV_ROWS, HIDDEN)
-    spec = OrthoSpec(5, "simple", "fp32", 1e-7, scale_mode, 0.5)
+    spec = OrthoSpec(5, "simple", "highest", 1e-7, scale_mode, 0.5)
     (got,) = orthogonalize_matrices([u], [MuonParamInfo(tuple(u.shape), SPLIT)], spec)
     # K and V run batched, Q alone: same math as the manual loop up to fp32 rounding order.
     torch.testing.assert_close(got, _manual_qkv(u, spec), rtol=0, atol=1e-6)
@@ -67,7 +67,7 @@ def test_scaling_flat_pieces_afterwards_is_bit_identical(split):
     cut anywhere (inside a row, across groups), the same bits as ``orthogonalize``'s scale."""
     u = _randn(QKV_ROWS, HIDDEN)
     info = MuonParamInfo(tuple(u.shape), split)
-    spec = OrthoSpec(5, "quintic", "bf16", 1e-7, "unit_rms_norm", 0.7)
+    spec = OrthoSpec(5, "quintic", "medium", 1e-7, "unit_rms_norm", 0.7)
     (want,) = orthogonalize_matrices([u], [info], spec)
     (raw,) = orthogonalize_matrices([u], [info], dataclasses.replace(spec, apply_scale=False))
     assert torch.equal(raw.bfloat16().float(), raw)  # bf16 NS output: exact in bf16
@@ -82,12 +82,14 @@ def test_scaling_flat_pieces_afterwards_is_bit_identical(split):
 def test_qkv_split_with_mha_batches_all_three_blocks():
     split = (HEAD_DIM, HEAD_DIM, HEAD_DIM)  # one head per group: Q, K, V share a shape
     u = _randn(GROUPS * 3 * HEAD_DIM, HIDDEN)
-    spec = OrthoSpec(5, "quintic", "fp32", 1e-7, "spectral", 1.0)
+    spec = OrthoSpec(5, "quintic", "highest", 1e-7, "spectral", 1.0)
     (got,) = orthogonalize_matrices([u], [MuonParamInfo(tuple(u.shape), split)], spec)
     per_group = u.view(GROUPS, 3, HEAD_DIM, HIDDEN)
     scale = max(GROUPS * HEAD_DIM, HIDDEN) ** 0.5  # spectral, from the block's shape
     for block in range(3):
-        want = scale * newton_schulz(per_group[:, block].reshape(-1, HIDDEN), 5, "quintic", "fp32")
+        want = scale * newton_schulz(
+            per_group[:, block].reshape(-1, HIDDEN), 5, "quintic", "highest"
+        )
         block_out = got.view(GROUPS, 3, HEAD_DIM, HIDDEN)[:, block].reshape(-1, HIDDEN)
         torch.testing.assert_close(block_out, want, rtol=0, atol=1e-6)
 
@@ -179,7 +181,7 @@ def test_tensor_parallel_muon_equals_muon_with_mapped_settings(mode, pg_collecti
         weight_decay=0.01,
         nesterov=True,
         ns_coefficients="quintic",
-        ns_precision="bf16",
+        ns_precision="medium",
         matched_adamw_rms=None,
         param_info=qkv_info,
     )

@@ -9,7 +9,7 @@ The seed's recipe (matched AdamW RMS 0.2, Nesterov, Keller Jordan's ``simple`` c
 the exact ``duplicated`` TP mode) is not a default: it is a set of flags, see the README.
 """
 
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 # The range ``--muon-plan-*`` accept (``muon_split.PlanLinks``): any real machine, with margin.
 # Past it the cost of a byte overflows to inf, and inf x 0 is a NaN the planner would compare.
@@ -18,16 +18,18 @@ MIN_PLAN_GBPS = 1e-3  # per GPU and direction: 1 Mb/s (inf: a free link)
 
 TPMode = Literal["blockwise", "duplicated", "distributed"]
 ScaleMode = Literal["spectral", "shape_scaling", "unit_rms_norm"]
-CoefficientType = Literal["simple", "quintic", "polar_express"]
-MatmulPrecision = Literal["highest", "high", "medium", "low", "fp32", "bf16"]
+# Upstream's names (emerging_optimizers' NSCoeffT less 'custom'), same numbers (newton_schulz.py).
+CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"]
+# torch.set_float32_matmul_precision's names, as upstream: fp32, TF32 allowed on CUDA, bf16.
+MatmulPrecision = Literal["highest", "high", "medium"]
 ExchangeDtype = Literal["fp32", "bf16"]
 # OptimizerConfig.muon_impl (megatron-core >= 0.17 only): which Muon optimizer='muon' builds.
 MuonImpl = Literal["emerging", "megatron_muon"]
 
 TP_MODES: tuple[str, ...] = ("blockwise", "duplicated", "distributed")
 SCALE_MODES: tuple[str, ...] = ("spectral", "shape_scaling", "unit_rms_norm")
-COEFFICIENT_TYPES: tuple[str, ...] = ("simple", "quintic", "polar_express")
-MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium", "low", "fp32", "bf16")
+COEFFICIENT_TYPES: tuple[str, ...] = get_args(CoefficientType)
+MATMUL_PRECISIONS: tuple[str, ...] = get_args(MatmulPrecision)
 EXCHANGE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 MUON_IMPLS: tuple[str, ...] = ("emerging", "megatron_muon")
 
@@ -51,7 +53,7 @@ DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
 DEFAULT_PLAN_FIGURE = None
 # Ours, off: the DistOpt Muon planner picks the fastest plan, however balanced in FLOPs.
 DEFAULT_PLAN_MIN_EFFICIENCY = None
-DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / (||X||_F + eps)
+DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / max(||X||_F, eps), as upstream
 
 
 def is_megatron_muon(config) -> bool:

@@ -63,7 +63,7 @@ class Muon(Optimizer):
         W = W (1 - lr wd)                              (decoupled weight decay)
         W = W - lr O
 
-    ``NS_k``: ``X = U / (||U||_F + eps)``, transposed if m > n, then k steps of
+    ``NS_k``: ``X = U / max(||U||_F, eps)``, transposed if m > n, then k steps of
     ``A = X X^T; X = a X + (b A + c A A) X`` (see ``newton_schulz.py``). Scale ``s``:
     ``scale_mode`` {modes} times ``extra_scale_factor`` (default: ``{mode}`` x {factor}, as
     upstream), or, with ``matched_adamw_rms=r`` (default {rms}: off), ``r * sqrt(max(m, n))``

@@ -3,21 +3,26 @@
 ``newton_schulz(X)`` approximates the orthogonal polar factor ``U V^T`` of ``X = U S V^T`` by an
 odd quintic polynomial iteration on the singular values:
 
-    X_0 = X / (||X||_F + eps)                    (all singular values now in [0, 1])
+    X_0 = X / max(||X||_F, eps)                  (all singular values now in [0, 1])
     A_t = X_t X_t^T
     X_{t+1} = a_t X_t + (b_t A_t + c_t A_t A_t) X_t    for t = 0 .. k-1
 
 Each step maps a singular value ``s`` to ``a s + b s^3 + c s^5``. Tall inputs (m > n) are
 treated as their transpose (the Gram matrix is the smaller ``min(m, n)`` square). A step is
 three matmuls written into preallocated buffers, the two polynomial ones as fused
-``addmm``/``baddbmm`` (the
-same ops as torch.optim.Muon, so the bf16 path rounds like it): the cost is close to the bare
-matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
+``addmm``/``baddbmm`` (the same ops as upstream's emerging_optimizers and torch.optim.Muon): the
+cost is close to the bare matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
+
+The names (coefficient sets, precisions) and their numbers are upstream megatron-core's
+(``emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz``, 0.3): the same
+triples, the same order past a set's end, the same normalization and matmul precision, so a
+setting both name computes the same numbers (``tests/e2e_next/test_ns_matches_upstream.py``).
 """
 
+import contextlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from torch import Tensor
@@ -29,34 +34,31 @@ Triple = tuple[float, float, float]
 
 @dataclass(frozen=True)
 class CoefficientSet:
-    """Per-step (a, b, c) triples; steps beyond the list repeat the last triple.
-
-    ``norm_safety`` > 1 divides the normalized input by that factor (Polar Express guards against
-    ||X||_2 slightly above 1 after rounding); it is folded into the first step's coefficients,
-    since ``p(x / s) = (a / s) x + (b / s^3) x^3 + (c / s^5) x^5``, so it costs nothing.
-    """
+    """Per-step (a, b, c) triples and what steps beyond the list run: ``'cycle'`` starts the
+    list again (upstream's rule for sets tuned as a repeating block, and for custom triples),
+    ``'repeat_last'`` repeats the last triple (sets whose last triple is a fixed point)."""
 
     triples: tuple[Triple, ...]
-    norm_safety: float = 1.0
+    after: Literal["cycle", "repeat_last"] = "cycle"
 
     def schedule(self, steps: int) -> list[Triple]:
-        """The ``steps`` triples to run, safety folded into the first."""
-        picked = [self.triples[min(i, len(self.triples) - 1)] for i in range(steps)]
-        picked[0] = _shrink_input(picked[0], self.norm_safety)
-        return picked
+        """The ``steps`` triples to run."""
+        n = len(self.triples)
+        if self.after == "cycle":
+            return [self.triples[i % n] for i in range(steps)]
+        return [self.triples[min(i, n - 1)] for i in range(steps)]
 
 
-def _shrink_input(triple: Triple, s: float) -> Triple:
-    a, b, c = triple
-    return (a / s, b / s**3, c / s**5)
-
+# The numbers below are data: each set's triples as upstream megatron-core 0.19's
+# emerging_optimizers 0.3 lists them (rounded to 4 digits), credited to their source.
 
 # Keller Jordan, "Muon: An optimizer for hidden layers" (2024), github.com/KellerJordan/Muon:
 # one triple, chosen to maximize the slope at zero; singular values end near [0.7, 1.2].
 SIMPLE = CoefficientSet(((3.4445, -4.7750, 2.0315),))
 
-# modded-nanogpt (KellerJordan/modded-nanogpt, train_gpt_medium.py; @YouJiacheng, @leloykun):
-# five per-step triples that converge closer to 1 in the same five steps.
+# modded-nanogpt (KellerJordan/modded-nanogpt, train_gpt_medium.py; @YouJiacheng, @leloykun,
+# leloykun.github.io/ponder/muon-opt-coeffs): five per-step triples that converge closer to 1 in
+# the same five steps; a sixth step starts the five again.
 QUINTIC = CoefficientSet(
     (
         (4.0848, -6.8946, 2.9270),
@@ -67,50 +69,78 @@ QUINTIC = CoefficientSet(
     )
 )
 
-# Polar Express, Amsel, Persson, Musco, Gower (arXiv 2505.16932), coefficients as published with
-# the paper's code (lower bound l = 1e-3, degree 5). The code divides every triple but the last
-# by the safety factor 1.01 (a / 1.01, b / 1.01^3, c / 1.01^5) and also normalizes by
-# 1.01 * ||X||_F; both are reproduced here (the latter as ``norm_safety``).
-POLAR_EXPRESS_PUBLISHED: tuple[Triple, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-POLAR_EXPRESS_SAFETY = 1.01
+# Polar Express, Amsel, Persson, Musco, Gower (arXiv 2505.16932), lower bound l = 1e-3, degree 5.
+# The paper's safety factor 1.01 is folded into every triple but the last (a / 1.01, b / 1.01^3,
+# c / 1.01^5), as its Algorithm 1 states; the input is normalized by ||X||_F alone. The last
+# triple (15/8, -5/4, 3/8) is the fixed point the iteration then repeats.
 POLAR_EXPRESS = CoefficientSet(
-    tuple(_shrink_input(t, POLAR_EXPRESS_SAFETY) for t in POLAR_EXPRESS_PUBLISHED[:-1])
-    + POLAR_EXPRESS_PUBLISHED[-1:],
-    norm_safety=POLAR_EXPRESS_SAFETY,
+    (
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ),
+    after="repeat_last",
+)
+
+# CANS, Grishina, Smirnov, Rakhuba (arXiv 2506.10935): Remez polynomials on an adaptive interval,
+# generated with github.com/GrishKate/accelerating_orthogonalization (polynomials.py).
+CANS = CoefficientSet(
+    (
+        (8.4703, -25.1081, 18.6293),
+        (4.1828, -3.1087, 0.5806),
+        (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074),
+        (2.2737, -1.6447, 0.4162),
+    ),
+    after="repeat_last",
+)
+
+# AOL (flash-newton-schulz, github.com/thib-s/flash-newton-schulz, newton_schulz_triton.py): the
+# four triples that code runs after its AOL preconditioning; here, as upstream, on X / ||X||_F.
+AOL = CoefficientSet(
+    (
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    )
+)
+
+# DeepSeek-V4 (deepseek-ai/DeepSeek-V4-Pro, DeepSeek_V4.pdf): Keller Jordan's triple 8 times, then
+# twice (2, -1.5, 0.5), whose polynomial fixes 1 with zero slope there (pulls the values to 1).
+DEEPSEEK_V4 = CoefficientSet(
+    ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    after="repeat_last",
 )
 
 COEFFICIENT_SETS: dict[str, CoefficientSet] = {
     "simple": SIMPLE,
     "quintic": QUINTIC,
     "polar_express": POLAR_EXPRESS,
+    "cans": CANS,
+    "aol": AOL,
+    "deepseekv4": DEEPSEEK_V4,
 }
 
-# Upstream 0.16.1 (emerging_optimizers) passes ``fp32_matmul_prec`` to
-# torch.set_float32_matmul_precision around Newton-Schulz: 'highest' = fp32, 'high' = TF32
-# allowed, 'medium' = bf16 matmul inputs. We run explicit dtypes instead, which behave the same on
-# every device (CPU included): 'highest'/'high' -> fp32 (TF32 only ever applied to CUDA fp32
-# matmuls, and still does if the user enabled it globally), 'medium'/'low' -> bf16.
+# Upstream's names (OptimizerConfig.muon_fp32_matmul_prec), those of
+# torch.set_float32_matmul_precision, which upstream sets around Newton-Schulz: 'highest' = fp32
+# matmuls, 'high' = fp32 with TF32 allowed (CUDA's TF32 tensor cores; other devices run fp32),
+# 'medium' = bf16 matmuls (upstream normalizes in fp32, then casts to bf16, as here).
 PRECISIONS: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
     "highest": torch.float32,
     "high": torch.float32,
     "medium": torch.bfloat16,
-    "low": torch.bfloat16,
 }
 
 
 def coefficient_set(coefficients: str | CoefficientSet | Sequence[Triple]) -> CoefficientSet:
-    """Resolve a set name, a ``CoefficientSet`` or a sequence of (a, b, c) triples."""
+    """Resolve a set name, a ``CoefficientSet`` or a sequence of (a, b, c) triples (which cycle,
+    as upstream's ``custom`` coefficients do)."""
     if isinstance(coefficients, CoefficientSet):
         return coefficients
     if isinstance(coefficients, str):
@@ -132,9 +162,27 @@ def compute_dtype(precision: str) -> torch.dtype:
     """The dtype Newton-Schulz runs its matmuls in, from a precision name."""
     if precision not in PRECISIONS:
         raise ValueError(
-            f"unknown Newton-Schulz precision {precision!r}; allowed: {list(PRECISIONS)}"
+            f"unknown Newton-Schulz precision {precision!r}; allowed: {list(PRECISIONS)} "
+            "(torch.set_float32_matmul_precision's names: fp32, fp32 with TF32 on CUDA, bf16)"
         )
     return PRECISIONS[precision]
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str, device: torch.device):
+    """Run the block's fp32 matmuls on a CUDA ``device`` under
+    ``torch.set_float32_matmul_precision(precision)``, as upstream does around Newton-Schulz:
+    TF32 allowed for ``'high'``, not for ``'highest'``. Elsewhere (other devices; ``'medium'``,
+    whose matmuls are bf16) the global setting is left alone and fp32 stays fp32."""
+    if device.type != "cuda" or precision not in ("highest", "high"):
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def newton_schulz(
@@ -152,8 +200,8 @@ def newton_schulz(
         x: the matrix, or a batch of matrices, to orthogonalize.
         steps: iterations k >= 1.
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
-        precision: a name in ``PRECISIONS``: the dtype of the matmuls.
-        eps: added to the Frobenius norm before dividing by it.
+        precision: a name in ``PRECISIONS``: the matmuls' precision.
+        eps: the Frobenius norm's floor (X / max(||X||_F, eps), upstream's F.normalize).
 
     Returns:
         ``NS_k(x)``, same shape and dtype as ``x``.
@@ -163,21 +211,21 @@ def newton_schulz(
     if steps < 1:
         raise ValueError(f"Newton-Schulz steps must be >= 1, got {steps}")
     schedule = coefficient_set(coefficients).schedule(steps)
+    dtype = compute_dtype(precision)
     m, n = x.shape[-2:]
     flat = x.reshape(-1, m, n) if x.ndim > 2 else x
-    out = _iterate(_normalized(flat, compute_dtype(precision), eps), schedule, tall=m > n)
+    with matmul_precision(precision, x.device):
+        out = _iterate(_normalized(flat, dtype, eps), schedule, tall=m > n)
     return out.reshape(x.shape).to(x.dtype)
 
 
 def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
-    """x / (||x||_F + eps) per matrix, in a fresh contiguous buffer of ``dtype``.
-
-    Cast first, then normalize in ``dtype``, as Keller Jordan's and torch's bf16 code do, so the
-    bf16 path rounds like torch.optim.Muon (the norm reduction accumulates in fp32 either way).
-    """
-    buf = torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+    """x / max(||x||_F, eps) per matrix, computed in fp32 (upstream's input dtype), then in a
+    fresh contiguous buffer of ``dtype`` (one rounding to bf16, as upstream's 'medium')."""
+    buf = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
     norm = torch.linalg.vector_norm(buf, dim=None if x.ndim == 2 else (-2, -1), keepdim=True)
-    return buf.div_(norm.add_(eps))
+    buf.div_(norm.clamp_min_(eps))
+    return buf if dtype == torch.float32 else buf.to(dtype, memory_format=torch.contiguous_format)
 
 
 def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
@@ -229,8 +277,8 @@ def sharded_newton_schulz(
         reduce: sums a tensor in place over all shards (e.g. an all-reduce over the TP group).
         steps: iterations k >= 1.
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
-        precision: a name in ``PRECISIONS``: the dtype of the matmuls.
-        eps: added to the Frobenius norm before dividing by it.
+        precision: a name in ``PRECISIONS``: the matmuls' precision.
+        eps: the Frobenius norm's floor (X / max(||X||_F, eps)).
         reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
         part: ``(p, k, gather)``: this place is the ``p``-th of ``k`` and computes only rows
             ``cut(g, k)[p]`` of ``p(G)``; ``gather(poly)`` fills the other places' rows of
@@ -302,8 +350,8 @@ def sharded_newton_schulz_steps(
         dim: the dimension X is sharded along: 0 for row shards, 1 for column shards.
         steps: iterations k >= 1.
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
-        precision: a name in ``PRECISIONS``: the dtype of the matmuls.
-        eps: added to the Frobenius norm before dividing by it.
+        precision: a name in ``PRECISIONS``: the matmuls' precision.
+        eps: the Frobenius norm's floor (X / max(||X||_F, eps)).
         reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
         part: ``(p, k)``: this place is the ``p``-th of ``k`` and computes only rows
             ``cut(g, k)[p]`` of ``p(G)`` (``2 g^2 g/k`` FLOPs instead of ``2 g^3``), then yields
@@ -317,10 +365,16 @@ def sharded_newton_schulz_steps(
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
     """
     dtype = compute_dtype(precision)
-    buf = x.to(dtype, copy=True)
-    sq = buf.float().square().sum()
+    steps_ = _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part)
+    return (yield from _under(steps_, precision, x.device))
+
+
+def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
+    """``sharded_newton_schulz_steps``'s body, matmuls in ``dtype``."""
+    buf = x.to(torch.float32, copy=True)  # normalized in fp32, as ``_normalized``
+    sq = buf.square().sum()
     yield SUM, sq
-    buf.div_(sq.sqrt().to(dtype).add_(eps))
+    buf = buf.div_(sq.sqrt().clamp_min_(eps)).to(dtype)
     for a, b, c in coefficient_set(coefficients).schedule(steps):
         gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
         packed = pack_symmetric(gram)
@@ -340,6 +394,19 @@ def sharded_newton_schulz_steps(
             torch.addmm(buf, buf, poly, beta=a) if dim == 0 else torch.addmm(buf, poly, buf, beta=a)
         )
     return buf.to(x.dtype)
+
+
+def _under(steps: Generator, precision: str, device: torch.device) -> Generator:
+    """``steps`` with each stretch between its requests run under ``matmul_precision``: the
+    setting is never held while a caller serves a request or runs another matrix's steps."""
+    reply = None
+    while True:
+        with matmul_precision(precision, device):
+            try:
+                request = steps.send(reply)
+            except StopIteration as done:
+                return done.value
+        reply = yield request
 
 
 def packed_size(side: int) -> int:
