@@ -88,3 +88,20 @@ def test_tensor_parallel_muon_keeps_upstreams_constructor(mode):
     with pytest.raises(ValueError, match="num_ns_steps must be at least 1"):
         TensorParallelMuon([w], num_ns_steps=0)
 
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        dict(momentum=0.9, nesterov=False, tp_mode="blockwise"),  # megatron-core 0.19's
+        dict(momentum_beta=0.9, use_nesterov=False, mode="blockwise"),  # 0.16.1's
+    ],
+)
+def test_tensor_parallel_muon_takes_both_upstreams_argument_names(names):
+    tp = TensorParallelMuon([_randn(8, 12).requires_grad_()], **names)
+    group = tp.param_groups[0]
+    assert (group["momentum"], group["nesterov"], tp.mode) == (0.9, False, "blockwise")
+
+
+def test_tensor_parallel_muon_refuses_two_names_for_one_argument():
+    with pytest.raises(ValueError, match="both momentum=0.9 and momentum_beta=0.8"):
+        TensorParallelMuon([_randn(8, 12).requires_grad_()], momentum=0.9, momentum_beta=0.8)

@@ -464,15 +464,18 @@ class MegatronMuon(Muon):
 
 
 class TensorParallelMuon(Muon):
-    """Upstream 0.16.1's constructor on our Muon (no emerging_optimizers).
+    """Upstream's constructor on our Muon (no emerging_optimizers): megatron-core 0.19's
+    argument names and order, and 0.16.1's names for the same arguments (``momentum_beta``,
+    ``use_nesterov``, ``mode``; keyword only; giving both names of one argument is an error).
 
     Every param here is a Muon param (upstream keeps AdamW in a separate optimizer). Upstream's
-    names map as: ``momentum_beta`` -> momentum, ``use_nesterov`` -> nesterov,
-    ``fp32_matmul_prec`` -> ns_precision ('highest'/'high' fp32, 'medium'/'low' bf16),
-    ``coefficient_type`` -> ns_coefficients, ``num_ns_steps`` -> ns_steps, ``scale_mode`` and
-    ``extra_scale_factor`` as is (matched_adamw_rms is None), ``use_decoupled_weight_decay=False``
-    -> L2 decay added to the gradient. ``split_qkv`` orthogonalizes params for which
-    ``is_qkv_fn(p)`` holds per ``qkv_split_shapes`` block.
+    names map as: ``momentum``, ``nesterov`` as is, ``fp32_matmul_prec`` -> ns_precision
+    ('highest' fp32, 'high' TF32 allowed on CUDA, 'medium' bf16), ``coefficient_type`` ->
+    ns_coefficients, ``num_ns_steps`` -> ns_steps, ``scale_mode`` and ``extra_scale_factor`` as
+    is (matched_adamw_rms is None), ``use_decoupled_weight_decay=False`` -> L2 decay added to the
+    gradient. ``split_qkv`` orthogonalizes params for which ``is_qkv_fn(p)`` holds per
+    ``qkv_split_shapes`` block. Upstream's momentum buffer is an EMA, ``(1 - momentum)`` times
+    ours; Newton-Schulz is scale invariant, so the updates are the same.
 
     Tensor parallelism (``muon_tp.py``): params carry Megatron's ``tensor_model_parallel`` and
     ``partition_dim``; ``duplicated`` and ``distributed`` are exact over ``pg_collection.tp``
@@ -484,8 +487,8 @@ class TensorParallelMuon(Muon):
         self,
         params: ParamsT,
         lr: float = 3e-4,
-        momentum_beta: float = 0.95,
-        use_nesterov: bool = True,
+        momentum: Optional[float] = None,
+        nesterov: Optional[bool] = None,
         weight_decay: float = 0.01,
         use_decoupled_weight_decay: bool = True,
         split_qkv: bool = False,
@@ -497,8 +500,15 @@ class TensorParallelMuon(Muon):
         scale_mode: str = "spectral",
         extra_scale_factor: float = 1.0,
         pg_collection: Optional[Any] = None,
-        mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
+        tp_mode: Optional[Literal["blockwise", "duplicated", "distributed"]] = None,
+        *,
+        momentum_beta: Optional[float] = None,
+        use_nesterov: Optional[bool] = None,
+        mode: Optional[Literal["blockwise", "duplicated", "distributed"]] = None,
     ) -> None:
+        momentum = _one_name("momentum", momentum, "momentum_beta", momentum_beta, 0.95)
+        nesterov = _one_name("nesterov", nesterov, "use_nesterov", use_nesterov, True)
+        mode = _one_name("tp_mode", tp_mode, "mode", mode, "duplicated")
         if mode not in TP_MODES:
             raise ValueError(f"mode must be one of {list(TP_MODES)}, got {mode!r}")
         if num_ns_steps < 1:  # upstream's words for upstream's argument
@@ -518,8 +528,8 @@ class TensorParallelMuon(Muon):
             params,
             lr=lr,
             weight_decay=weight_decay,
-            momentum=momentum_beta,
-            nesterov=use_nesterov,
+            momentum=momentum,
+            nesterov=nesterov,
             ns_steps=num_ns_steps,
             ns_coefficients=coefficient_type,
             ns_precision=fp32_matmul_prec,
@@ -536,6 +546,18 @@ class TensorParallelMuon(Muon):
         alone would leave its peers waiting in the TP all-gather."""
         params = [p for g in self.param_groups for p in g["params"]]
         return agree_across(local_ok, self._tp_group_map, params[0].device if params else None)
+
+
+def _one_name(name: str, value: Any, old_name: str, old_value: Any, default: Any) -> Any:
+    """The value of an argument upstream named ``name`` (0.19) and ``old_name`` (0.16.1)."""
+    if value is not None and old_value is not None:
+        raise ValueError(
+            f"TensorParallelMuon got both {name}={value!r} and {old_name}={old_value!r}: "
+            f"give one ({old_name} is megatron-core 0.16.1's name for {name})"
+        )
+    if value is None:
+        return default if old_value is None else old_value
+    return value
 
 
 def _tp_groups(pg_collection: Optional[Any]) -> dict:
