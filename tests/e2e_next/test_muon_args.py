@@ -326,3 +326,34 @@ def test_help_shows_our_flags_with_their_defaults(outcome):
     for flag in [*KNOBS, "--muon-distopt-exchange-dtype"]:
         assert flag in text, flag
     assert "Default: fp32." in text and "Default: None." in text
+
+
+@pytest.mark.e2e
+def test_a_real_torch_dist_checkpoint_of_ours_is_refused_by_emerging(tmp_path):
+    """pretrain_gpt.py on upstream's loop, one gloo/GPU rank: our Muon (DistOpt) saves after 2
+    steps; upstream's Muon resuming it stops in load_checkpoint, before the optimizer loads."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    flags = TINY + ["--global-batch-size", "8", "--log-interval", "1", "--eval-interval", "1000"]
+    flags += ["--eval-iters", "1", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
+    flags += ["--distributed-backend", "nccl" if gpu else "gloo", "--lr-decay-iters", "4"]
+    flags += ["--save", "ck", "--load", "ck", "--save-interval", "2", "--optimizer", "muon"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone"]
+    cmd += [str(ROOT / "pretrain_gpt.py"), *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def launch(*more):
+        done = subprocess.run(
+            cmd + list(more), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480
+        )
+        return done.returncode, done.stdout + done.stderr
+
+    rc, out = launch("--muon-impl", "megatron_muon", *DISTOPT, "--train-iters", "2")
+    assert rc == 0 and (tmp_path / "ck/latest_checkpointed_iteration.txt").exists(), out[-3000:]
+    rc, out = launch()  # upstream's Muon, replicated
+    assert rc != 0
+    assert (
+        "RuntimeError: checkpoint was saved with --muon-impl megatron_muon; this run uses "
+        "emerging: " in out
+    ), out[-3000:]
