@@ -14,7 +14,7 @@ endif
 PY := $(VENV)/bin/python
 ENV := MEGATRON_MUON_BASE=$(BASE)
 
-.PHONY: install fork demo test lint check-patches bench pr
+.PHONY: install fork demo test test-next lint check-patches bench pr
 
 install:
 	@$(ENV) VENV=$(VENV) tools/bootstrap.sh
@@ -25,9 +25,14 @@ fork: install  # after editing patches/ or adding a file under megatron/
 demo: install
 	@bash examples/cpu_quickstart.sh
 
-test: install
+test: install  # base 0.16.1's suite, then the staged 0.19.2's (test-next)
 	@MEGATRON_MUON_BASE=0.19.2 $(PY) tools/fork.py fetch  # for test_fork_build (2 MB, hashed)
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-next
+
+test-next:  # tests/e2e_next on the staged base (-P: the repository's megatron/ would shadow it)
+	@$(MAKE) --no-print-directory install BASE=0.19.2
+	@.venv-0.19.2/bin/python -P -m pytest -q $(PYTEST_NEXT_ARGS)
 
 lint: install
 	@$(PY) -m ruff check . && $(PY) -m ruff format --check .
