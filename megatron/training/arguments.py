@@ -76,6 +76,11 @@ DIFFERENCES = {
         dict(type=str, choices=None),
         "a name (SIGTERM) or a number; validation turns it into the signal",
     ),
+    "--muon-fp32-matmul-prec": (
+        dict(extra_choices=("highest",)),
+        "adds highest (fp32 Newton-Schulz, TF32 off), the third of torch's names that upstream's "
+        "Muon passes to torch.set_float32_matmul_precision; low, which torch lacks, is refused",
+    ),
 }
 
 
