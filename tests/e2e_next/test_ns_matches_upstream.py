@@ -64,12 +64,13 @@ def test_tiny_inputs_match_upstream(norm):
 @pytest.mark.parametrize("name", ["quintic", "simple", "polar_express"])
 @pytest.mark.parametrize("shape", [(48, 80), (3, 24, 40)])
 def test_medium_matches_upstream(shape, name):
-    """'medium': normalized in fp32, then bf16 matmuls, as upstream: on wide inputs the same ops
-    in the same layout, so the results are equal. (Tall ones iterate on X^T X in place, not on a
-    transpose: measured 2 of 3840 entries a bf16 ulp apart for simple at 80 x 48.)"""
+    """'medium': bf16 matmuls on both sides; upstream normalizes in fp32 before the cast, ours
+    casts first (newton_schulz._normalized: what keeps the DistOpt bf16 exchange exact), so X_0
+    differs by one bf16 rounding, which 5 bf16 steps carry to ~10 bf16 ulps of the output's
+    entries (|O| <= ~0.5): measured <= 2.3e-2 over 8 seeds on these shapes; 5e-2 bounds it."""
     x = _randn(shape)
     want = _upstream_ns(x, 5, name, "medium")
-    torch.testing.assert_close(newton_schulz(x, 5, name, "medium"), want, rtol=0, atol=0)
+    torch.testing.assert_close(newton_schulz(x, 5, name, "medium"), want, rtol=0, atol=5e-2)
 
 
 # ------------------------------------------------------------------------- the optimizers

@@ -86,7 +86,8 @@ def test_bf16_matches_float64_reference(shape, name):
 #   quintic [0.978, 1.032]; polar_express [0.870, 1.124] (5 of its 8 steps; 8 give 1 +- 1e-4);
 #   cans [0.886, 1.119]; aol [0.987, 1.012]; deepseekv4 [1.000, 1.001].
 # Bands below add ~0.03-0.05 headroom for bf16 (measured within 0.01 of fp32), except CANS in
-# bf16: [0.876, 1.562], its first triple amplifying bf16 rounding (upstream's numbers too).
+# bf16: [0.873, 1.697], its first triple amplifying bf16 rounding (upstream's numbers too: it
+# normalizes in fp32 before the cast, we after, one bf16 rounding apart).
 STEPS = {"simple": 5, "quintic": 5, "polar_express": 5, "cans": 5, "aol": 4, "deepseekv4": 10}
 BANDS = {
     "simple": (0.64, 1.18),
@@ -96,7 +97,7 @@ BANDS = {
     "aol": (0.96, 1.04),
     "deepseekv4": (0.98, 1.02),
 }
-BF16_BANDS = {**BANDS, "cans": (0.84, 1.6)}
+BF16_BANDS = {**BANDS, "cans": (0.84, 1.8)}
 
 
 @pytest.mark.parametrize("precision", ["highest", "medium"])
@@ -137,12 +138,14 @@ def test_input_untouched_and_custom_triples():
 
 
 def test_precision_names_are_upstreams():
-    """'highest' and 'high' run fp32 off CUDA (TF32 is CUDA's); 'medium' normalizes in fp32 and
-    runs bf16 matmuls, as upstream's explicit cast does."""
+    """'highest' and 'high' run fp32 off CUDA (TF32 is CUDA's); 'medium' casts to bf16 first, then
+    normalizes and runs bf16 matmuls (torch.optim.Muon's order; upstream normalizes in fp32 first,
+    one bf16 rounding apart)."""
     x = _randn((32, 48))
     assert torch.equal(newton_schulz(x, precision="high"), newton_schulz(x, precision="highest"))
     bf16 = [(a, b, c) for a, b, c in COEFFICIENT_SETS["quintic"].triples]
-    X = (x / x.norm()).bfloat16()
+    X = x.bfloat16()
+    X = X / torch.linalg.vector_norm(X)
     for a, b, c in bf16:
         A = X @ X.mT
         X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)

@@ -130,7 +130,7 @@ COEFFICIENT_SETS: dict[str, CoefficientSet] = {
 # Upstream's names (OptimizerConfig.muon_fp32_matmul_prec), those of
 # torch.set_float32_matmul_precision, which upstream sets around Newton-Schulz: 'highest' = fp32
 # matmuls, 'high' = fp32 with TF32 allowed (CUDA's TF32 tensor cores; other devices run fp32),
-# 'medium' = bf16 matmuls (upstream normalizes in fp32, then casts to bf16, as here).
+# 'medium' = bf16 matmuls (upstream normalizes in fp32, then casts; we cast first: _normalized).
 PRECISIONS: dict[str, torch.dtype] = {
     "highest": torch.float32,
     "high": torch.float32,
@@ -220,12 +220,16 @@ def newton_schulz(
 
 
 def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
-    """x / max(||x||_F, eps) per matrix, computed in fp32 (upstream's input dtype), then in a
-    fresh contiguous buffer of ``dtype`` (one rounding to bf16, as upstream's 'medium')."""
-    buf = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+    """x / max(||x||_F, eps) per matrix (upstream's F.normalize), in a fresh contiguous buffer of
+    ``dtype``.
+
+    Cast first, then normalize in ``dtype`` (Keller Jordan's and torch's bf16 order; upstream's
+    'medium' normalizes in fp32 first, one bf16 rounding apart): a function of the bf16-rounded
+    input alone, so the DistOpt exchange can move bf16 to the owners and stay exact at half the
+    bytes (test_muon_distopt's bf16 exchange tests)."""
+    buf = torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
     norm = torch.linalg.vector_norm(buf, dim=None if x.ndim == 2 else (-2, -1), keepdim=True)
-    buf.div_(norm.clamp_min_(eps))
-    return buf if dtype == torch.float32 else buf.to(dtype, memory_format=torch.contiguous_format)
+    return buf.div_(norm.clamp_min_(eps))
 
 
 def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
@@ -371,10 +375,10 @@ def sharded_newton_schulz_steps(
 
 def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
     """``sharded_newton_schulz_steps``'s body, matmuls in ``dtype``."""
-    buf = x.to(torch.float32, copy=True)  # normalized in fp32, as ``_normalized``
-    sq = buf.square().sum()
+    buf = x.to(dtype, copy=True)  # cast first, as ``_normalized``
+    sq = buf.float().square().sum()
     yield SUM, sq
-    buf = buf.div_(sq.sqrt().clamp_min_(eps)).to(dtype)
+    buf.div_(sq.sqrt().clamp_min_(eps).to(dtype))
     for a, b, c in coefficient_set(coefficients).schedule(steps):
         gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
         packed = pack_symmetric(gram)
