@@ -31,7 +31,10 @@ MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 # whole matrix), so fp32 runs agree to ~1e-5; 1e-4 keeps a 10x margin and sits far below a
 # broken exchange (~1). bf16: the model computes in bf16, where TP's partial-sum all-reduce rounds
 # at 8 mantissa bits (~4e-3); Muon matrices then differ by ~0.1 and the AdamW params (norms,
-# embeddings; sign-like first steps) by up to 0.17, as in test_parity_adam.py: 0.3 for both.
+# embeddings; sign-like first steps) too, the 1-D ones pooled (parity.update_rel_error): 0.3 for
+# both. Measured under every summation order tools/parity_margins.py runs (ATEN_CPU_CAPABILITY
+# default/avx2 x 1/2 threads per rank): fp32 <= 7.4e-6 (MoE: the AdamW router, 2.7e-5), bf16
+# 0.121 (2.5x margin).
 TOL = {"fp32": 1e-4, "bf16": 0.3}
 LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 
@@ -233,9 +236,9 @@ def test_holders_scale_the_bf16_return_bit_exactly_at_tp2(tp_mode):
 def test_bf16_exchange_dtype_with_fp32_newton_schulz_rounds_both_ways():
     """``muon_distopt_exchange_dtype='bf16'`` with fp32 NS: the momentum sent and the scaled
     update returned are rounded to bf16 (8 bits: relative error <= 2^-9 per element); over 3
-    steps the changed params change the gradients, and params end ~4.7% (of the update) from
-    the fp32 exchange's, measured; 0.1 leaves 2x margin and sits far below a broken exchange
-    (~1)."""
+    steps the changed params change the gradients, and params end 4.7% (of the update) from
+    the fp32 exchange's, measured under every summation order of tools/parity_margins.py;
+    0.15 leaves 3x margin and sits far below a broken exchange (~1)."""
     initial, _, _ = reference("fp32")
     for rank in bf16_exchange_runs():
         (fp32, wire32, bytes32), (bf16, wire16, bytes16) = (
@@ -244,7 +247,7 @@ def test_bf16_exchange_dtype_with_fp32_newton_schulz_rounds_both_ways():
         )
         assert wire32 == ("torch.float32",) * 2 and wire16 == ("torch.bfloat16",) * 2
         errors = update_rel_error(initial, fp32, bf16)
-        assert 0 < within(errors, 0.1)[1] <= 0.1
+        assert 0 < within(errors, 0.15)[1] <= 0.15
         assert bytes16 * 2 == bytes32  # 2 B both ways vs 4 B both ways
 
 

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 from harness import run_distributed
-from parity import assert_close_runs, within, worst
+from parity import assert_close_runs
 from tiny_gpt import (
     TinyGPT,
     build_model,
@@ -134,11 +134,13 @@ def test_fp16_moe_expert_only_overflow_keeps_one_loss_scale(distopt):
 # bf16 model, fp32 main params and fp32 Newton-Schulz. Row-parallel layers all-reduce bf16
 # partial sums (8 mantissa bits, ~4e-3 relative), so gradients differ at ~1e-2 between layouts.
 # - AdamW params (norms, embeddings): Adam's first steps are ~lr*sign(g), so that noise flips
-#   coordinates: the same 0.3 as test_parity_adam's bf16 (measured here up to ~0.17).
+#   coordinates; the 1-D params are pooled (parity.update_rel_error).
 # - Muon matrices: NS is smooth, so the gradient noise passes through at about its size, plus
-#   the bf16 rounding of the model params themselves (measured 0.04-0.12 over the 16 matrices);
-#   0.25 is 2x the worst and ~3x below the 0.7 a wrong TP exchange gives.
-BF16_TOL, BF16_MUON_TOL, BF16_LOSS_RTOL = 0.3, 0.25, 2e-2
+#   the bf16 rounding of the model params themselves.
+# Measured 0.121 for both (matrices' worst, pooled vectors) under every summation order
+# tools/parity_margins.py runs (ATEN_CPU_CAPABILITY default/avx2 x 1/2 threads): 0.3 leaves
+# 2.5x, as test_parity_adam's bf16, and sits below the 0.7 a wrong TP exchange gives.
+BF16_TOL, BF16_LOSS_RTOL = 0.3, 2e-2
 
 
 @functools.cache
@@ -151,5 +153,4 @@ def test_bf16_tp2_dp2_matches_one_process():
     errors = assert_close_runs(
         bf16_reference(), got, tol=BF16_TOL, loss_rtol=BF16_LOSS_RTOL, pool_vectors=True
     )
-    muon = {k: e for k, e in errors.items() if ".linear_" in k}
-    assert len(muon) == 4 * 4 and within(muon, BF16_MUON_TOL)[1] <= BF16_MUON_TOL, worst(muon)
+    assert sum(".linear_" in k for k in errors) == 4 * 4  # every Muon matrix compared
