@@ -1,10 +1,7 @@
 """Test-wide setup: CPU mode for the test process, quiet upstream warnings, shared fixtures."""
 
-import importlib.machinery
 import os
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +12,7 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 # not in every rank that harness.run_distributed forks (a test's ranks each built one)
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401
+from bases import upstream_loop_installed  # noqa: E402
 
 from megatron.training import cpu_mode  # noqa: E402
 
@@ -24,18 +22,6 @@ cpu_mode.enable_if_needed()
 # used the parent's pool hung)
 rank_threads = os.environ.get("TEST_RANK_THREADS", "1") != "1"
 torch.set_num_threads(1 if rank_threads else max(1, min(2, torch.get_num_threads())))
-
-
-def upstream_loop_installed() -> bool:
-    """Whether the installed megatron.training is upstream's (base 0.19.2), not our loop (0.16.1).
-
-    Decided without importing it: the repository's own megatron/training (our loop's source)
-    shadows the installed package in a process started from the repository root."""
-    root = Path(__file__).resolve().parent.parent
-    path = [p for p in sys.path if Path(p or os.curdir).resolve() != root]
-    spec = importlib.machinery.PathFinder.find_spec("megatron", path)
-    places = (spec.submodule_search_locations or []) if spec else []
-    return any((Path(p) / "training/global_vars.py").is_file() for p in places)
 
 
 # One suite per base, each run by `make test`: on 0.16.1 (.venv) everything but tests/e2e_next,

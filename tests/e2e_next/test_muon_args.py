@@ -11,7 +11,6 @@ Skipped where the installed megatron.training is ours (base 0.16.1): that loop h
 table of flags (megatron/training/flags.tsv) and tests.
 """
 
-import importlib.machinery
 import json
 import math
 import os
@@ -21,22 +20,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from bases import upstream_loop_installed
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _upstream_loop_installed() -> bool:
-    # As pretrain_gpt.py decides, without importing: the repository's megatron/training (our
-    # loop's source) would shadow the installed one in this process.
-    path = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
-    spec = importlib.machinery.PathFinder.find_spec("megatron", path)
-    places = (spec.submodule_search_locations or []) if spec else []
-    return any((Path(p) / "training/global_vars.py").is_file() for p in places)
-
-
 pytestmark = [
     pytest.mark.skipif(
-        not _upstream_loop_installed(),
+        not upstream_loop_installed(),
         reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
     ),
     pytest.mark.timeout(900),  # the child's imports, once, count toward the first test

@@ -9,7 +9,6 @@ loss accumulators (training_log's ``is_first_iteration``), so with ``--log-inter
 line shows the mean of both iterations; ``_step_losses`` undoes it.
 """
 
-import importlib.machinery
 import json
 import os
 import re
@@ -20,23 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from bases import upstream_loop_installed
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _upstream_loop_installed() -> bool:
-    # As pretrain_gpt.py decides, without importing: the repository's megatron/training (our
-    # loop's source) would shadow the installed one in this process.
-    path = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
-    spec = importlib.machinery.PathFinder.find_spec("megatron", path)
-    places = (spec.submodule_search_locations or []) if spec else []
-    return any((Path(p) / "training/global_vars.py").is_file() for p in places)
 
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(
-        not _upstream_loop_installed(),
+        not upstream_loop_installed(),
         reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
     ),
 ]
