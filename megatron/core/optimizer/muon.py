@@ -71,20 +71,14 @@ def get_megatron_muon_optimizer(
             raise ValueError(  # upstream 0.19's words
                 "Layer-wise distributed optimizer is enabled by dist_ prefix in optimizer name."
             )
-        return get_megatron_optimizer(
-            config,
-            model_chunks,
-            config_overrides=config_overrides,
-            use_gloo_process_groups=use_gloo_process_groups,
-            pg_collection=pg_collection,
-        )
-    changes = {"optimizer": "muon"}
-    if layer_wise_distributed_optimizer:
-        sharded = all(c.ddp_config.use_distributed_optimizer for c in model_chunks)
-        changes["use_distributed_optimizer"] = config.use_distributed_optimizer or sharded
-        notice = _layer_wise_notice(changes["use_distributed_optimizer"])
-        warnings.warn(notice, DeprecationWarning, stacklevel=2)
-    config = dataclasses.replace(config, **changes)  # validated by get_megatron_optimizer
+    else:
+        changes = {"optimizer": "muon"}
+        if layer_wise_distributed_optimizer:
+            sharded = all(c.ddp_config.use_distributed_optimizer for c in model_chunks)
+            changes["use_distributed_optimizer"] = config.use_distributed_optimizer or sharded
+            notice = _layer_wise_notice(changes["use_distributed_optimizer"])
+            warnings.warn(notice, DeprecationWarning, stacklevel=2)
+        config = dataclasses.replace(config, **changes)  # validated by get_megatron_optimizer
     return get_megatron_optimizer(
         config,
         model_chunks,
