@@ -173,7 +173,12 @@ def matmul_precision(precision: str, device: torch.device):
     """Run the block's fp32 matmuls on a CUDA ``device`` under
     ``torch.set_float32_matmul_precision(precision)``, as upstream does around Newton-Schulz:
     TF32 allowed for ``'high'``, not for ``'highest'``. Elsewhere (other devices; ``'medium'``,
-    whose matmuls are bf16) the global setting is left alone and fp32 stays fp32."""
+    whose matmuls are bf16) the global setting is left alone and fp32 stays fp32.
+
+    Args:
+        precision: a name in ``PRECISIONS``.
+        device: the device the block's matmuls run on.
+    """
     if device.type != "cuda" or precision not in ("highest", "high"):
         yield
         return
