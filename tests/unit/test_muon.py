@@ -61,10 +61,19 @@ TORCH_SCALES = {
 
 
 @pytest.mark.parametrize("adjust_lr_fn", list(TORCH_SCALES))
-def test_matches_torch_muon_exactly_when_momentum_is_a_power_of_two(adjust_lr_fn):
+def test_matches_torch_muon_bitwise_but_for_bf16_ties_when_momentum_is_a_power_of_two(
+    adjust_lr_fn,
+):
     # torch keeps an EMA buffer (1 - mu) times ours and feeds NS (1 - mu) * U. With mu = 0.5 that
-    # factor is a power of two, so its bf16 NS input is bitwise ours; both then run the same bf16
-    # ops, and only the fp32 rounding of lr * s * O vs lr * (s * O) remains: a few ulps of |W|~4.
+    # factor is a power of two, so its bf16 NS input is bitwise ours, and both run bf16 NS on it.
+    # Error model: (1) the fp32 rounding of lr * s * O vs lr * (s * O): a few ulps of |W| ~ 4
+    # (< 2e-6); (2) for the tall matrix torch multiplies transposed views where we iterate on
+    # X^T X in place: kernels that sum a transposed operand in another order (ATen's `default`
+    # CPU kernels do; avx2's do not) can round a bf16 product one ulp apart, which moves that
+    # element by lr * s * |O| * 2^-8 per step and spreads to a few neighbours. Measured under
+    # `default`: 2 of 4608 elements beyond 2e-6 (max 1.9e-5); under avx2: none. So nearly every
+    # element must agree to 2e-6 (a slip in lr, scale, momentum or decay moves all of them by
+    # > 1e-4), and the rest within one bf16 rounding of the update per step.
     ours, theirs = _params(), _params()
     opt = Muon(
         ours,
@@ -79,7 +88,17 @@ def test_matches_torch_muon_exactly_when_momentum_is_a_power_of_two(adjust_lr_fn
     )
     _run([(opt, ours), (ref, theirs)])
     for p, q in zip(ours, theirs):
-        torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
+        diff = (p - q).abs()
+        assert (diff > 2e-6).float().mean() <= 0.01, f"{p.shape}: not bitwise but for ties"
+        assert diff.max() <= _bf16_tie_bound(p.shape, adjust_lr_fn), f"{p.shape}: {diff.max()}"
+
+
+def _bf16_tie_bound(shape, adjust_lr_fn, lr=0.02, max_entry=1.5):
+    """STEPS bf16 roundings (2^-8 relative) of an update lr * s * O with |O_ij| <= max_entry
+    (NS leaves singular values <= ~1.2), s as torch's adjust_lr_fn scales it."""
+    rows, cols = shape
+    s = max(1, rows / cols) ** 0.5 if adjust_lr_fn == "original" else 0.2 * max(shape) ** 0.5
+    return STEPS * lr * s * max_entry * 2**-8
 
 
 def _torch_ns_in_fp32(grad, ns_coefficients, ns_steps, eps):
