@@ -263,6 +263,14 @@ CORE_0_19_2 = [
 ]
 TRAINING_0_19_2 = [
     (
+        "argument_utils: a '%' in a config docstring no longer breaks --help",
+        "ArgumentGroupFactory hands each field's docstring to argparse as its help, and argparse\n"
+        "formats help with %: TransformerConfig.moe_paged_stash_buffer_size_factor_cuda's\n"
+        "docstring says 10%, so every --help raised ValueError. Docstring help escapes its %.",
+        [],
+        ["0050-training-help-percent-in-docstrings.patch"],
+    ),
+    (
         "training: --muon-impl and our Muon's flags on upstream's command line",
         "muon_args.py registers --muon-impl {emerging,megatron_muon} (default emerging:\n"
         "upstream's meaning) and our knobs, defaults read from OptimizerConfig, validated in\n"
