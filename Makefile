@@ -46,5 +46,5 @@ bench: install  # quick benchmarks, one table of ratios (< 5 min on 2 cores); se
 	@$(PY) -m pip install --quiet --no-deps -r requirements/bench.txt
 	@$(PY) bench/run_all.py --quick
 
-pr: install  # our megatron.core changes as a git format-patch series for Megatron-LM (build/pr)
-	@$(PY) tools/make_pr.py $(PR_OUT)
+pr: install  # our changes as a git format-patch series for Megatron-LM (build/pr[-BASE], checked)
+	@$(ENV) $(PY) tools/make_pr.py $(PR_OUT)

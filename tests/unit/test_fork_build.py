@@ -38,7 +38,9 @@ def test_next_base_series_applies_to_its_pristine_archive():
         env=env,
     )
     assert result.returncode == 0, result.stderr
-    assert "16 patches apply cleanly to megatron_core-0.19.2.tar.gz" in result.stdout
+    count = len(list((ROOT / "patches/0.19.2").glob("*.patch")))
+    assert count >= 18  # 16 refreshed and ours of 0030-0031, 0050-0051
+    assert f"{count} patches apply cleanly to megatron_core-0.19.2.tar.gz" in result.stdout
 
 
 def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
@@ -58,6 +60,7 @@ def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
         "megatron/training/cpu_loop.py",
         "megatron/training/gpt_entry.py",
         "megatron/training/muon_args.py",
+        "megatron/training/checkpoint_origin.py",
     )
 
 

@@ -1,0 +1,309 @@
+"""What ``make pr`` sends upstream, per base: the commits of the series, in review order.
+
+Each commit is (subject, body, our files, our patches): the files are this repository's (paths as
+in Megatron-LM), the patches named in the base's series folder (``tools/fork.py`` ``BASES``).
+Every file ``tools/fork.py`` links into the base and every patch of its series is in one commit
+(tests/unit/test_make_pr.py checks it).
+"""
+
+OPT = "megatron/core/optimizer/"
+TRAIN = "megatron/training/"
+
+# base 0.16.1: megatron.core only (our own training loop stays this project's)
+CORE_0_16_1 = [
+    (
+        "distrib_optimizer: the DistOpt shard layout in one module",
+        "distopt_layout.py: where DDP's buckets and DistOpt's shards put each model param, and\n"
+        "the model-space names checkpoints use; read by the Adam checkpoint repairs, the Muon\n"
+        "DistOpt exchange and the declared-state checkpoints alike.",
+        [OPT + "distopt_layout.py"],
+        [],
+    ),
+    (
+        "distrib_optimizer: torch Adam DistOpt checkpoints resume (upstream's format)",
+        "Without TE/Apex no DistOpt checkpoint of torch's Adam/AdamW resumes in 0.16.1: a fresh\n"
+        "optimizer's state_dict asserts, loading copies the per-param step (KeyError, or the\n"
+        "loader's own step), all params share one step tensor after load_state_dict, and\n"
+        "fully_reshardable saves shifted state with several buckets (NVIDIA/Megatron-LM#5077).\n"
+        "The format is unchanged: checkpoints of plain 0.16.1 load, and resume exactly.",
+        [OPT + "distopt_adam_checkpoint.py"],
+        ["0009-distopt-torch-adam-checkpoint-repairs.patch"],
+    ),
+    (
+        "optimizer: Muon config vocabularies and defaults in one module",
+        "muon_config.py holds the Muon vocabularies, the defaults OptimizerConfig's muon_* fields\n"
+        "take (upstream's unchanged; new fields off) and their validation, run where Muon is\n"
+        "built rather than in every OptimizerConfig.__post_init__.",
+        [OPT + "muon_config.py"],
+        ["0001-optimizer-config-muon.patch"],
+    ),
+    (
+        "optimizer: Muon without emerging_optimizers (Newton-Schulz, functional step, Muon)",
+        "Pure Newton-Schulz (simple, quintic, polar_express coefficients), the three stages of a\n"
+        "Muon step with one Q/K/V split and one scale rule, and a plain torch optimizer holding\n"
+        "Muon and AdamW param groups.",
+        [OPT + "newton_schulz.py", OPT + "muon_functional.py", OPT + "muon_optimizer.py"],
+        [],
+    ),
+    (
+        "optimizer: Muon in get_megatron_optimizer, tensor parallel and DistOpt-ready",
+        "TP orthogonalizers (blockwise, duplicated, distributed), the DistOpt exchange, the\n"
+        "factory hooks and TensorParallelMuon; muon.py keeps upstream's public names.\n"
+        "layer_wise_distributed_optimizer=True is deprecated in favour of the DistOpt path.",
+        [
+            OPT + "muon_tp.py",
+            OPT + "muon_split.py",
+            OPT + "muon_placement.py",
+            OPT + "muon_plan.py",
+            OPT + "muon_distopt.py",
+            OPT + "muon_megatron.py",
+            OPT + "muon.py",
+        ],
+        ["0002-optimizer-factory-muon.patch"],
+    ),
+    (
+        "distrib_optimizer: hand Muon its shard layout (ZeRO-1 Muon)",
+        "The DistributedOptimizer accepts an inner optimizer that declares its state and gives\n"
+        "it the shard layout, so Muon orthogonalizes whole matrices exactly.",
+        [],
+        ["0010-distopt-muon-shard-layout.patch"],
+    ),
+    (
+        "distrib_optimizer: checkpoints for optimizers that declare their state",
+        "torch and torch_dist (fully_reshardable, dp_reshardable) DistOpt checkpoints use the\n"
+        "state keys the optimizer declares; param groups are told apart by use_muon, and groups\n"
+        "of one identity (--decoupled-lr's and the default) load in order.",
+        [OPT + "muon_checkpoint.py", OPT + "muon_checkpoint_sharded.py"],
+        [
+            "0011-distopt-declared-state-checkpoint.patch",
+            "0012-param-group-identity-use-muon.patch",
+        ],
+    ),
+    (
+        "distrib_optimizer: param groups of one identity are matched in order on load",
+        "--decoupled-lr's group has the default group's identity (is_decoupled_lr stays False),\n"
+        "so a map from identity to group kept the last: a DistOpt resume gave the default group\n"
+        "the decoupled lr bounds. The k-th saved group of an identity now loads into the k-th\n"
+        "current one (group_matching.match_groups; Muon's DistOpt loader too; the plain\n"
+        "optimizer's reorder does the same in patch 0012, where that map is patched anyway).",
+        [OPT + "group_matching.py"],
+        ["0016-distopt-param-groups-matched-in-order.patch"],
+    ),
+    (
+        "transformer: QK-clip (MuonClip) without Transformer Engine",
+        "Local attention records per-head max attention logits; clip_qk scales query/key rows\n"
+        "after the optimizer step, on model params, fp32 main params and DistOpt shards.",
+        [
+            OPT + "qk_clip.py",
+            "megatron/core/transformer/max_attention_logit.py",
+            "megatron/core/transformer/qk_clip_config.py",
+        ],
+        ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
+    ),
+    (
+        "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms",
+        "WrappedTorchNorm asserted layernorm_zero_centered_gamma off; it now returns LayerNorm /\n"
+        "RMSNorm modules whose weight is gamma (scale 1 + gamma, gamma initialized to 0), as TE\n"
+        "and Apex store it.",
+        ["megatron/core/transformer/zero_centered_norm.py"],
+        ["0015-local-norm-zero-centered-gamma.patch"],
+    ),
+    (
+        "moe: router without Transformer Engine",
+        "The MoE router's fused path is guarded so the local spec runs without TE.",
+        [],
+        ["0003-moe-router-without-te.patch"],
+    ),
+    (
+        "jit: torch.compile a fusion on its first call",
+        "jit_fuser defers torch.compile to the first call: what is compiled, and when, is\n"
+        "unchanged, but importing megatron.core no longer imports torch._inductor (~2.5 s of CPU\n"
+        "per process, for fusions a run may never call).",
+        ["megatron/core/lazy_compile.py"],
+        ["0020-jit-compile-on-first-call.patch"],
+    ),
+    (
+        "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
+        "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
+        "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"
+        "An inf only in expert grads backed off the expert scaler alone, and later expert grads\n"
+        "were unscaled by the wrong factor. ChainedOptimizer.prepare_grads now updates every\n"
+        "scaler with the chain's verdict (chained_grad_scaler.py).",
+        [OPT + "chained_grad_scaler.py"],
+        ["0021-chained-optimizer-one-loss-scale.patch"],
+    ),
+    (
+        "moe: an expert's weighted bias is added out of place",
+        "Experts with biases outside expert parallelism crashed at the first forward: at TP=1\n"
+        "the row-parallel reduce returns its input as is, and MLP.forward added the routing-\n"
+        "weighted bias to that view in place, which autograd forbids.",
+        [],
+        ["0022-moe-expert-bias-out-of-place.patch"],
+    ),
+    (
+        "rerun_state_machine: report_stats logs its figures instead of raising",
+        "--rerun-mode report_stats (REPORT_DETERMINISM_STATS) read caller.filename and\n"
+        "caller.lineno, which a Caller (message, rank) lacks: the first report raised an\n"
+        "AttributeError on rank 0 alone, after the other ranks had left the gather. The report\n"
+        "names each check by its message.",
+        [],
+        ["0023-rerun-report-stats-caller.patch"],
+    ),
+    (
+        "tests, docs: Muon unit tests and an API guide page",
+        "Single-process unit tests (GPU or CPU) and docs/source/api-guide/muon.md.",
+        ["tests/unit_tests/test_muon_core.py", "docs/source/api-guide/muon.md"],
+        [],
+    ),
+]
+
+
+def _as_on_0_16_1(subject: str) -> tuple:
+    """A commit whose files, patches and text hold on both bases."""
+    return next(commit for commit in CORE_0_16_1 if commit[0] == subject)
+
+
+# base 0.19.2: upstream's own megatron/training ships in the archive, so the series carries its
+# patches and the files of ours that the base links into it (cpu_*, gpt_entry, muon_args)
+CORE_0_19_2 = [
+    _as_on_0_16_1("distrib_optimizer: the DistOpt shard layout in one module"),
+    (
+        "distrib_optimizer: torch Adam DistOpt checkpoints resume (upstream's format)",
+        "Without TE/Apex a DistOpt checkpoint of torch's Adam/AdamW does not resume in 0.19.2:\n"
+        "a fresh optimizer's state_dict asserts (no 'step' yet), loading copies the per-param\n"
+        "step and writes params outside no_grad, all params share one step tensor after\n"
+        "load_state_dict, and fully_reshardable saves shifted state with several buckets\n"
+        "(fixed on main by NVIDIA/Megatron-LM#5077, not in 0.19). The format is unchanged.",
+        [OPT + "distopt_adam_checkpoint.py"],
+        ["0009-distopt-torch-adam-checkpoint-repairs.patch"],
+    ),
+    (
+        "optimizer: Muon config vocabularies and defaults in one module",
+        "muon_config.py holds the Muon vocabularies, the defaults of OptimizerConfig's muon_*\n"
+        "fields (upstream's names and defaults kept; muon_impl and our fields, off by default)\n"
+        "and their validation, run where Muon is built.",
+        [OPT + "muon_config.py"],
+        ["0001-optimizer-config-muon.patch"],
+    ),
+    _as_on_0_16_1(
+        "optimizer: Muon without emerging_optimizers (Newton-Schulz, functional step, Muon)"
+    ),
+    (
+        "optimizer: muon_impl='megatron_muon', our Muon in get_megatron_optimizer",
+        "TP orthogonalizers (blockwise, duplicated, distributed), the DistOpt exchange and the\n"
+        "factory hooks. muon_impl='megatron_muon' routes --optimizer muon to the standard path\n"
+        "(DistributedOptimizer included); the default muon_impl='emerging' keeps upstream's\n"
+        "emerging_optimizers Muon and LayerWise optimizer unchanged. muon.py keeps upstream's\n"
+        "public names.",
+        [
+            OPT + "muon_tp.py",
+            OPT + "muon_split.py",
+            OPT + "muon_placement.py",
+            OPT + "muon_plan.py",
+            OPT + "muon_distopt.py",
+            OPT + "muon_megatron.py",
+            OPT + "muon.py",
+        ],
+        ["0002-optimizer-factory-muon.patch"],
+    ),
+    (
+        "distrib_optimizer: hand Muon its shard layout (ZeRO-1 Muon)",
+        "The DistributedOptimizer gives an inner optimizer that asks for it the shard layout, so\n"
+        "Muon orthogonalizes whole matrices exactly.",
+        [],
+        ["0010-distopt-muon-shard-layout.patch"],
+    ),
+    (
+        "distrib_optimizer: checkpoints for optimizers that declare their state",
+        "torch and torch_dist (fully_reshardable, dp_reshardable) DistOpt checkpoints use the\n"
+        "state keys the optimizer declares; use_muon joins param_group_identifier_keys, and\n"
+        "groups of one identity (--decoupled-lr's and the default) load in order.",
+        [OPT + "muon_checkpoint.py", OPT + "muon_checkpoint_sharded.py"],
+        [
+            "0011-distopt-declared-state-checkpoint.patch",
+            "0012-param-group-identity-use-muon.patch",
+        ],
+    ),
+    (
+        "distrib_optimizer: param groups of one identity are matched in order on load",
+        "--decoupled-lr's group has the default group's identity, so a map from identity to\n"
+        "group kept the last: a DistOpt resume gave the default group the decoupled lr bounds.\n"
+        "The k-th saved group of an identity now loads into the k-th current one\n"
+        "(group_matching.match_groups).",
+        [OPT + "group_matching.py"],
+        ["0016-distopt-param-groups-matched-in-order.patch"],
+    ),
+    (
+        "transformer: QK-clip (MuonClip) without Transformer Engine",
+        "Local attention records per-head max attention logits; clip_qk scales query/key rows\n"
+        "after the optimizer step, on model params, fp32 main params and DistOpt shards.",
+        [
+            OPT + "qk_clip.py",
+            "megatron/core/transformer/max_attention_logit.py",
+            "megatron/core/transformer/qk_clip_config.py",
+        ],
+        ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
+    ),
+    _as_on_0_16_1(
+        "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms"
+    ),
+    _as_on_0_16_1("jit: torch.compile a fusion on its first call"),
+    _as_on_0_16_1(
+        "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)"
+    ),
+    _as_on_0_16_1("moe: an expert's weighted bias is added out of place"),
+    (
+        "moe: paged stash imports without triton",
+        "import megatron.core reaches moe/ops/paged_stash.py (distributed -> finalize_model_grads\n"
+        "-> pipeline_parallel.schedules -> moe.paged_stash), which imported triton unguarded: a\n"
+        "CPU torch has none. Guarded as other upstream modules guard it (as PR #6891 does).",
+        [],
+        ["0024-moe-paged-stash-triton-optional.patch"],
+    ),
+]
+TRAINING_0_19_2 = [
+    (
+        "argument_utils: a '%' in a config docstring no longer breaks --help",
+        "ArgumentGroupFactory hands each field's docstring to argparse as its help, and argparse\n"
+        "formats help with %: TransformerConfig.moe_paged_stash_buffer_size_factor_cuda's\n"
+        "docstring says 10%, so every --help raised ValueError. Docstring help escapes its %.",
+        [],
+        ["0050-training-help-percent-in-docstrings.patch"],
+    ),
+    (
+        "training: --muon-impl and our Muon's flags on upstream's command line",
+        "muon_args.py registers --muon-impl {emerging,megatron_muon} (default emerging:\n"
+        "upstream's meaning) and our knobs, defaults read from OptimizerConfig, validated in\n"
+        "validate_args; --muon-impl megatron_muon with --use-distributed-optimizer is not\n"
+        "rewritten to the LayerWise optimizer.",
+        [TRAIN + "muon_args.py"],
+        ["0030-training-args-megatron-muon.patch"],
+    ),
+    (
+        "checkpointing: refuse a checkpoint of the other Muon, naming --muon-impl",
+        "The two Muons' optimizer states differ in layout and keys: check_checkpoint_args (and\n"
+        "torch_dist's load, before the optimizer state is built) refuses one loaded by the other\n"
+        "in one line naming the flag; --no-load-optim loads the model only.",
+        [],
+        ["0031-checkpoint-args-muon-impl.patch"],
+    ),
+    (
+        "checkpointing: a checkpoint of megatron-muon's 0.16.1 loop is refused in one line",
+        "megatron-muon's own loop on megatron-core 0.16.1 saved its args as a dict, which\n"
+        "upstream reads with getattr (checks failing unnamed, consumed samples read as 0).\n"
+        "Wherever a checkpoint's args are read, such a checkpoint is refused naming the version\n"
+        "and what to do; --finetune loads its model weights only.",
+        [TRAIN + "checkpoint_origin.py"],
+        ["0051-checkpoint-origin-0.16.1.patch"],
+    ),
+    (
+        "training: pretrain_gpt's GPT entry on pretrain(), and CPU ranks for it",
+        "gpt_entry.py: the model and datasets providers and the forward step for pretrain();\n"
+        "cpu_mode.py and cpu_loop.py: stand-ins for megatron-core and the loop where CUDA is\n"
+        "absent (gloo CPU ranks), installed by nothing on GPUs.",
+        [TRAIN + "cpu_mode.py", TRAIN + "cpu_loop.py", TRAIN + "gpt_entry.py"],
+        [],
+    ),
+]
+
+SERIES = {"0.16.1": CORE_0_16_1, "0.19.2": CORE_0_19_2 + TRAINING_0_19_2}
