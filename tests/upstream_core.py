@@ -1,14 +1,13 @@
 """Plain upstream megatron-core as a reference: torch Adam + DistOpt runs on gloo ranks.
 
 The pristine archive of the installed base (0.16.1 or 0.19.2; fetched and hash-checked by
-``tools/fork.py``) gives its ``megatron/core``, which goes first on ``PYTHONPATH`` of a
-subprocess, so ``megatron.core`` there is upstream's, untouched; ``megatron.training`` (for our CPU
-shim) and the test helpers come from the installed fork and this checkout. The test process,
-which imports the fork, runs the other side. Run by hand (0.19.2: ``rm -r /tmp/pristine/megatron/
-training``, and ``MEGATRON_MUON_BASE=0.19.2`` and ``.venv-0.19.2`` in both commands):
+``tools/fork.py``) gives the ``megatron/`` tree that goes first on ``PYTHONPATH`` of a
+subprocess, so ``megatron.core`` there is upstream's, untouched; its ``megatron.training`` is our
+CPU mode alone (``pristine_tree``), the test helpers come from this checkout. The test process,
+which imports the fork, runs the other side. The subprocess, by hand (``pristine_tree(DIR)``
+makes the tree):
 
-    .venv/bin/python tools/fork.py pristine /tmp/pristine
-    PYTHONPATH=/tmp/pristine:tests .venv/bin/python tests/upstream_core.py /tmp/ckpts torch:many
+    PYTHONPATH=DIR:tests .venv/bin/python tests/upstream_core.py /tmp/ckpts torch:many
 """
 
 import importlib.util
@@ -30,8 +29,8 @@ BUCKETS = {"many": (6000, True), "one": (None, False)}
 
 def pristine_tree(dest: Path) -> Path:
     """The installed base's pinned archive, its untouched ``megatron/core`` extracted into
-    ``dest``. The ``megatron/training`` that 0.19.2 ships is left out: the installed one (with
-    our CPU mode) is imported."""
+    ``dest``, and a ``megatron/training`` of our CPU mode alone: the fork's (0.19.2: upstream's
+    loop, patched to import our core modules) would not import over upstream's core."""
     from megatron.core import package_info
 
     base = package_info.__version__.split("+")[0]  # the fork's own is 0.19.2+<commit>
@@ -40,7 +39,11 @@ def pristine_tree(dest: Path) -> Path:
     with mock.patch.dict(os.environ, MEGATRON_MUON_BASE=base):
         spec.loader.exec_module(fork)
     fork.extract(dest)
-    shutil.rmtree(dest / "megatron" / "training", ignore_errors=True)
+    training = dest / "megatron" / "training"
+    shutil.rmtree(training, ignore_errors=True)  # 0.19.2 ships upstream's loop
+    training.mkdir()
+    (training / "__init__.py").write_text("")
+    (training / "cpu_mode.py").symlink_to(ROOT / "megatron" / "training" / "cpu_mode.py")
     return dest
 
 
