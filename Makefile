@@ -30,7 +30,8 @@ test: install  # base 0.16.1's suite, then the staged 0.19.2's (test-next)
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-next
 
-test-next:  # tests/e2e_next on the staged base (-P: the repository's megatron/ would shadow it)
+test-next:  # the staged base's suite (tests/conftest.py: e2e_next and the megatron/core tests)
+	@# -P: the repository's megatron/ (our 0.16.1 loop) would shadow the installed package
 	@$(MAKE) --no-print-directory install BASE=0.19.2
 	@.venv-0.19.2/bin/python -P -m pytest -q $(PYTEST_NEXT_ARGS)
 

@@ -1,19 +1,22 @@
-"""Plain upstream megatron-core 0.16.1 as a reference: torch Adam + DistOpt runs on gloo ranks.
+"""Plain upstream megatron-core as a reference: torch Adam + DistOpt runs on gloo ranks.
 
-The pristine archive's ``megatron/`` tree (fetched and hash-checked by ``tools/fork.py``) goes
-first on ``PYTHONPATH`` of a subprocess, so ``megatron.core`` there is upstream's, untouched;
-``megatron.training`` (our CPU shim) and the test helpers come from this checkout. The test
-process, which imports the fork, runs the other side. Run by hand:
+The pristine archive of the installed base (0.16.1 or 0.19.2; fetched and hash-checked by
+``tools/fork.py``) gives the ``megatron/`` tree that goes first on ``PYTHONPATH`` of a
+subprocess, so ``megatron.core`` there is upstream's, untouched; its ``megatron.training`` is our
+CPU mode alone (``pristine_tree``), the test helpers come from this checkout. The test process,
+which imports the fork, runs the other side. The subprocess, by hand (``pristine_tree(DIR)``
+makes the tree):
 
-    .venv/bin/python tools/fork.py pristine /tmp/pristine
-    PYTHONPATH=/tmp/pristine:tests .venv/bin/python tests/upstream_core.py /tmp/ckpts torch:many
+    PYTHONPATH=DIR:tests .venv/bin/python tests/upstream_core.py /tmp/ckpts torch:many
 """
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -25,11 +28,22 @@ BUCKETS = {"many": (6000, True), "one": (None, False)}
 
 
 def pristine_tree(dest: Path) -> Path:
-    """The pinned archive's untouched ``megatron/`` tree, extracted into ``dest``."""
+    """The installed base's pinned archive, its untouched ``megatron/core`` extracted into
+    ``dest``, and a ``megatron/training`` of our CPU mode alone: the fork's (0.19.2: upstream's
+    loop, patched to import our core modules) would not import over upstream's core."""
+    from megatron.core import package_info
+
+    base = package_info.__version__.split("+")[0]  # the fork's own is 0.19.2+<commit>
     spec = importlib.util.spec_from_file_location("fork_for_tests", ROOT / "tools" / "fork.py")
     fork = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fork)
+    with mock.patch.dict(os.environ, MEGATRON_MUON_BASE=base):
+        spec.loader.exec_module(fork)
     fork.extract(dest)
+    training = dest / "megatron" / "training"
+    shutil.rmtree(training, ignore_errors=True)  # 0.19.2 ships upstream's loop
+    training.mkdir()
+    (training / "__init__.py").write_text("")
+    (training / "cpu_mode.py").symlink_to(ROOT / "megatron" / "training" / "cpu_mode.py")
     return dest
 
 

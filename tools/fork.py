@@ -41,8 +41,8 @@ BASES = {
         "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353",
         ROOT / "patches" / "0.19.2",
         ROOT / "build" / "fork-0.19.2",
-        # upstream's megatron/training stays; of ours pretrain_gpt.py's entry on its loop and
-        # the flags of our Muon (muon_args.py, called by patches 0030 and 0031)
+        # upstream's megatron/training stays; of ours pretrain_gpt.py's entry on its loop, the
+        # flags of our Muon (muon_args.py, called by patches 0030 and 0031) and the seed's recipe
         (
             "megatron/core",
             "megatron/training/cpu_mode.py",
@@ -50,6 +50,7 @@ BASES = {
             "megatron/training/gpt_entry.py",
             "megatron/training/muon_args.py",
             "megatron/training/checkpoint_origin.py",  # called by patch 0051
+            "megatron/training/muon_recipe.py",
         ),
     ),
 }

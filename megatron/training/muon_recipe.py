@@ -2,28 +2,47 @@
 
 Upstream's defaults stay upstream's (``megatron/core/optimizer/muon_config.py``); the recipe the
 seed trained with, and that our demo, benchmarks and exactness tests use, is spelled out here
-once, as ``OptimizerConfig`` fields and as the equivalent ``pretrain_gpt.py`` flags (a test
-checks that the flags parse to the fields):
+once, as ``OptimizerConfig`` fields of the installed base, and as the ``pretrain_gpt.py`` flags
+that set them (a test checks that the flags parse to the fields):
 
 * ``muon_matched_adamw_rms=0.2``: update scale 0.2 sqrt(max(m, n)), so AdamW's lr and weight
   decay carry over (Moonlight);
-* ``muon_use_nesterov=True``, ``muon_momentum=0.95``;
+* Nesterov (``muon_nesterov``; megatron-core 0.16.1: ``muon_use_nesterov``), ``muon_momentum=0.95``;
 * ``muon_coefficient_type='simple'``: Keller Jordan's Newton-Schulz coefficients;
-* ``muon_tp_mode='duplicated'``: exact under tensor parallelism (the same numbers as TP=1).
+* ``muon_tp_mode='duplicated'``: exact under tensor parallelism (the same numbers as TP=1);
+* ``muon_impl='megatron_muon'`` where the base has it (>= 0.17): this fork's Muon, not
+  upstream's emerging-optimizers one, which ``optimizer='muon'`` builds there by default.
 """
 
-SEED_RECIPE = {
-    "muon_matched_adamw_rms": 0.2,
-    "muon_use_nesterov": True,
-    "muon_momentum": 0.95,
-    "muon_coefficient_type": "simple",
-    "muon_tp_mode": "duplicated",
-}
+import dataclasses
 
-SEED_RECIPE_FLAGS = [
-    "--muon-matched-adamw-rms", "0.2",
-    "--muon-use-nesterov",
-    "--muon-momentum", "0.95",
-    "--muon-coefficient-type", "simple",
-    "--muon-tp-mode", "duplicated",
-]  # fmt: skip
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.muon_config import nesterov_field
+
+
+def _recipe() -> dict:
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    # 0.16.1: no muon_impl field; optimizer='muon' is ours
+    impl = {"muon_impl": "megatron_muon"} if "muon_impl" in fields else {}
+    return {
+        **impl,
+        "muon_matched_adamw_rms": 0.2,
+        nesterov_field(OptimizerConfig): True,
+        "muon_momentum": 0.95,
+        "muon_coefficient_type": "simple",
+        "muon_tp_mode": "duplicated",
+    }
+
+
+def _flags(recipe: dict) -> list:
+    """Each field's flag is its name in dashes (a bare switch for True), as Megatron-LM names
+    them."""
+    flags = []
+    for name, value in recipe.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+SEED_RECIPE = _recipe()
+SEED_RECIPE_FLAGS = _flags(SEED_RECIPE)

@@ -1,9 +1,10 @@
 """torch Adam + DistOpt checkpoints (patch 0015): upstream's format, resumable, both ways.
 
-Plain upstream megatron-core 0.16.1 (the pristine archive, in a subprocess: ``upstream_core.py``)
-trains a tiny bf16 GPT with torch's Adam under the DistributedOptimizer, saves in each format
-Megatron-LM writes (``torch``: ``save_parameter_state``; ``torch_dist``: ``dp_reshardable``, its
-default, and ``fully_reshardable``) and trains on. The fork loads that checkpoint into a fresh
+Plain upstream megatron-core of the installed base, 0.16.1 or 0.19.2 (the pristine archive, in a
+subprocess: ``upstream_core.py``) trains a tiny bf16 GPT with torch's Adam under the
+DistributedOptimizer, saves in each format Megatron-LM writes (``torch``:
+``save_parameter_state``; ``torch_dist``: ``dp_reshardable``, its default, and
+``fully_reshardable``) and trains on. The fork loads that checkpoint into a fresh
 model and trains the same steps: params and losses must equal upstream's uninterrupted run
 exactly (same kernels, same order; the state must arrive bit for bit). The fork's own
 checkpoints resume exactly too, with many buckets, in fp32 and bf16.
@@ -35,7 +36,7 @@ SPEC = TinyGPT(dtype="bf16")
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
     """{(format, buckets): (checkpoint dir, upstream's results per rank)} of every UPSTREAM case,
-    written by plain upstream 0.16.1 in one subprocess."""
+    written by plain upstream (the installed base's) in one subprocess."""
     tree = pristine_tree(tmp_path_factory.mktemp("pristine"))
     root = tmp_path_factory.mktemp("upstream")
     run_upstream(tree, root, UPSTREAM)

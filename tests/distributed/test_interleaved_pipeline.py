@@ -11,12 +11,12 @@ of a ``pretrain_gpt.py`` command line). Reproduce a case by hand:
 import functools
 
 import pytest
+from bases import upstream_loop_installed
+from cli_config import transformer_config
 from harness import run_distributed
 from parity import assert_close_runs
 from tiny_gpt import TinyGPT, train
 
-from megatron.training.arguments import parse_args
-from megatron.training.core_configs import transformer_config
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -26,15 +26,17 @@ MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 TOL, LOSS_RTOL = 1e-4, 1e-5
 CLI = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 "
     "--micro-batch-size 2 --global-batch-size 16 --train-iters 3 --lr 1e-2 --mock-data "
     "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1"
 )
 P2P_FIELDS = ("overlap_p2p_comm", "batch_p2p_comm")
+NO_OVERLAP = "--no-overlap-p2p-communication"
 
 
 def cli_spec(flags: str = "", world_size: int = 2) -> TinyGPT:
     """The tiny GPT with the pipeline-communication fields the CLI sets for ``CLI + flags``."""
-    config = transformer_config(parse_args((CLI + " " + flags).split(), world_size=world_size))
+    config = transformer_config((CLI + " " + flags).split(), world_size)
     p2p = {name: getattr(config, name) for name in P2P_FIELDS}
     return TinyGPT(num_layers=4, global_batch_size=16, tie_embeddings=True, extra=p2p)
 
@@ -47,9 +49,11 @@ def reference():
 
 CASES = {  # (world size, CLI flags, train kwargs)
     "pp2_vpp2": (2, "", {}),
-    "pp2_vpp2_no_overlap_p2p": (2, "--no-overlap-p2p-communication", {}),
+    "pp2_vpp2_no_overlap_p2p": (2, NO_OVERLAP, {}),
     "pp2_vpp2_dp2_distopt": (4, "", dict(distopt=True, bucket_size=6000, overlap=True)),
 }
+if upstream_loop_installed():  # upstream's CLI refuses it (below); our 0.16.1 loop unbatches it
+    del CASES["pp2_vpp2_no_overlap_p2p"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -62,3 +66,12 @@ def test_interleaved_pp2_matches_one_process(case):
     # gathered under one name) trained as one process's
     assert sum(".linear_qkv." in k for k in errors) == 4
     assert "embedding.word_embeddings.weight" in errors and "output_layer.weight" not in errors
+
+
+if upstream_loop_installed():  # collected on 0.19.2 only (0.16.1 runs the case above)
+
+    def test_upstreams_cli_refuses_pp2_virtual_stages_without_overlap():
+        """Megatron-LM 0.19 refuses what our loop runs unbatched: at PP=2 both neighbours are
+        one rank (core_configs.pipeline_p2p). Should upstream allow it, CASES must run it."""
+        with pytest.raises(AssertionError, match="pipeline-model-parallel size should be greate"):
+            cli_spec(NO_OVERLAP, 2)

@@ -10,13 +10,12 @@ import dataclasses
 import functools
 
 import pytest
+from cli_config import transformer_config
 from harness import run_distributed
 from parity import assert_close_runs, misses, update_rel_error
 from tiny_gpt import TinyGPT, build_model, shard, train, unshard
 
 from megatron.core.optimizer.muon_functional import MuonParamInfo
-from megatron.training.arguments import parse_args
-from megatron.training.core_configs import transformer_config
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -38,6 +37,7 @@ LOSS_RTOL = 1e-5
 WRONG = 100 * TOL  # a broken exchange must miss the reference by at least this
 CLI = (  # TinyGPT's shape, as pretrain_gpt.py flags
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 "
     "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-2 --mock-data"
 )
 
@@ -46,7 +46,7 @@ def cli_spec(layout: str, pp: int, world_size: int | None = None) -> TinyGPT:
     """The tiny GPT with the pipeline fields ``pretrain_gpt.py`` sets for this layout: the
     parsed layout and, with virtual stages, the send/recv settings (core_configs.pipeline_p2p)."""
     flags = f"{CLI} --pipeline-model-parallel-size {pp} --pipeline-model-parallel-layout {layout}"
-    config = transformer_config(parse_args(flags.split(), world_size=world_size or pp))
+    config = transformer_config(flags.split(), world_size=world_size or pp)
     names = ("pipeline_model_parallel_layout", "overlap_p2p_comm", "batch_p2p_comm")
     return TinyGPT(extra={name: getattr(config, name) for name in names})
 
