@@ -91,6 +91,33 @@ def missing_dependencies(args) -> list:
     return missing
 
 
+def exit_status(main) -> int:
+    """``main()``'s exit status (its return, or the code of the ``sys.exit`` upstream's loop
+    calls: 0 after a signal, 16/17 from the rerun state machine), also written to
+    ``MEGATRON_CPU_LOOP_HITS/exit.RANK`` where that is set: torchrun reports no rank's status
+    when it is itself stopped by a signal, and a test reads each one there."""
+    status = 1  # an exception
+    try:
+        status = main()
+    except SystemExit as done:
+        status = _code(done.code)
+        raise
+    finally:
+        folder = os.environ.get("MEGATRON_CPU_LOOP_HITS")
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"exit.{os.environ.get('RANK', '0')}"), "w") as f:
+                f.write(str(status))
+    return status
+
+
+def _code(code) -> int:
+    """The exit status Python gives ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
 def _write_hits(folder: str) -> None:
     rank = os.environ.get("RANK", "0")
     os.makedirs(folder, exist_ok=True)

@@ -302,4 +302,4 @@ def _fail(message: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cpu_loop.exit_status(main))
