@@ -1,0 +1,153 @@
+"""Run Megatron-LM's own Muon unit tests against the installed fork (issue 27, item 10).
+
+    .venv-0.19.2/bin/python -P tools/upstream_muon_tests.py CHECKOUT [--ranks 2]
+        [--ref core_v0.19.0] [-- PYTEST_ARGS]
+
+CHECKOUT is a Megatron-LM work tree or git directory (e.g. ``git clone --bare
+https://github.com/NVIDIA/Megatron-LM``); with a git directory the tests are read at ``--ref``.
+Only upstream's ``tests/`` files are copied, to a temporary folder: nothing of theirs enters this
+repository, and ``megatron`` is imported from the installed fork, never from the checkout.
+
+Runs, under ``torch.distributed.run`` on ``--ranks`` processes (gloo CPU ranks where CUDA is
+absent), ``tests/unit_tests/test_emerging_optimizers.py``, ``test_layer_wise_optimizer.py`` and
+``dist_checkpointing/test_layer_wise_optimizer.py`` with tools/upstream_muon_conftest.py in place
+of upstream's conftest, ``NVIDIA_PYTORCH_VERSION`` set (both files skip everything on <= 25.05,
+their "LTS" marker), and prints pass/fail/skip counts per file, each skip reason with its count,
+and every failure. A test counts as failed when it failed on any rank. Exit status 1 when any
+failed.
+"""
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FILES = (
+    "tests/unit_tests/test_emerging_optimizers.py",
+    "tests/unit_tests/test_layer_wise_optimizer.py",
+    "tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py",
+)
+# what the three files import from upstream's tests/ (their conftest is replaced by ours)
+SUPPORT = (
+    "tests/__init__.py",
+    "tests/unit_tests/__init__.py",
+    "tests/unit_tests/test_utilities.py",
+    "tests/unit_tests/dist_checkpointing",
+)
+NGC_VERSION = "26.01"  # any NGC release above the files' 25.05 "LTS" cut-off
+
+
+def export_tests(checkout: Path, ref: str, dest: Path) -> None:
+    """Copy upstream's test files (at ``ref`` for a git directory) into ``dest``."""
+    paths = [*FILES, *SUPPORT]
+    if (checkout / "tests").is_dir():
+        for path in paths:
+            src = checkout / path
+            if src.is_dir():
+                shutil.copytree(src, dest / path, dirs_exist_ok=True)
+            elif src.exists():
+                (dest / path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(src, dest / path)
+        return
+    archive = dest / "tests.tar"
+    cmd = ["git", "--git-dir", str(checkout), "archive", "--format=tar", ref, "--", *paths]
+    with open(archive, "wb") as f:
+        subprocess.run(cmd, stdout=f, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    archive.unlink()
+
+
+def run(tree: Path, ranks: int, extra: list) -> dict:
+    """Run the files on ``ranks`` processes; each rank's {test id: [outcome, reason]}."""
+    report = tree / "report"
+    report.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.setdefault("NVIDIA_PYTORCH_VERSION", NGC_VERSION)
+    env["MEGATRON_UPSTREAM_TESTS_REPORT"] = str(report)
+    env["MEGATRON_UPSTREAM_TESTS_TMP"] = str(tree / "tmp")
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+    cmd += ["--standalone", "--log-dir", str(tree / "logs"), "--redirects", "3"]
+    files = [a for a in extra if a.startswith("tests/")] or list(FILES)  # a subset if given
+    extra = [a for a in extra if not a.startswith("tests/")]
+    cmd += ["-m", "pytest", "-v", "-p", "no:cacheprovider", "--rootdir", str(tree), *files]
+    cmd += ["-o", "faulthandler_timeout=600"]  # a hung collective: its stacks in the rank's log
+    with open(tree / "launch.log", "w") as log:  # torchrun's own report; ranks' under logs/
+        subprocess.run(cmd + extra, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    results = {}
+    for rank in range(ranks):
+        path = report / f"rank{rank}.json"
+        results[rank] = json.loads(path.read_text()) if path.exists() else None
+    return results
+
+
+def merge(results: dict) -> dict:
+    """One outcome per test: failed where any rank failed, else rank 0's."""
+    merged = {}
+    for rank, tests in sorted(results.items()):
+        if tests is None:
+            raise SystemExit(f"rank {rank} wrote no report: see its log under the run's logs/")
+        for test, (outcome, reason) in tests.items():
+            if test not in merged or outcome == "failed":
+                merged[test] = (
+                    outcome,
+                    reason if outcome != "failed" else f"rank {rank}: {reason}",
+                )
+    return merged
+
+
+def summarize(merged: dict) -> int:
+    counts = collections.defaultdict(collections.Counter)
+    skips, failures = collections.Counter(), []
+    for test, (outcome, reason) in sorted(merged.items()):
+        counts[test.split("::")[0]][outcome] += 1
+        if outcome == "skipped":
+            skips[reason] += 1
+        elif outcome == "failed":
+            failures.append(f"  {test}\n      {reason}")
+    for name, c in counts.items():
+        print(f"{name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+    total = sum(counts.values(), collections.Counter())
+    print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+    for reason, n in skips.most_common():
+        print(f"  skipped {n}: {reason}")
+    if failures:
+        print("failed:\n" + "\n".join(failures))
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkout", type=Path, help="Megatron-LM work tree or git directory")
+    parser.add_argument("--ref", default="core_v0.19.0", help="tag read from a git directory")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])  # what follows "--" goes to pytest
+    args.pytest_args = argv[cut + 1 :]
+    tree = Path(tempfile.mkdtemp(prefix="upstream_muon_tests_"))
+    try:
+        export_tests(args.checkout.resolve(), args.ref, tree)
+        shutil.copy(HERE / "upstream_muon_conftest.py", tree / "tests/unit_tests/conftest.py")
+        start = time.time()
+        merged = merge(run(tree, args.ranks, args.pytest_args))
+        print(f"{args.ranks} ranks, {time.time() - start:.0f} s")
+        return summarize(merged)
+    finally:
+        if args.keep:
+            print(f"kept {tree}")
+        else:
+            shutil.rmtree(tree, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
