@@ -45,6 +45,7 @@ LAYOUTS = {  # name: (ranks, flags, the model's extra flags)
         [],
     ),
     "dp2_distopt": (2, ["--use-distributed-optimizer"], []),
+    "moe_ep2": (2, ["--expert-model-parallel-size", "2"], MOE),
 }
 # Tolerance on |loss - reference| / reference per iteration (the loss is printed to 7 digits,
 # ~2e-7 relative). The layouts only reorder fp32 sums (TP's and DP's reductions, the pipeline's
