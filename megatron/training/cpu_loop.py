@@ -27,6 +27,10 @@ module, so a test sees both a stand-in that is no longer reached and one reached
     dropout uses, and upstream makes the iterators after loading a checkpoint: a resumed run's
     dropout would be shifted. The loader gets its own generator (seeded with ``--seed``), as our
     0.16.1 loop does; on GPUs nothing changes.
+  - **T7** ``validate_args`` reads the GPU architecture (``get_device_arch_version``, through
+    ``torch.cuda.get_device_properties``) with TP or CP > 1, and a CPU has none: 0 there, as a
+    pre-Blackwell GPU, so upstream's rules for those (``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP)
+    apply unchanged. Reached only with TP or CP > 1 (``LAYOUT_STAND_INS``).
 
 Not a stand-in: ``psutil``, an undeclared dependency of the torch_dist async writer
 (``filesystem_async``); without it every torch_dist save fails. ``missing_dependencies`` names it.
@@ -46,8 +50,10 @@ from megatron.training import cpu_mode
 HITS: collections.Counter = collections.Counter()
 _installed = False
 
-# Every stand-in by name; a test compares the hit names against this list.
+# Every stand-in by name; a test compares the hit names against this list. Those that only some
+# layouts reach are apart: a data-parallel run does not.
 STAND_INS = ("P1", "T1", "T2", "T3", "T4", "T5", "T6")
+LAYOUT_STAND_INS = ("T7",)
 
 
 def _hit(name: str, depth: int = 2) -> None:
@@ -180,6 +186,17 @@ def _cpu() -> None:
         return loader
 
     training.build_pretraining_data_loader = build_pretraining_data_loader
+    _no_device_arch()
+
+
+def _no_device_arch() -> None:
+    from megatron.training import arguments
+
+    def get_device_arch_version():
+        _hit("T7")
+        return 0
+
+    arguments.get_device_arch_version = get_device_arch_version
 
 
 def _with_one_device(function):
