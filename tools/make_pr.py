@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pr_series import SERIES
+from pr_series import SERIES, UNSENT
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "# Copyright (c) 2025, NVIDIA CORPORATION. All rights reserved.\n\n"
@@ -56,6 +56,11 @@ def series(base: str = DEFAULT_BASE) -> list:
     if base not in SERIES:
         raise ValueError(f"make_pr: no series for base {base!r}: known bases are {list(SERIES)}")
     return SERIES[base]
+
+
+def unsent(base: str = DEFAULT_BASE) -> list:
+    """Files of ours that ``base`` links in but its series does not send (``UNSENT``)."""
+    return UNSENT[base]
 
 
 def _git(repo: Path, *args: str) -> str:

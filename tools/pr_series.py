@@ -260,6 +260,42 @@ CORE_0_19_2 = [
         [],
         ["0024-moe-paged-stash-triton-optional.patch"],
     ),
+    (
+        "dist_checkpointing: the async writer's queue survives a SIGTERM to the job",
+        "The torch_dist writer's results queue lives in a multiprocessing Manager that the first\n"
+        "save starts inside the rank's process group; torchrun (and Slurm) forward SIGTERM to\n"
+        "that group, so --exit-signal-handler's save found the Manager dead (BrokenPipeError):\n"
+        "nothing saved, every rank exit 1. The Manager now ignores SIGTERM/SIGINT; its owner\n"
+        "still shuts it down at exit.",
+        [],
+        ["0032-checkpoint-writer-queue-survives-sigterm.patch"],
+    ),
+    (
+        "emerging_optimizers: adaptive_muon and soap on emerging-optimizers 0.3.0",
+        "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0:\n"
+        "TensorParallelAdaptiveMuon sets scale_mode/extra_scale_factor (as upstream main does),\n"
+        "SOAP no longer takes precondition_frequency, and a config field the installed class\n"
+        "does not take is refused by name when set away from its default (emerging_fields.py;\n"
+        "--lion-beta1/2, which upstream silently ignored, among them).",
+        [OPT + "emerging_fields.py"],
+        ["0040-emerging-optimizers-0.3.0-api.patch"],
+    ),
+    (
+        "layer_wise_optimizer: the uneven all-gather on gloo",
+        "The legacy LayerWise path all-gathers tensors of different sizes per rank, which NCCL\n"
+        "allows and gloo refuses: on gloo each part is padded to the largest and sliced back\n"
+        "(uneven_all_gather.py); NCCL calls torch's all_gather as before.",
+        [OPT + "uneven_all_gather.py"],
+        ["0041-layer-wise-all-gather-on-gloo.patch"],
+    ),
+    (
+        "optimizer: torch Adam's per-param step kept in seeded and saved states",
+        "Without TE/Apex the states seeded for loading got no 'step', and 'if step:' dropped a\n"
+        "step of 0 when saving: loading raised KeyError: 'step'. init_state_fn seeds it\n"
+        "(torch_adam_step.py, torch's Adam only) and a step of 0 is saved.",
+        [OPT + "torch_adam_step.py"],
+        ["0042-torch-adam-step-kept.patch"],
+    ),
 ]
 TRAINING_0_19_2 = [
     (
@@ -301,9 +337,37 @@ TRAINING_0_19_2 = [
         "gpt_entry.py: the model and datasets providers and the forward step for pretrain();\n"
         "cpu_mode.py and cpu_loop.py: stand-ins for megatron-core and the loop where CUDA is\n"
         "absent (gloo CPU ranks), installed by nothing on GPUs.",
-        [TRAIN + "cpu_mode.py", TRAIN + "cpu_loop.py", TRAIN + "gpt_entry.py"],
+        [
+            TRAIN + "cpu_mode.py",
+            TRAIN + "cpu_loop.py",
+            TRAIN + "gpt_entry.py",
+            TRAIN + "muon_recipe.py",
+        ],
         [],
+    ),
+    (
+        "training: --qk-clip with local attention, and the optimizer passed to clip_qk",
+        "Local core attention records the max attention logits (patch 0014), so --qk-clip and\n"
+        "--log-max-attention-logit are allowed with --transformer-impl local (the TE >= 2.9\n"
+        "check stays for TE); train_step passes the optimizer to clip_qk, which bf16 with the\n"
+        "DistributedOptimizer needs to clip its fp32 main shards.",
+        [],
+        [
+            "0060-training-args-qk-clip-local-attention.patch",
+            "0061-training-clip-qk-optimizer.patch",
+        ],
     ),
 ]
 
 SERIES = {"0.16.1": CORE_0_16_1, "0.19.2": CORE_0_19_2 + TRAINING_0_19_2}
+# Files of ours a base links in that its series does not send: they serve upstream code that base
+# lacks (0.17+'s emerging-optimizers wrappers and LayerWise optimizer; the torch Adam state they
+# seed), so on 0.16.1 nothing imports them
+UNSENT = {
+    "0.16.1": [
+        OPT + "emerging_fields.py",
+        OPT + "torch_adam_step.py",
+        OPT + "uneven_all_gather.py",
+    ],
+    "0.19.2": [],
+}

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from bases import upstream_loop_installed
-from test_upstream_loop import FINAL, _step_losses
 from upstream_cli import CPU, MUON, hits, launch
+from upstream_runs import FINAL
+from upstream_runs import step_losses as _step_losses
 
 pytestmark = [
     pytest.mark.e2e,

@@ -21,7 +21,8 @@ import math
 import pytest
 import torch
 from bases import upstream_loop_installed
-from test_upstream_loop import _launch, _step_losses
+from upstream_runs import launch as _launch
+from upstream_runs import step_losses as _step_losses
 
 pytestmark = [
     pytest.mark.e2e,

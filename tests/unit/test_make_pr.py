@@ -142,7 +142,7 @@ def _unplaced(base: str, tracked: list, commits: list) -> list:
     patch_dir = make_pr._fork(base).PATCH_DIR.relative_to(ROOT)
     files = {rel for _, _, fs, _ in commits for rel in fs}
     patches = {f"{patch_dir}/{name}" for *_, ps in commits for name in ps}
-    return sorted(set(tracked) - files - patches)
+    return sorted(set(tracked) - files - patches - set(make_pr.unsent(base)))
 
 
 @pytest.mark.parametrize("base", BASES)

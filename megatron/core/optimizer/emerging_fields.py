@@ -17,7 +17,16 @@ import inspect
 
 def unmapped_fields(optimizer_cls: type, prefix: str, config) -> dict:
     """``{field: (value, default)}`` of the config's ``<prefix>_*`` fields set away from their
-    default whose argument ``optimizer_cls.__init__`` does not take."""
+    default whose argument ``optimizer_cls.__init__`` does not take.
+
+    Args:
+        optimizer_cls: the installed optimizer class the registry builds.
+        prefix: the optimizer's name, the fields' prefix (``soap``, ``lion``).
+        config: the ``OptimizerConfig`` (a dataclass; anything else has no defaults to read).
+
+    Returns:
+        ``{field: (value, default)}`` of the fields that would be dropped.
+    """
     if not dataclasses.is_dataclass(config):
         return {}  # a stand-in config (tests): no defaults to compare with
     accepted = set(inspect.signature(optimizer_cls.__init__).parameters)
@@ -33,7 +42,13 @@ def unmapped_fields(optimizer_cls: type, prefix: str, config) -> dict:
 
 
 def refuse_unmapped(optimizer_cls: type, prefix: str, config) -> None:
-    """Raise ``ValueError`` naming the first field :func:`unmapped_fields` finds."""
+    """Raise ``ValueError`` naming the first field :func:`unmapped_fields` finds.
+
+    Args:
+        optimizer_cls: the installed optimizer class the registry builds.
+        prefix: the optimizer's name, the fields' prefix.
+        config: the ``OptimizerConfig``.
+    """
     for name, (value, default) in unmapped_fields(optimizer_cls, prefix, config).items():
         module = optimizer_cls.__module__.split(".")[0]
         raise ValueError(

@@ -23,7 +23,13 @@ import torch
 def seed_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
     """Give a torch Adam state seeded without one the ``step`` torch's own ``_init_group`` makes:
     the step the optimizer's other params are at (they share one), else 0. Other optimizers (TE
-    and Apex keep the step in their param groups) are left alone."""
+    and Apex keep the step in their param groups) are left alone.
+
+    Args:
+        optimizer: the inner torch optimizer whose state was seeded.
+        group: ``param``'s param group (``capturable``/``fused`` put the step on its device).
+        param: the param whose state gets the step.
+    """
     state = optimizer.state[param]
     if not isinstance(optimizer, torch.optim.Adam) or "step" in state:
         return

@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 def all_gather(gather_list: list, src: torch.Tensor, group) -> None:
     """``dist.all_gather(gather_list, src, group)`` where ``gather_list[i]`` (1-D) may differ in
-    size by rank ``i``; on gloo through a padded gather of the largest size."""
+    size by rank ``i``; on gloo through a padded gather of the largest size.
+
+    Args:
+        gather_list: one 1-D tensor per rank of ``group``, filled in place.
+        src: this rank's part (``gather_list[rank]``'s size).
+        group: the process group.
+    """
     if dist.get_backend(group) != dist.Backend.GLOO:
         dist.all_gather(gather_list, src, group=group)
         return
