@@ -17,17 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from bases import upstream_loop_installed
+from bases import UPSTREAM_LOOP_ONLY
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_0_16_1 = ROOT / ".venv" / "bin" / "python"
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        not upstream_loop_installed(),
-        reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
-    ),
+    UPSTREAM_LOOP_ONLY,
     pytest.mark.timeout(900),
 ]
 

@@ -16,16 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from bases import upstream_loop_installed
+from bases import UPSTREAM_LOOP_ONLY
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        not upstream_loop_installed(),
-        reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
-    ),
+    UPSTREAM_LOOP_ONLY,
 ]
 
 

@@ -19,17 +19,14 @@ import functools
 from pathlib import Path
 
 import pytest
-from bases import upstream_loop_installed
+from bases import UPSTREAM_LOOP_ONLY
 from upstream_cli import CPU, MUON, hits, launch
 from upstream_runs import FINAL
 from upstream_runs import step_losses as _step_losses
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        not upstream_loop_installed(),
-        reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
-    ),
+    UPSTREAM_LOOP_ONLY,
     pytest.mark.timeout(900),
 ]
 

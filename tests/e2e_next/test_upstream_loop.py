@@ -8,7 +8,7 @@ loop there and tests/e2e covers it.
 import shutil
 
 import pytest
-from bases import upstream_loop_installed
+from bases import UPSTREAM_LOOP_ONLY
 from upstream_runs import (
     FINAL,
     checkpoint,
@@ -23,10 +23,7 @@ from upstream_runs import (
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        not upstream_loop_installed(),
-        reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
-    ),
+    UPSTREAM_LOOP_ONLY,
 ]
 
 DISTOPT = ["--use-distributed-optimizer"]

@@ -20,16 +20,13 @@ import math
 
 import pytest
 import torch
-from bases import upstream_loop_installed
+from bases import UPSTREAM_LOOP_ONLY
 from upstream_runs import launch as _launch
 from upstream_runs import step_losses as _step_losses
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        not upstream_loop_installed(),
-        reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
-    ),
+    UPSTREAM_LOOP_ONLY,
     pytest.mark.timeout(600),
 ]
 

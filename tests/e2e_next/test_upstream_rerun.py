@@ -16,15 +16,12 @@ Skipped where the installed megatron.training is ours (base 0.16.1): tests/e2e c
 """
 
 import pytest
-from bases import upstream_loop_installed
+from bases import UPSTREAM_LOOP_ONLY
 from upstream_runs import launch, logged, rank_exits
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        not upstream_loop_installed(),
-        reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
-    ),
+    UPSTREAM_LOOP_ONLY,
 ]
 
 ITERS = 6

@@ -11,15 +11,12 @@ import subprocess
 import threading
 
 import pytest
-from bases import upstream_loop_installed
+from bases import UPSTREAM_LOOP_ONLY
 from upstream_runs import LOSS, command, launch, logged, rank_exits
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        not upstream_loop_installed(),
-        reason="the installed megatron.training is ours (base 0.16.1), not upstream's",
-    ),
+    UPSTREAM_LOOP_ONLY,
 ]
 
 # Iterations the run is given; it is stopped by the signal long before (each takes ~50 ms).
