@@ -1,7 +1,5 @@
-"""Build megatron-core 0.16.1 + the Muon patches as one distribution, megatron-core==0.16.1+muon.
-
-``MEGATRON_MUON_BASE=0.19.2`` builds the staged next base instead (``tools/fork.py``'s ``BASES``):
-megatron-core==0.19.2+muon from ``build/fork-0.19.2``, with upstream's ``megatron.training``.
+"""Build megatron-core 0.19.2 + the Muon patches as one distribution, megatron-core==0.19.2+muon:
+upstream's ``megatron.core`` and ``megatron.training`` (Megatron-LM's loop), patched.
 
 The pinned upstream archive must be fetched first (``python tools/fork.py fetch``; ``make install``
 does it): inside pip's isolated build environment there is no pip to download it with. This file
@@ -37,13 +35,10 @@ setup(
     version=f"{fork.UPSTREAM_VERSION}+muon",
     description=f"Megatron Core {fork.UPSTREAM_VERSION} with Muon as a first-class optimizer "
     "(incl. DistOpt/ZeRO-1)",
-    python_requires=">=3.10" if fork.BASE == "0.16.1" else ">=3.12",
+    python_requires=">=3.12",
     package_dir={"": TREE},
     packages=find_namespace_packages(TREE, include=["megatron.core*", "megatron.training*"]),
-    package_data={
-        "megatron.core": ["requirements.txt", "README.md"],
-        "megatron.training": ["flags.tsv"],
-    },
+    package_data={"megatron.core": ["requirements.txt", "README.md"]},
     install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2", "psutil"],
     ext_modules=[
         Extension(

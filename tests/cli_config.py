@@ -1,8 +1,6 @@
-"""The TransformerConfig ``pretrain_gpt.py`` builds from a command line, on either base.
-
-On megatron-core 0.16.1 our loop's ``parse_args`` and ``core_configs.transformer_config``; on
-0.19.2 upstream's ``parse_args``, ``validate_args`` and ``core_transformer_config_from_args``,
-the calls its ``pretrain()`` makes (``megatron/training/gpt_entry.py``).
+"""The TransformerConfig ``pretrain_gpt.py`` builds from a command line: upstream's
+``parse_args``, ``validate_args`` and ``core_transformer_config_from_args``, the calls its
+``pretrain()`` makes (``megatron/training/gpt_entry.py``).
 """
 
 import contextlib
@@ -11,16 +9,9 @@ import os
 import sys
 from unittest import mock
 
-from bases import upstream_loop_installed
-
 
 def transformer_config(argv: list, world_size: int):
     """The model config of ``pretrain_gpt.py argv`` launched on ``world_size`` ranks."""
-    if not upstream_loop_installed():  # 0.16.1: our loop
-        from megatron.training.arguments import parse_args
-        from megatron.training.core_configs import transformer_config as from_args
-
-        return from_args(parse_args(argv, world_size=world_size))
     from megatron.training import arguments
 
     launch = {"WORLD_SIZE": str(world_size), "RANK": "0"}  # what torchrun tells each rank

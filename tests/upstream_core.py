@@ -1,9 +1,9 @@
 """Plain upstream megatron-core as a reference: torch Adam + DistOpt runs on gloo ranks.
 
-The pristine archive of the installed base (0.16.1 or 0.19.2; fetched and hash-checked by
-``tools/fork.py``) gives the ``megatron/`` tree that goes first on ``PYTHONPATH`` of a
-subprocess, so ``megatron.core`` there is upstream's, untouched; its ``megatron.training`` is our
-CPU mode alone (``pristine_tree``), the test helpers come from this checkout. The test process,
+The pristine pinned archive (fetched and hash-checked by ``tools/fork.py``) gives the
+``megatron/`` tree that goes first on ``PYTHONPATH`` of a subprocess, so ``megatron.core`` there
+is upstream's, untouched; its ``megatron.training`` is our CPU mode alone (``pristine_tree``), the
+test helpers come from this checkout. The test process,
 which imports the fork, runs the other side. The subprocess, by hand (``pristine_tree(DIR)``
 makes the tree):
 
@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -28,19 +27,15 @@ BUCKETS = {"many": (6000, True), "one": (None, False)}
 
 
 def pristine_tree(dest: Path) -> Path:
-    """The installed base's pinned archive, its untouched ``megatron/core`` extracted into
-    ``dest``, and a ``megatron/training`` of our CPU mode alone: the fork's (0.19.2: upstream's
-    loop, patched to import our core modules) would not import over upstream's core."""
-    from megatron.core import package_info
-
-    base = package_info.__version__.split("+")[0]  # the fork's own is 0.19.2+<commit>
+    """The pinned archive's untouched ``megatron/core`` extracted into ``dest``, and a
+    ``megatron/training`` of our CPU mode alone: the fork's (upstream's loop, patched to import
+    our core modules) would not import over upstream's core."""
     spec = importlib.util.spec_from_file_location("fork_for_tests", ROOT / "tools" / "fork.py")
     fork = importlib.util.module_from_spec(spec)
-    with mock.patch.dict(os.environ, MEGATRON_MUON_BASE=base):
-        spec.loader.exec_module(fork)
+    spec.loader.exec_module(fork)
     fork.extract(dest)
     training = dest / "megatron" / "training"
-    shutil.rmtree(training, ignore_errors=True)  # 0.19.2 ships upstream's loop
+    shutil.rmtree(training)
     training.mkdir()
     (training / "__init__.py").write_text("")
     (training / "cpu_mode.py").symlink_to(ROOT / "megatron" / "training" / "cpu_mode.py")

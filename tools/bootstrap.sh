@@ -1,32 +1,22 @@
 #!/usr/bin/env bash
 # Creates the project's virtual environment and installs the fork into it (editable), idempotently:
 #   tools/bootstrap.sh            (make install calls it; make test / make demo depend on it)
+# - Python 3.12 (megatron-core 0.19.2 requires it): python3.12, else pyenv's, else PYTHON=...;
 # - reuses a torch that the base interpreter already has (a GPU user's build stays), else installs
-#   TORCH_SPEC (default torch==2.13.0: the CPU build on our CI machines);
-# - fetches the pinned upstream archive (hash-checked), assembles build/fork, pip install -e .
+#   requirements/base.txt's (the package index's build);
+# - fetches the pinned upstream archive (hash-checked), assembles build/fork, pip install -e .,
+#   then a smoke run (tools/smoke.py).
 # Re-running only re-links our files unless requirements, setup.py or patches changed.
-# MEGATRON_MUON_BASE=0.19.2 (make install BASE=0.19.2): the staged next base instead, in
-# .venv-0.19.2 with Python 3.12 (python3.12, else pyenv's), requirements/0.19.2.txt (torch from the
-# package index: the CUDA build), build/fork-0.19.2; then a smoke (tools/smoke_0192.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BASE=${MEGATRON_MUON_BASE:-0.16.1}
-export MEGATRON_MUON_BASE=$BASE
-if [ "$BASE" = 0.16.1 ]; then
-  VENV=${VENV:-.venv}
-  PYTHON=${PYTHON:-python3}
-  REQS="requirements/base.txt requirements/build.txt requirements/dev.txt"
-  SERIES=patches
-else
-  VENV=${VENV:-.venv-$BASE}
-  if [ -z "${PYTHON:-}" ]; then
-    PYTHON=python3.12
-    "$PYTHON" -c "" 2>/dev/null || PYTHON=$(ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 | tail -1)
+VENV=${VENV:-.venv}
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3.12
+  if ! "$PYTHON" -c "" 2>/dev/null; then
+    PYTHON=$(ls -d "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+    [ -n "$PYTHON" ] || { echo "bootstrap: needs Python 3.12 (set PYTHON=...)" >&2; exit 1; }
   fi
-  REQS="requirements/$BASE.txt requirements/dev.txt"
-  SERIES=patches/$BASE
 fi
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 py="$VENV/bin/python"
 
 if [ ! -x "$py" ]; then
@@ -39,20 +29,18 @@ if [ ! -x "$py" ]; then
 fi
 
 shopt -s nullglob
-want=$(cat requirements/*.txt setup.py pyproject.toml "$SERIES"/*.patch | sha256sum)
+want=$(cat requirements/*.txt setup.py pyproject.toml patches/*.patch | sha256sum)
 stamp="$VENV/.bootstrap"
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exec "$py" tools/fork.py assemble  # cheap: refresh the links to our files
 fi
 
-"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "$TORCH_SPEC"
-# shellcheck disable=SC2086
-"$py" -m pip install -q $(printf -- '-r %s ' $REQS)
+keep='^$^'  # a torch already in the venv (the interpreter's, e.g. a GPU build) stays
+"$py" -c "import torch" 2>/dev/null && keep='^torch=='
+"$py" -m pip install -q -r <(grep -v "$keep" requirements/base.txt) -r requirements/dev.txt
 "$py" tools/fork.py fetch
 "$py" -m pip install -q --no-build-isolation --no-deps -e . --config-settings editable_mode=compat
 echo "$want" > "$stamp"
 "$py" -W ignore -c "import megatron.core.package_info, torch; print('bootstrap: megatron-core', \
 megatron.core.package_info.__version__, 'from', megatron.core.__path__[0], '| torch', torch.__version__)"
-if [ "$BASE" != 0.16.1 ]; then
-  "$py" -W ignore tools/smoke_0192.py
-fi
+"$py" -W ignore tools/smoke.py

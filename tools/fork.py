@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Assemble the megatron-muon fork from the pinned upstream megatron-core archive.
 
-    python tools/fork.py fetch      # download megatron_core-0.16.1.tar.gz into .cache/upstream
+    python tools/fork.py fetch      # download megatron_core-0.19.2.tar.gz into .cache/upstream
     python tools/fork.py assemble   # verify, extract, apply patches/, link our megatron/ files
     python tools/fork.py check      # apply patches/ to a pristine copy in a temp dir (CI check)
     python tools/fork.py pristine DIR  # extract the untouched upstream tree (to write a patch)
@@ -11,9 +11,9 @@ files are *symlinked* into it, so an edit under ``megatron/`` is live at the nex
 file, or a changed patch, needs ``assemble`` again (``make fork``; ``make test`` runs it too).
 Only the standard library is used: this runs before any dependency is installed.
 
-``MEGATRON_MUON_BASE=0.19.2`` selects the next base, staged beside the default 0.16.1 (``BASES``):
-its own archive, series ``patches/0.19.2/`` and tree ``build/fork-0.19.2``. That archive ships
-upstream's ``megatron/training`` too, which is kept; only our ``megatron/core`` is linked over it.
+The archive ships upstream's ``megatron/training`` (Megatron-LM's loop) beside ``megatron/core``;
+our ``megatron/core`` files and the few of ``megatron/training`` (the entry ``pretrain_gpt.py``
+runs, the CPU mode, our Muon's flags, the built-in corpus) are linked into it.
 """
 
 import hashlib
@@ -29,37 +29,17 @@ UPSTREAM_NAME = "megatron-core"
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("MEGATRON_MUON_CACHE", ROOT / ".cache" / "upstream"))
 
-# version: (archive sha256, patch series, assembled tree, our paths linked over it)
-BASES = {
-    "0.16.1": (
-        "86522feacfa5ef384a6ac627e7d88cf4866811aed3bc9b6c2a85cbf15cff91a3",
-        ROOT / "patches",
-        ROOT / "build" / "fork",
-        ("megatron",),
-    ),
-    "0.19.2": (  # requires Python >= 3.12 (fetched under 3.11 with --ignore-requires-python)
-        "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353",
-        ROOT / "patches" / "0.19.2",
-        ROOT / "build" / "fork-0.19.2",
-        # upstream's megatron/training stays; of ours pretrain_gpt.py's entry on its loop, the
-        # flags of our Muon (muon_args.py, called by patches 0030 and 0031) and the seed's recipe
-        (
-            "megatron/core",
-            "megatron/training/cpu_mode.py",
-            "megatron/training/cpu_loop.py",
-            "megatron/training/gpt_entry.py",
-            "megatron/training/muon_args.py",
-            "megatron/training/checkpoint_origin.py",  # called by patch 0051
-            "megatron/training/muon_recipe.py",
-        ),
-    ),
-}
-BASE = os.environ.get("MEGATRON_MUON_BASE") or "0.16.1"
-if BASE not in BASES:
-    sys.exit(f"fork: error: MEGATRON_MUON_BASE={BASE!r}: known bases are {', '.join(BASES)}")
-UPSTREAM_VERSION = BASE
+UPSTREAM_VERSION = "0.19.2"  # requires Python >= 3.12
+ARCHIVE_SHA256 = "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
+PATCH_DIR = ROOT / "patches"
+FORK_DIR = ROOT / "build" / "fork"
+# Our files linked over the tree: folders upstream lacks whole, else file by file
+OVERLAY = ("megatron",)
+# The upstream files ours replace whole (any other name clash is an error): upstream's Muon shim,
+# whose entry keeps upstream's behaviour for muon_impl != 'megatron_muon', and its QK-clip, whose
+# clip_qk (same signature) adds the local attention and DistOpt shards of ours
+REPLACED = ("megatron/core/optimizer/muon.py", "megatron/core/optimizer/qk_clip.py")
 ARCHIVE = f"megatron_core-{UPSTREAM_VERSION}.tar.gz"
-ARCHIVE_SHA256, PATCH_DIR, FORK_DIR, OVERLAY = BASES[BASE]
 STAMP = FORK_DIR / ".assembled"
 
 
@@ -90,8 +70,6 @@ def fetch() -> Path:
         req.write_text(f"{UPSTREAM_NAME}=={UPSTREAM_VERSION} --hash=sha256:{ARCHIVE_SHA256}\n")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         cmd += ["--no-build-isolation", "--require-hashes", "-r", str(req), "-d", str(CACHE_DIR)]
-        if sys.version_info < (3, 12) and BASE != "0.16.1":
-            cmd.append("--ignore-requires-python")  # only its metadata is read here
         # upstream's setup.py runs `python3 -m pybind11` while pip reads its metadata
         env = dict(
             os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
@@ -163,6 +141,8 @@ def link_overlay() -> None:
         if str(rel) in touched:
             raise ForkError(f"{rel} is both patched (patches/) and replaced (megatron/): pick one")
         dest = FORK_DIR / rel
+        if dest.is_file() and not dest.is_symlink() and str(rel) not in REPLACED:
+            raise ForkError(f"{rel} would replace upstream's file: patch it (patches/) instead")
         if dest.is_symlink() or dest.is_file():
             dest.unlink()
         dest.parent.mkdir(parents=True, exist_ok=True)

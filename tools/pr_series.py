@@ -1,16 +1,16 @@
-"""What ``make pr`` sends upstream, per base: the commits of the series, in review order.
+"""What ``make pr`` sends upstream: the commits of the series, in review order.
 
 Each commit is (subject, body, our files, our patches): the files are this repository's (paths as
-in Megatron-LM), the patches named in the base's series folder (``tools/fork.py`` ``BASES``).
-Every file ``tools/fork.py`` links into the base and every patch of its series is in one commit
-(tests/unit/test_make_pr.py checks it).
+in Megatron-LM), the patches ``patches/``'s. Every file ``tools/fork.py`` links into the tree and
+every patch is in one commit (tests/unit/test_make_pr.py checks it). megatron-core 0.19.2 ships
+upstream's ``megatron/training``, so the series carries our patches to it and the files of ours
+linked into it (the CPU mode, ``gpt_entry``, our Muon's flags).
 """
 
 OPT = "megatron/core/optimizer/"
 TRAIN = "megatron/training/"
 
-# base 0.16.1: megatron.core only (our own training loop stays this project's)
-CORE_0_16_1 = [
+SERIES = [
     (
         "distrib_optimizer: the DistOpt shard layout in one module",
         "distopt_layout.py: where DDP's buckets and DistOpt's shards put each model param, and\n"
@@ -19,154 +19,6 @@ CORE_0_16_1 = [
         [OPT + "distopt_layout.py"],
         [],
     ),
-    (
-        "distrib_optimizer: torch Adam DistOpt checkpoints resume (upstream's format)",
-        "Without TE/Apex no DistOpt checkpoint of torch's Adam/AdamW resumes in 0.16.1: a fresh\n"
-        "optimizer's state_dict asserts, loading copies the per-param step (KeyError, or the\n"
-        "loader's own step), all params share one step tensor after load_state_dict, and\n"
-        "fully_reshardable saves shifted state with several buckets (NVIDIA/Megatron-LM#5077).\n"
-        "The format is unchanged: checkpoints of plain 0.16.1 load, and resume exactly.",
-        [OPT + "distopt_adam_checkpoint.py"],
-        ["0009-distopt-torch-adam-checkpoint-repairs.patch"],
-    ),
-    (
-        "optimizer: Muon config vocabularies and defaults in one module",
-        "muon_config.py holds the Muon vocabularies, the defaults OptimizerConfig's muon_* fields\n"
-        "take (upstream's unchanged; new fields off) and their validation, run where Muon is\n"
-        "built rather than in every OptimizerConfig.__post_init__.",
-        [OPT + "muon_config.py"],
-        ["0001-optimizer-config-muon.patch"],
-    ),
-    (
-        "optimizer: Muon without emerging_optimizers (Newton-Schulz, functional step, Muon)",
-        "Pure Newton-Schulz (simple, quintic, polar_express coefficients), the three stages of a\n"
-        "Muon step with one Q/K/V split and one scale rule, and a plain torch optimizer holding\n"
-        "Muon and AdamW param groups.",
-        [OPT + "newton_schulz.py", OPT + "muon_functional.py", OPT + "muon_optimizer.py"],
-        [],
-    ),
-    (
-        "optimizer: Muon in get_megatron_optimizer, tensor parallel and DistOpt-ready",
-        "TP orthogonalizers (blockwise, duplicated, distributed), the DistOpt exchange, the\n"
-        "factory hooks and TensorParallelMuon; muon.py keeps upstream's public names.\n"
-        "layer_wise_distributed_optimizer=True is deprecated in favour of the DistOpt path.",
-        [
-            OPT + "muon_tp.py",
-            OPT + "muon_split.py",
-            OPT + "muon_placement.py",
-            OPT + "muon_plan.py",
-            OPT + "muon_distopt.py",
-            OPT + "muon_megatron.py",
-            OPT + "muon.py",
-        ],
-        ["0002-optimizer-factory-muon.patch"],
-    ),
-    (
-        "distrib_optimizer: hand Muon its shard layout (ZeRO-1 Muon)",
-        "The DistributedOptimizer accepts an inner optimizer that declares its state and gives\n"
-        "it the shard layout, so Muon orthogonalizes whole matrices exactly.",
-        [],
-        ["0010-distopt-muon-shard-layout.patch"],
-    ),
-    (
-        "distrib_optimizer: checkpoints for optimizers that declare their state",
-        "torch and torch_dist (fully_reshardable, dp_reshardable) DistOpt checkpoints use the\n"
-        "state keys the optimizer declares; param groups are told apart by use_muon, and groups\n"
-        "of one identity (--decoupled-lr's and the default) load in order.",
-        [OPT + "muon_checkpoint.py", OPT + "muon_checkpoint_sharded.py"],
-        [
-            "0011-distopt-declared-state-checkpoint.patch",
-            "0012-param-group-identity-use-muon.patch",
-        ],
-    ),
-    (
-        "distrib_optimizer: param groups of one identity are matched in order on load",
-        "--decoupled-lr's group has the default group's identity (is_decoupled_lr stays False),\n"
-        "so a map from identity to group kept the last: a DistOpt resume gave the default group\n"
-        "the decoupled lr bounds. The k-th saved group of an identity now loads into the k-th\n"
-        "current one (group_matching.match_groups; Muon's DistOpt loader too; the plain\n"
-        "optimizer's reorder does the same in patch 0012, where that map is patched anyway).",
-        [OPT + "group_matching.py"],
-        ["0016-distopt-param-groups-matched-in-order.patch"],
-    ),
-    (
-        "transformer: QK-clip (MuonClip) without Transformer Engine",
-        "Local attention records per-head max attention logits; clip_qk scales query/key rows\n"
-        "after the optimizer step, on model params, fp32 main params and DistOpt shards.",
-        [
-            OPT + "qk_clip.py",
-            "megatron/core/transformer/max_attention_logit.py",
-            "megatron/core/transformer/qk_clip_config.py",
-        ],
-        ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
-    ),
-    (
-        "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms",
-        "WrappedTorchNorm asserted layernorm_zero_centered_gamma off; it now returns LayerNorm /\n"
-        "RMSNorm modules whose weight is gamma (scale 1 + gamma, gamma initialized to 0), as TE\n"
-        "and Apex store it.",
-        ["megatron/core/transformer/zero_centered_norm.py"],
-        ["0015-local-norm-zero-centered-gamma.patch"],
-    ),
-    (
-        "moe: router without Transformer Engine",
-        "The MoE router's fused path is guarded so the local spec runs without TE.",
-        [],
-        ["0003-moe-router-without-te.patch"],
-    ),
-    (
-        "jit: torch.compile a fusion on its first call",
-        "jit_fuser defers torch.compile to the first call: what is compiled, and when, is\n"
-        "unchanged, but importing megatron.core no longer imports torch._inductor (~2.5 s of CPU\n"
-        "per process, for fusions a run may never call).",
-        ["megatron/core/lazy_compile.py"],
-        ["0020-jit-compile-on-first-call.patch"],
-    ),
-    (
-        "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
-        "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
-        "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"
-        "An inf only in expert grads backed off the expert scaler alone, and later expert grads\n"
-        "were unscaled by the wrong factor. ChainedOptimizer.prepare_grads now updates every\n"
-        "scaler with the chain's verdict (chained_grad_scaler.py).",
-        [OPT + "chained_grad_scaler.py"],
-        ["0021-chained-optimizer-one-loss-scale.patch"],
-    ),
-    (
-        "moe: an expert's weighted bias is added out of place",
-        "Experts with biases outside expert parallelism crashed at the first forward: at TP=1\n"
-        "the row-parallel reduce returns its input as is, and MLP.forward added the routing-\n"
-        "weighted bias to that view in place, which autograd forbids.",
-        [],
-        ["0022-moe-expert-bias-out-of-place.patch"],
-    ),
-    (
-        "rerun_state_machine: report_stats logs its figures instead of raising",
-        "--rerun-mode report_stats (REPORT_DETERMINISM_STATS) read caller.filename and\n"
-        "caller.lineno, which a Caller (message, rank) lacks: the first report raised an\n"
-        "AttributeError on rank 0 alone, after the other ranks had left the gather. The report\n"
-        "names each check by its message.",
-        [],
-        ["0023-rerun-report-stats-caller.patch"],
-    ),
-    (
-        "tests, docs: Muon unit tests and an API guide page",
-        "Single-process unit tests (GPU or CPU) and docs/source/api-guide/muon.md.",
-        ["tests/unit_tests/test_muon_core.py", "docs/source/api-guide/muon.md"],
-        [],
-    ),
-]
-
-
-def _as_on_0_16_1(subject: str) -> tuple:
-    """A commit whose files, patches and text hold on both bases."""
-    return next(commit for commit in CORE_0_16_1 if commit[0] == subject)
-
-
-# base 0.19.2: upstream's own megatron/training ships in the archive, so the series carries its
-# patches and the files of ours that the base links into it (cpu_*, gpt_entry, muon_args)
-CORE_0_19_2 = [
-    _as_on_0_16_1("distrib_optimizer: the DistOpt shard layout in one module"),
     (
         "distrib_optimizer: torch Adam DistOpt checkpoints resume (upstream's format)",
         "Without TE/Apex a DistOpt checkpoint of torch's Adam/AdamW does not resume in 0.19.2:\n"
@@ -185,8 +37,13 @@ CORE_0_19_2 = [
         [OPT + "muon_config.py"],
         ["0001-optimizer-config-muon.patch"],
     ),
-    _as_on_0_16_1(
-        "optimizer: Muon without emerging_optimizers (Newton-Schulz, functional step, Muon)"
+    (
+        "optimizer: Muon without emerging_optimizers (Newton-Schulz, functional step, Muon)",
+        "Pure Newton-Schulz (simple, quintic, polar_express coefficients), the three stages of a\n"
+        "Muon step with one Q/K/V split and one scale rule, and a plain torch optimizer holding\n"
+        "Muon and AdamW param groups.",
+        [OPT + "newton_schulz.py", OPT + "muon_functional.py", OPT + "muon_optimizer.py"],
+        [],
     ),
     (
         "optimizer: muon_impl='megatron_muon', our Muon in get_megatron_optimizer",
@@ -244,14 +101,40 @@ CORE_0_19_2 = [
         ],
         ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
     ),
-    _as_on_0_16_1(
-        "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms"
+    (
+        "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms",
+        "WrappedTorchNorm asserted layernorm_zero_centered_gamma off; it now returns LayerNorm /\n"
+        "RMSNorm modules whose weight is gamma (scale 1 + gamma, gamma initialized to 0), as TE\n"
+        "and Apex store it.",
+        ["megatron/core/transformer/zero_centered_norm.py"],
+        ["0015-local-norm-zero-centered-gamma.patch"],
     ),
-    _as_on_0_16_1("jit: torch.compile a fusion on its first call"),
-    _as_on_0_16_1(
-        "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)"
+    (
+        "jit: torch.compile a fusion on its first call",
+        "jit_fuser defers torch.compile to the first call: what is compiled, and when, is\n"
+        "unchanged, but importing megatron.core no longer imports torch._inductor (~2.5 s of CPU\n"
+        "per process, for fusions a run may never call).",
+        ["megatron/core/lazy_compile.py"],
+        ["0020-jit-compile-on-first-call.patch"],
     ),
-    _as_on_0_16_1("moe: an expert's weighted bias is added out of place"),
+    (
+        "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
+        "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
+        "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"
+        "An inf only in expert grads backed off the expert scaler alone, and later expert grads\n"
+        "were unscaled by the wrong factor. ChainedOptimizer.prepare_grads now updates every\n"
+        "scaler with the chain's verdict (chained_grad_scaler.py).",
+        [OPT + "chained_grad_scaler.py"],
+        ["0021-chained-optimizer-one-loss-scale.patch"],
+    ),
+    (
+        "moe: an expert's weighted bias is added out of place",
+        "Experts with biases outside expert parallelism crashed at the first forward: at TP=1\n"
+        "the row-parallel reduce returns its input as is, and MLP.forward added the routing-\n"
+        "weighted bias to that view in place, which autograd forbids.",
+        [],
+        ["0022-moe-expert-bias-out-of-place.patch"],
+    ),
     (
         "moe: paged stash imports without triton",
         "import megatron.core reaches moe/ops/paged_stash.py (distributed -> finalize_model_grads\n"
@@ -296,8 +179,6 @@ CORE_0_19_2 = [
         [OPT + "torch_adam_step.py"],
         ["0042-torch-adam-step-kept.patch"],
     ),
-]
-TRAINING_0_19_2 = [
     (
         "argument_utils: a '%' in a config docstring no longer breaks --help",
         "ArgumentGroupFactory hands each field's docstring to argparse as its help, and argparse\n"
@@ -358,16 +239,6 @@ TRAINING_0_19_2 = [
         ],
     ),
 ]
-
-SERIES = {"0.16.1": CORE_0_16_1, "0.19.2": CORE_0_19_2 + TRAINING_0_19_2}
-# Files of ours a base links in that its series does not send: they serve upstream code that base
-# lacks (0.17+'s emerging-optimizers wrappers and LayerWise optimizer; the torch Adam state they
-# seed), so on 0.16.1 nothing imports them
-UNSENT = {
-    "0.16.1": [
-        OPT + "emerging_fields.py",
-        OPT + "torch_adam_step.py",
-        OPT + "uneven_all_gather.py",
-    ],
-    "0.19.2": [],
-}
+# Files of ours linked into the tree that the series does not send: the built-in corpora of the
+# demo and the benchmarks (this project's, not upstream material)
+UNSENT = [TRAIN + "corpus.py", TRAIN + "shakespeare.py"]

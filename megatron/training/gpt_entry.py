@@ -38,11 +38,11 @@ from megatron.core.utils import (
     get_batch_on_this_tp_rank,
 )
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron.core import mpu
 from megatron.training import cpu_loop, get_args, get_timers, get_tokenizer, pretrain, print_rank_0
-from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 
 # A loss this many times the largest seen so far is "spiky" (--check-for-spiky-loss), as upstream.
 SPIKY_LOSS_FACTOR = 10

@@ -11,7 +11,6 @@ of a ``pretrain_gpt.py`` command line). Reproduce a case by hand:
 import functools
 
 import pytest
-from bases import upstream_loop_installed
 from cli_config import transformer_config
 from harness import run_distributed
 from parity import assert_close_runs
@@ -49,11 +48,8 @@ def reference():
 
 CASES = {  # (world size, CLI flags, train kwargs)
     "pp2_vpp2": (2, "", {}),
-    "pp2_vpp2_no_overlap_p2p": (2, NO_OVERLAP, {}),
     "pp2_vpp2_dp2_distopt": (4, "", dict(distopt=True, bucket_size=6000, overlap=True)),
 }
-if upstream_loop_installed():  # upstream's CLI refuses it (below); our 0.16.1 loop unbatches it
-    del CASES["pp2_vpp2_no_overlap_p2p"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -68,10 +64,8 @@ def test_interleaved_pp2_matches_one_process(case):
     assert "embedding.word_embeddings.weight" in errors and "output_layer.weight" not in errors
 
 
-if upstream_loop_installed():  # collected on 0.19.2 only (0.16.1 runs the case above)
-
-    def test_upstreams_cli_refuses_pp2_virtual_stages_without_overlap():
-        """Megatron-LM 0.19 refuses what our loop runs unbatched: at PP=2 both neighbours are
-        one rank (core_configs.pipeline_p2p). Should upstream allow it, CASES must run it."""
-        with pytest.raises(AssertionError, match="pipeline-model-parallel size should be greate"):
-            cli_spec(NO_OVERLAP, 2)
+def test_upstreams_cli_refuses_pp2_virtual_stages_without_overlap():
+    """Megatron-LM 0.19 refuses virtual stages at PP=2 without --overlap-p2p-communication
+    (both neighbours are one rank). Should upstream allow it, CASES must run it."""
+    with pytest.raises(AssertionError, match="pipeline-model-parallel size should be greate"):
+        cli_spec(NO_OVERLAP, 2)

@@ -80,9 +80,9 @@ def test_split_ranges_match_megatron_core(tmp_path):
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
+    from megatron.training.tokenizer import build_tokenizer
 
     from megatron.training import datasets
-    from megatron.training.tokenizer import build_tokenizer
 
     prefix = str(tmp_path / "d")
     corpus.write_indexed(prefix, [f"doc {i} " * (5 + i) for i in range(47)])

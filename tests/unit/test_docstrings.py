@@ -17,10 +17,8 @@ import make_pr  # noqa: E402
 
 
 def _core_files():
-    """Our .py files under megatron/core that the `make pr` series (of either base) exports."""
-    every = [
-        rel for base in make_pr.SERIES for _, _, files, _ in make_pr.series(base) for rel in files
-    ]
+    """Our .py files under megatron/core that the `make pr` series exports."""
+    every = [rel for _, _, files, _ in make_pr.SERIES for rel in files]
     return [
         rel
         for rel in dict.fromkeys(every)

@@ -8,9 +8,9 @@ import shlex
 import subprocess
 
 import pytest
-
 from megatron.training.arguments import parse_args
 from megatron.training.core_configs import optimizer_config
+
 from megatron.training.muon_recipe import SEED_RECIPE, SEED_RECIPE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

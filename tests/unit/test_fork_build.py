@@ -1,7 +1,6 @@
 """The fork build: the patch series applies to the pristine pinned archive; failures are named."""
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,50 +19,44 @@ def fork():
 
 
 def test_patch_series_applies_to_pristine_archive():
+    """patches/ against the pinned archive, with git apply and no fuzz."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "fork.py"), "check"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert "apply cleanly to megatron_core-0.16.1.tar.gz" in result.stdout
-
-
-def test_next_base_series_applies_to_its_pristine_archive():
-    """The staged 0.19.2 series (patches/0.19.2/) against its own pinned archive, with git apply
-    and no fuzz; `make test` fetches that archive (hash-checked, 2 MB)."""
-    env = dict(os.environ, MEGATRON_MUON_BASE="0.19.2")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "fork.py"), "check"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr
-    count = len(list((ROOT / "patches/0.19.2").glob("*.patch")))
-    assert count >= 18  # 16 refreshed and ours of 0030-0031, 0050-0051
+    count = len(list((ROOT / "patches").glob("*.patch")))
+    assert count >= 20
     assert f"{count} patches apply cleanly to megatron_core-0.19.2.tar.gz" in result.stdout
 
 
-def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
-    assert (fork.BASE, fork.FORK_DIR, fork.PATCH_DIR) == (
-        "0.16.1",
+def test_the_base_is_0192_and_ours_replace_two_upstream_files(fork):
+    assert (fork.UPSTREAM_VERSION, fork.FORK_DIR, fork.PATCH_DIR) == (
+        "0.19.2",
         ROOT / "build/fork",
         ROOT / "patches",
     )
+    assert fork.ARCHIVE_SHA256 == "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
     assert fork.OVERLAY == ("megatron",)
-    sha, series, tree, overlay = fork.BASES["0.19.2"]
-    assert sha == "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
-    assert (series, tree) == (ROOT / "patches/0.19.2", ROOT / "build/fork-0.19.2")
-    # upstream's megatron/training is kept; of ours only pretrain_gpt.py's entry on its loop,
-    # our Muon's flags and the seed's recipe
-    assert overlay == (
-        "megatron/core",
-        "megatron/training/cpu_mode.py",
-        "megatron/training/cpu_loop.py",
-        "megatron/training/gpt_entry.py",
-        "megatron/training/muon_args.py",
-        "megatron/training/checkpoint_origin.py",
-        "megatron/training/muon_recipe.py",
+    assert fork.REPLACED == (
+        "megatron/core/optimizer/muon.py",
+        "megatron/core/optimizer/qk_clip.py",
     )
+
+
+def test_a_file_of_ours_named_as_upstreams_is_refused(fork, tmp_path, monkeypatch):
+    """Negative control of REPLACED: any other clash with an upstream file is an error."""
+    ours = tmp_path / "megatron" / "training"
+    ours.mkdir(parents=True)
+    (ours / "training.py").write_text("")  # upstream's loop
+    tree = tmp_path / "tree" / "megatron" / "training"
+    tree.mkdir(parents=True)
+    (tree / "training.py").write_text("upstream")
+    monkeypatch.setattr(fork, "ROOT", tmp_path)
+    monkeypatch.setattr(fork, "FORK_DIR", tmp_path / "tree")
+    monkeypatch.setattr(fork, "patches", lambda: [])
+    with pytest.raises(fork.ForkError, match="would replace upstream's file: patch it"):
+        fork.link_overlay()
+    assert (tree / "training.py").read_text() == "upstream"
 
 
 def test_patched_tree_is_what_python_imports(fork):

@@ -87,8 +87,9 @@ def weights_only_load_run(distopt: bool, flag: str):
     must stay the loaded ones. Returns the largest deviation from them."""
     from types import SimpleNamespace
 
-    from megatron.training import checkpointing
     from megatron.training.training import TrainState
+
+    from megatron.training import checkpointing
 
     spec = TinyGPT(num_layers=1, dtype="bf16")
     kwargs = dict(optimizer="muon", use_distributed_optimizer=distopt)

@@ -1,1 +1,0 @@
-"""Our training stack on megatron-core: arguments, loop, data, tokenizers, checkpoint glue."""

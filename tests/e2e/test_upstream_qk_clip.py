@@ -1,0 +1,54 @@
+"""QK-clip (``--qk-clip``, upstream's flags) through upstream's training loop (base
+megatron-core 0.19.2) without Transformer Engine: the local core attention records the max
+logits (patch 0014), upstream's validate_args admits ``--transformer-impl local`` (patch 0060),
+and upstream's train_step hands the optimizer to ``clip_qk`` (patch 0061), which places the
+DistributedOptimizer's fp32 main shards of bf16 params (megatron/core/optimizer/qk_clip.py).
+
+One run, our Muon with DP2, the DistributedOptimizer and bf16; upstream logs the step's max
+attention logit to TensorBoard (``--log-max-attention-logit``), measured in the forward pass
+before that step's clip.
+
+    .venv-0.19.2/bin/python -P -m pytest -q tests/e2e_next/test_upstream_qk_clip.py
+"""
+
+import pytest
+from upstream_cli import MUON, launch
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+]
+
+# Megatron's init (std 0.02) starts the tiny model's max logit near 0.12 (iteration 1, before any
+# clip; measured 0.117): a quarter of it, so the first clip scales the logits by ~1/4.
+TAU = 0.03
+ITERS = 4
+CLIP = ["--qk-clip", "--qk-clip-threshold", str(TAU), "--log-max-attention-logit"]
+BF16_DISTOPT = ["--bf16", "--use-distributed-optimizer", "--no-masked-softmax-fusion"]
+
+
+def _scalars(log_dir) -> dict:
+    """{tag: {step: value}} from upstream's TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {t: {e.step: e.value for e in events.Scalars(t)} for t in events.Tags()["scalars"]}
+
+
+def test_qk_clip_caps_the_max_attention_logit(tmp_path):
+    """Iteration 1 measures the unclipped model; each later one measures the weights its
+    predecessor's clip scaled, on a new batch and after one more Muon step. The clip set every
+    head's max on the previous batch to TAU; a new batch of the same mock distribution and one
+    Muon step (a fixed spectral size, larger relative to the weights the clip shrank) move it:
+    measured 1.18-1.42 x TAU. Without the clip the max stays near iteration 1's (3.9 x TAU; the
+    same steps move it by a few percent), so 1.6 x TAU is 2.4x below where no clip would be, and
+    0.8 x TAU shows the clip stops at the threshold instead of shrinking further."""
+    tb = tmp_path / "tb"
+    flags = [*MUON, *BF16_DISTOPT, *CLIP, "--train-iters", str(ITERS), "--tensorboard-dir", tb]
+    launch(tmp_path, "qk_clip", 2, *map(str, flags))
+    maxima = _scalars(tb)["max_attention_logit"]
+    assert sorted(maxima) == list(range(1, ITERS + 1)), maxima
+    assert maxima[1] > 3 * TAU, maxima  # the clip has something to do
+    later = [maxima[i] for i in range(2, ITERS + 1)]
+    assert 0.8 * TAU <= min(later) and max(later) <= 1.6 * TAU, maxima
