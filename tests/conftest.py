@@ -52,9 +52,6 @@ ONLY_0161 = {  # of CORE, the files 0.19.2 does not run, and why
     # 0.19.2's `import megatron.core` imports emerging_optimizers, which imports torch._inductor:
     # what patch 0020 keeps lazy is imported anyway (making that import lazy: a new patch)
     "unit/test_lazy_compile.py": "the GPT stack's import leaves torch._inductor unimported",
-    # an open defect on 0.19.2 (11 of its 12 cases pass there): bf16 + DistOpt with our Muon, the
-    # clip's main shard is not found by shard_start (test_distopt_main_shards_..._rows[muon])
-    "distributed/test_qk_clip.py": "QK-clip of DistOpt main shards with our Muon fails on 0.19.2",
 }
 
 
