@@ -8,6 +8,7 @@ the threshold 0.5 makes the clip act on most heads at every step. Reproduce a ca
     .venv/bin/python -m pytest tests/distributed/test_qk_clip.py -k tp2_pp2_dp2 -q
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -28,7 +29,8 @@ from tiny_gpt import (
 )
 
 from megatron.core import parallel_state as ps
-from megatron.core.optimizer import qk_clip
+from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, qk_clip
+from megatron.core.optimizer.muon_megatron import MegatronMuon
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -152,6 +154,21 @@ def test_logits_above_threshold_end_at_it(layout):
 # --------------------------------------------------- DistOpt: fp32 main shards cut through heads
 
 
+# "muon" is this fork's Muon: on 0.19.2 optimizer="muon" alone builds upstream's emerging-optimizers
+# Muon (muon_impl defaults to "emerging"), chained under Float16Optimizers, with no DistOpt shards.
+# "upstream_muon": that one as upstream's CLI builds it with --use-distributed-optimizer
+# (--optimizer muon turns it into the LayerWiseDistributedOptimizer: whole fp32 main params, each
+# on the rank that owns the matrix, and none on the others).
+OPTIMIZERS = {
+    "adam": dict(optimizer="adam"),
+    "muon": MUON,
+    "upstream_muon": dict(
+        optimizer="muon", muon_impl="emerging", use_layer_wise_distributed_optimizer=True
+    ),
+}
+HAS_UPSTREAM_MUON = "muon_impl" in {f.name for f in dataclasses.fields(OptimizerConfig)}
+
+
 def main_shard_run(optimizer_name: str, break_shards: bool = False, distopt: bool = True):
     """bf16 with DP2 DistOpt and small buckets (or one process, whole fp32 main params): after
     the clip each rank's fp32 main copy of every QKV matrix must equal its model param region to
@@ -160,39 +177,66 @@ def main_shard_run(optimizer_name: str, break_shards: bool = False, distopt: boo
     spec = TinyGPT(num_layers=2, hidden_size=80, dtype="bf16", extra=CLIP)
     model = build_model(spec, distopt=distopt, bucket_size=BUCKET, overlap_grad_reduce=distopt)
     optimizer = build_optimizer(
-        spec, model, use_distributed_optimizer=distopt, optimizer=optimizer_name
+        spec, model, use_distributed_optimizer=distopt, **OPTIMIZERS[optimizer_name]
     )
-    true_start = qk_clip.shard_start
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    if optimizer_name == "muon":  # ours, not 0.19's emerging-optimizers Muon (muon_impl)
+        assert any(isinstance(getattr(o, "optimizer", None), MegatronMuon) for o in chain)
+    if distopt:  # every 16-bit param's main copy is a DistOpt shard (or none on this rank)
+        assert all(isinstance(o, DistributedOptimizer) for o in chain), chain
+    if optimizer_name == "upstream_muon":
+        assert type(optimizer).__name__ == "LayerWiseDistributedOptimizer", type(optimizer)
     if break_shards:  # negative control: treat every shard as if it began at the matrix's start
         qk_clip.shard_start = lambda optimizer, param: 0
-    max_logit = max(
-        train_step(spec, model, optimizer, b)["max_logit"] for b in global_batches(spec, 2)
-    )
-    worst, row_cuts = 0.0, 0
+    # checked after every step: the first step's clip is the strong one (logits from ~0.87 to
+    # tau); after it Muon's small update leaves them barely above tau, the next clip near 1
+    worst, max_logit = 0.0, float("-inf")
+    for batch in global_batches(spec, 2):
+        max_logit = max(max_logit, train_step(spec, model, optimizer, batch)["max_logit"])
+        step_worst, row_cuts, held = _main_shard_miss(model, optimizer, distopt)
+        worst = max(worst, step_worst)
+    return worst, row_cuts, max_logit, held
+
+
+def _reference_start(optimizer, param) -> int:
+    """The offset of this rank's main shard of ``param``, read off its DistributedOptimizer here,
+    not by qk_clip.shard_start (the code under test)."""
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    (owner,) = [o for o in chain if param in o.model_param_gbuf_map]
+    return owner._get_model_param_range_map(param)["param"].start
+
+
+def _main_shard_miss(model, optimizer, distopt: bool):
+    """(worst relative miss of a QKV main copy against its model param region, how many main
+    shards start inside a row, how many main copies were compared) on this rank."""
+    worst, row_cuts, held = 0.0, 0, 0
     for layer in (m for m in model[0].modules() if isinstance(m, SelfAttention)):
         weight = layer.linear_qkv.weight
-        if weight.main_param is None:  # this rank holds none of it
+        if getattr(weight, "main_param", None) is None:  # this rank holds none of it
             continue
-        start = true_start(optimizer, weight) if distopt else 0
+        start = _reference_start(optimizer, weight) if distopt else 0
         region = weight.detach().view(-1)[start : start + weight.main_param.numel()].float()
         rel = (weight.main_param.view(-1) - region).abs() / region.abs().clamp_min(1e-30)
         worst = max(worst, rel.nan_to_num(nan=float("inf")).max().item())  # a NaN: a miss
         row_cuts += int(start % weight.shape[1] != 0)
-    return worst, row_cuts, max_logit
+        held += 1
+    return worst, row_cuts, held
 
 
 # The model param is bf16(bf16(main) * r), the main shard main * r: two roundings to bf16's 8
 # significant bits, each at most 2**-8 relative, so <= ~2**-7 (measured up to 0.0077); 2**-6
 # leaves 2x. A shard scaled with another row's factor is off by the ratio of two factors (query
-# or key ~0.8 against value 1 here; measured 0.22), over 5x this bound.
+# or key ~0.8 against value 1 at the first step; measured 0.29 with Adam and with our Muon), over
+# 5x this bound.
 BF16_REL = 2.0**-6
 
 
 def _check_main_shards(results, expect_ok: bool, sharded: bool = True):
-    worst = max(w for w, _, _ in results)
-    assert all(m > TAU for _, _, m in results), "the clip had nothing to do: test too weak"
+    worst = max(w for w, _, _, _ in results)
+    assert all(m > TAU for _, _, m, _ in results), "the clip had nothing to do: test too weak"
+    assert sum(held for _, _, _, held in results) > 0, "no main copy compared: test vacuous"
     if sharded:
-        assert sum(cuts for _, cuts, _ in results) > 0, "no shard starts inside a row: too weak"
+        assert sum(cuts for _, cuts, _, _ in results) > 0, "no shard starts inside a row: too weak"
     if expect_ok:
         assert worst <= BF16_REL, worst
     else:
@@ -201,14 +245,61 @@ def _check_main_shards(results, expect_ok: bool, sharded: bool = True):
 
 @pytest.mark.parametrize("optimizer_name", ["adam", "muon"])
 def test_distopt_main_shards_are_clipped_with_their_rows(optimizer_name):
+    """Adam and our Muon (muon_impl='megatron_muon') on bf16 DP2 DistOpt: each rank's fp32 main
+    shard of a QKV matrix is scaled with the rows it holds. Negative control (checked by hand):
+    qk_clip.shard_start returning 0 fails both cases (miss 0.29 > BF16_REL); the test reads the
+    true offset off the DistOpt itself, not through shard_start."""
     _check_main_shards(run_distributed(main_shard_run, 2, args=(optimizer_name,)), True)
 
 
-def test_negative_control_shards_scaled_from_the_wrong_offset():
-    _check_main_shards(run_distributed(main_shard_run, 2, args=("adam", True)), False)
+@pytest.mark.parametrize("optimizer_name", ["adam", "muon"])
+def test_negative_control_shards_scaled_from_the_wrong_offset(optimizer_name):
+    """``shard_start`` returning 0 (each shard scaled as if it began at its matrix's start, the
+    rows of another part of the matrix) misses by > 5x BF16_REL: the test above sees the offset."""
+    _check_main_shards(run_distributed(main_shard_run, 2, args=(optimizer_name, True)), False)
 
 
 def test_float16_optimizer_main_params_are_clipped_too():
     """Without DistOpt, Megatron's Float16Optimizer keeps whole fp32 main params."""
     results = run_distributed(main_shard_run, 1, args=("adam", False, False))
     _check_main_shards(results, True, sharded=False)
+
+
+@pytest.mark.skipif(
+    not HAS_UPSTREAM_MUON, reason="megatron-core < 0.17: no emerging-optimizers Muon"
+)
+def test_upstream_layer_wise_muon_main_params_are_clipped_too():
+    """Upstream 0.19's Muon under its LayerWiseDistributedOptimizer (what its CLI builds for
+    --optimizer muon --use-distributed-optimizer): the owner rank's whole fp32 main params."""
+    results = run_distributed(main_shard_run, 2, args=("upstream_muon", False, False))
+    _check_main_shards(results, True, sharded=False)
+
+
+def unplaceable_main_run(case: str) -> str:
+    """The error clip_qk raises where a DistOpt main shard cannot be placed, or "no error"."""
+    spec = TinyGPT(num_layers=2, hidden_size=80, dtype="bf16", extra=CLIP)
+    model = build_model(spec, distopt=True, bucket_size=BUCKET)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True)
+    layers = [m for m in model[0].modules() if isinstance(m, SelfAttention)]
+    # DP2: each rank holds a shard of some QKV matrix (rows of 80 elements: the ranks cut them)
+    weight = next(w for w in (m.linear_qkv.weight for m in layers) if w.main_param is not None)
+    if case == "not_given":  # the torch optimizer inside, not the DistOpt that shards
+        optimizer = optimizer.chained_optimizers[0].optimizer
+    else:  # "main_elsewhere": as with the precision-aware optimizer (main copy in FusedAdam)
+        weight.main_param = None
+    try:
+        qk_clip.clip_qk(model, optimizer=optimizer)  # no forward: maxima -inf, scales of 1
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [("not_given", "no DistributedOptimizer in the given"), ("main_elsewhere", "no main_param")],
+)
+def test_a_main_shard_the_clip_cannot_place_is_an_error(case, message):
+    """Never a silent skip: a sharded main copy without its DistOpt, or a DistOpt range without
+    a main copy to scale, raises (the scales are all 1 here: the check is before any scaling)."""
+    for error in run_distributed(unplaceable_main_run, 2, args=(case,)):
+        assert message in error, error

@@ -221,11 +221,68 @@ def _clip_layer(layer, max_logits: torch.Tensor, config, optimizer) -> None:
 def _scale_param(param, rows: torch.Tensor, optimizer) -> None:
     """Scale the fp32 main copy (whole, or this rank's DistOpt shard), then the model param."""
     row_len = param.numel() // param.shape[0]
-    main = getattr(param, "main_param", None)
+    main, start = _main_copy(optimizer, param)
     if main is not None and main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
-        start = shard_start(optimizer, param) if getattr(param, "main_param_sharded", False) else 0
         scale_rows_(main.data.view(-1), rows, row_len, start)
     scale_rows_(param.data.view(-1), rows, row_len, 0)
+
+
+def _main_copy(optimizer, param) -> tuple:
+    """(this rank's main copy of ``param`` or None, its element offset in the flattened param).
+
+    A DistributedOptimizer marks its 16-bit params ``main_param_sharded`` and sets
+    ``main_param`` to this rank's fp32 shard, or to None where this rank holds none of the
+    param. Every other case is an error, never a silent skip: a main shard that no given
+    DistributedOptimizer owns (its offset is unknown), or a DistOpt range on this rank without
+    a ``main_param`` to scale (e.g. the precision-aware optimizer, whose main copy lives in
+    Transformer Engine's FusedAdam: the next step would overwrite the clipped model param with
+    the unclipped main copy).
+    """
+    main = getattr(param, "main_param", None)
+    if not getattr(param, "main_param_sharded", False):
+        return main, 0  # Float16Optimizer's whole fp32 copy, or none (fp32 params)
+    owner = _distributed_optimizer_of(optimizer, param)
+    if owner is None:
+        if main is None:
+            return None, 0  # this rank holds none of it
+        raise ValueError(
+            f"qk_clip: a DistributedOptimizer main shard of a {tuple(param.shape)} QKV param "
+            f"that no DistributedOptimizer in the given optimizer ({type(optimizer).__name__}) "
+            "owns: pass the optimizer that holds it"
+        )
+    held = owner._get_model_param_range_map(param)["param"]
+    if main is None or main.numel() != held.size:
+        got = "no main_param" if main is None else f"a main_param of {main.numel()} elements"
+        raise ValueError(
+            f"qk_clip: this rank's DistributedOptimizer range of a {tuple(param.shape)} QKV param "
+            f"holds {held.size} elements but the param has {got}; the clip cannot scale the "
+            "main copy (--use-precision-aware-optimizer keeps it outside main_param: not "
+            "supported with --qk-clip)"
+        )
+    return main, shard_start(optimizer, param)
+
+
+def _distributed_optimizers(optimizer):
+    """Every optimizer under ``optimizer`` (chains nested at any depth) that shards main params
+    by range (a DistributedOptimizer: ``model_param_gbuf_map``)."""
+    if optimizer is None:
+        return
+    if hasattr(optimizer, "model_param_gbuf_map"):
+        yield optimizer
+    for inner in getattr(optimizer, "chained_optimizers", None) or ():
+        if inner is not optimizer:
+            yield from _distributed_optimizers(inner)
+
+
+def _distributed_optimizer_of(optimizer, param):
+    """The DistributedOptimizer that holds a range of ``param`` on this rank, or None."""
+    owners = {
+        id(o): o for o in _distributed_optimizers(optimizer) if param in o.model_param_gbuf_map
+    }
+    owners = list(owners.values())
+    if len(owners) > 1:
+        raise ValueError("qk_clip: two DistributedOptimizers hold the same QKV param")
+    return owners[0] if owners else None
 
 
 def shard_start(optimizer, param) -> int:
@@ -233,13 +290,20 @@ def shard_start(optimizer, param) -> int:
     param (the DistOpt's own per-param range, ``param_range_map['param']``).
 
     Args:
-        optimizer: Megatron's optimizer, chained or not, holding a DistributedOptimizer.
-        param: a model param whose main param is a DistOpt shard.
+        optimizer: Megatron's optimizer (chains nested at any depth) holding a
+            DistributedOptimizer.
+        param: a model param whose main param is a DistOpt shard on this rank.
 
     Returns:
         The element offset of this rank's shard in the flattened param.
+
+    Raises:
+        ValueError: no DistributedOptimizer under ``optimizer`` holds a range of ``param`` here.
     """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if param in getattr(opt, "model_param_gbuf_map", {}):
-            return opt._get_model_param_range_map(param)["param"].start
-    raise AssertionError("a sharded main param whose DistributedOptimizer is not given")
+    owner = _distributed_optimizer_of(optimizer, param)
+    if owner is None:
+        raise ValueError(
+            f"qk_clip: no DistributedOptimizer in {type(optimizer).__name__} holds a shard of "
+            f"this {tuple(param.shape)} param on this rank"
+        )
+    return owner._get_model_param_range_map(param)["param"].start
