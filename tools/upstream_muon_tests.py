@@ -1,6 +1,6 @@
 """Run Megatron-LM's own Muon unit tests against the installed fork (issue 27, item 10).
 
-    .venv-0.19.2/bin/python -P tools/upstream_muon_tests.py CHECKOUT [--ranks 2]
+    .venv/bin/python tools/upstream_muon_tests.py CHECKOUT [--ranks 2]
         [--ref core_v0.19.0] [-- PYTEST_ARGS]
 
 CHECKOUT is a Megatron-LM work tree or git directory (e.g. ``git clone --bare

@@ -5,7 +5,7 @@ Upstream's loop saves its arguments as an ``argparse.Namespace`` (``state_dict['
 0.16.1 saved a dict of the few it checks on load (``megatron/training/checkpointing.py``
 ``_saved_args`` there), with its own scheduler, RNG and rerun entries. Upstream reads that dict
 with ``getattr``: its argument checks fail unnamed or pass on nothing, and the consumed samples
-read back as 0. Patch ``0.19.2/0051-checkpoint-origin-0.16.1`` calls ``check_checkpoint_origin``
+read back as 0. Patch ``0051-checkpoint-origin-0.16.1`` calls ``check_checkpoint_origin``
 wherever upstream reads a checkpoint's args (``load_checkpoint``, ``check_checkpoint_args``,
 ``load_args_from_checkpoint``): such a checkpoint is refused in one line naming the version and
 what to do, unless ``--finetune`` asks for its model weights only, which load unchanged (the

@@ -1,7 +1,7 @@
 """megatron-muon's flags on upstream Megatron-LM's command line (base megatron-core 0.19.2).
 
 Upstream 0.19.2's ``megatron/training/arguments.py`` has no flag for the ``OptimizerConfig``
-fields that patch ``0.19.2/0001`` adds. Patch ``0.19.2/0030-training-args-megatron-muon`` calls
+fields that patch ``0001`` adds. Patch ``0030-training-args-megatron-muon`` calls
 into this module from three places of upstream's file:
 
 - ``add_megatron_arguments``: ``add_megatron_muon_args(parser)`` registers ``--muon-impl`` and
@@ -13,7 +13,7 @@ into this module from three places of upstream's file:
   Muon runs inside the ``DistributedOptimizer`` that ``--use-distributed-optimizer`` asks for,
   not in upstream's LayerWise optimizer that the check rewrites it into for its own Muon.
 
-Patch ``0.19.2/0031-checkpoint-args-muon-impl`` calls ``check_checkpoint_muon_impl`` from
+Patch ``0031-checkpoint-args-muon-impl`` calls ``check_checkpoint_muon_impl`` from
 upstream's ``check_checkpoint_args``: the two Muons' optimizer states are not interchangeable.
 
 Every default is ``OptimizerConfig``'s (read from its fields, never repeated here); the names

@@ -1,13 +1,15 @@
-"""A checkpoint of megatron-muon's own training loop on megatron-core 0.16.1, loaded by
-pretrain_gpt.py on upstream's loop (base 0.19.2) with our Muon (``--muon-impl megatron_muon``).
+"""A checkpoint of megatron-muon's own training loop on megatron-core 0.16.1 (the fork before it
+moved onto upstream's loop), loaded by pretrain_gpt.py on 0.19.2 with our Muon
+(``--muon-impl megatron_muon``).
 
-The checkpoint is made here, for real: the 0.16.1 venv (``.venv``, ``make install``; `make test`
-builds it before this suite) runs our loop's pretrain_gpt.py, 2 ranks, DistOpt Muon, torch_dist.
-Upstream's loop refuses to resume it in one line naming the version and what to do (patch
-``0.19.2/0051-checkpoint-origin-0.16.1``); with ``--finetune`` it loads the model weights alone:
-with ``--lr 0`` the weights it then saves equal the 0.16.1 checkpoint's, bit for bit. Negative
-control (by hand, patch 0051 removed): the resume fails unnamed, ``'dict' object has no
-attribute`` (upstream reads the dict our loop saved as its args with getattr).
+The checkpoint is ``tests/fixtures/checkpoint_0_16_1``, saved by that loop (main 14469f0's
+``make install`` venv, Python 3.11, torch 2.13) with the flags below: 2 ranks, DistOpt Muon,
+torch_dist, ``--lr 1e-3 --train-iters 2 --save ck --save-interval 2``. Upstream's loop refuses to
+resume it in one line naming the version and what to do (patch ``0051-checkpoint-origin-0.16.1``);
+with ``--finetune`` it loads the model weights alone: with ``--lr 0`` the weights it then saves
+equal the 0.16.1 checkpoint's, bit for bit. Negative control (by hand, patch 0051 removed): the
+resume fails unnamed, ``'dict' object has no attribute`` (upstream reads the dict our loop saved
+as its args with getattr).
 """
 
 import os
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_0_16_1 = ROOT / ".venv" / "bin" / "python"
+SAVED_ON_0_16_1 = ROOT / "tests" / "fixtures" / "checkpoint_0_16_1"
 
 pytestmark = [
     pytest.mark.e2e,
@@ -28,14 +30,14 @@ pytestmark = [
 
 CPU = not torch.cuda.is_available()
 RANKS = 2 if CPU else min(2, torch.cuda.device_count())
-# a tiny GPT both loops take, flag for flag; upstream's defaults otherwise (--num-workers 2).
+# the fixture's tiny GPT, flag for flag; upstream's defaults otherwise (--num-workers 2).
 # The embedding's rows: NullTokenizer's vocabulary is 129 on our 0.16.1 loop (Megatron-LM's
 # legacy tokenizer adds the eod) and 128 on 0.19.2's; padded to a multiple of 256 both are 256
 # (a smaller padding would differ, and upstream loads the first rows of a larger embedding)
 TINY = (
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --make-vocab-size-divisible-by"
-    " 256 --num-layers 2 --hidden-size 64"
-    " --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2"
+    " 256 --num-layers 2 --hidden-size 32"
+    " --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2"
     " --global-batch-size 8 --log-interval 1 --eval-interval 1000 --eval-iters 1"
     " --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion"
     " --optimizer muon --use-distributed-optimizer"
@@ -52,28 +54,12 @@ def _launch(python: Path, cwd: Path, *flags: str) -> subprocess.CompletedProcess
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def saved_on_0_16_1(tmp_path_factory):
-    """A torch_dist checkpoint our 0.16.1 loop saved after 2 Muon (DistOpt) steps."""
-    assert VENV_0_16_1.exists(), f"{VENV_0_16_1} is missing: run `make install` (base 0.16.1)"
-    tmp = tmp_path_factory.mktemp("ckpt_0_16_1")
-    done = _launch(
-        VENV_0_16_1,
-        tmp,
-        "--lr",
-        "1e-3",
-        "--train-iters",
-        "2",
-        "--save",
-        "ck",
-        "--save-interval",
-        "2",
-    )
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    assert (tmp / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert "megatron-core 0.16.1" not in out  # our loop itself: nothing refused
-    return tmp / "ck"
+@pytest.fixture
+def saved_on_0_16_1(tmp_path):
+    """A copy of the fixture (a load must not write into the repository)."""
+    import shutil
+
+    return Path(shutil.copytree(SAVED_ON_0_16_1, tmp_path / "ckpt_0_16_1"))
 
 
 def _model(folder: Path, out: Path) -> dict:

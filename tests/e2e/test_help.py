@@ -2,12 +2,10 @@
 
 Pristine 0.19.2's ``--help`` raises: upstream builds the help of TransformerConfig's fields from
 their docstrings, and ``--moe-paged-stash-buffer-size-factor-cuda``'s says "10%" (argparse
-formats help with ``%``). Patch ``0.19.2/0050-training-help-percent-in-docstrings`` escapes the
+formats help with ``%``). Patch ``0050-training-help-percent-in-docstrings`` escapes the
 ``%`` of docstring help; negative control: without it this test fails with
 ``ValueError: unsupported format character ')'`` (checked by hand: patch removed, fork
 re-assembled).
-
-Skipped where the installed megatron.training is ours (base 0.16.1): tests/e2e covers its --help.
 """
 
 import os

@@ -1,14 +1,11 @@
 """Our Muon through upstream's command line (base megatron-core 0.19.2): patches
-0.19.2/0030-training-args-megatron-muon and 0031-checkpoint-args-muon-impl, which call
+0030-training-args-megatron-muon and 0031-checkpoint-args-muon-impl, which call
 megatron/training/muon_args.py from upstream's arguments.py and checkpointing.py.
 
 Upstream's parse_args/validate_args run in one child process for every case (importing
 upstream's megatron.training takes tens of seconds; this process's megatron.training is the
 repository's own, which would shadow it), and each test reads its case's outcome: the args,
 the OptimizerConfig upstream's get_megatron_optimizer_config builds from them, or the error.
-
-Skipped where the installed megatron.training is ours (base 0.16.1): that loop has its own
-table of flags (megatron/training/flags.tsv) and tests.
 """
 
 import json

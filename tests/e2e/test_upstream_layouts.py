@@ -9,10 +9,7 @@ start from the same weights; a one-rank, lr-0 iteration saves them (torch_dist) 
 loads them with ``--finetune`` (weights only; iteration, optimizer and RNG start fresh),
 resharded by torch_dist for its layout. Dropout is off, so every layout sees the same numbers.
 
-    .venv-0.19.2/bin/python -P -m pytest -q tests/e2e_next/test_upstream_layouts.py
-
-Skipped where the installed megatron.training is ours (base 0.16.1): tests/distributed compares
-the same layouts on our loop there.
+    .venv/bin/python -m pytest -q tests/e2e/test_upstream_layouts.py
 """
 
 import functools

@@ -1,8 +1,5 @@
 """pretrain_gpt.py on upstream's own training loop (base megatron-core 0.19.2): real torchrun
 launches of a tiny GPT on 2 ranks (upstream_runs.py), straight vs saved and resumed.
-
-Skipped where the installed megatron.training is ours (base 0.16.1): pretrain_gpt.py runs our
-loop there and tests/e2e covers it.
 """
 
 import shutil

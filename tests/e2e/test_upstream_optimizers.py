@@ -2,7 +2,7 @@
 0.19.2): ``--optimizer adaptive_muon``, ``lion`` and ``soap`` (package emerging-optimizers, pinned
 0.3.0) and LayerWise Muon on its legacy path, on 2 ranks (gloo CPU ranks where CUDA is absent).
 
-    .venv-0.19.2/bin/python -P -m pytest -q tests/e2e_next/test_upstream_optimizers.py
+    .venv/bin/python -m pytest -q tests/e2e/test_upstream_optimizers.py
 
 What each test holds up (negative controls: run without the patch, the test fails):
 * 0040-emerging-optimizers-0.3.0-api: ``adaptive_muon`` trains (without it: ``AttributeError:

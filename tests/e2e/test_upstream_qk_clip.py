@@ -8,7 +8,7 @@ One run, our Muon with DP2, the DistributedOptimizer and bf16; upstream logs the
 attention logit to TensorBoard (``--log-max-attention-logit``), measured in the forward pass
 before that step's clip.
 
-    .venv-0.19.2/bin/python -P -m pytest -q tests/e2e_next/test_upstream_qk_clip.py
+    .venv/bin/python -m pytest -q tests/e2e/test_upstream_qk_clip.py
 """
 
 import pytest

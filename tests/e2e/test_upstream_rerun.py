@@ -11,8 +11,6 @@ What 0.19.2 does (should_checkpoint_and_exit), and what is checked:
 - it is reproduced (``persistent_error``): a checkpoint of the last good iteration (1) is saved
   and every rank exits 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE), to re-run the step on another GPU;
   resumed on the same node and device, every rank exits 16 again and saves nothing.
-
-Skipped where the installed megatron.training is ours (base 0.16.1): tests/e2e covers its loop.
 """
 
 import pytest

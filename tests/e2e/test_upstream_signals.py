@@ -2,8 +2,6 @@
 megatron-core 0.19.2) with ``--exit-signal-handler`` and Megatron-LM's default
 ``--num-workers 2``: the run saves a checkpoint at the iteration it reached, every rank exits 0,
 and a run resumed from that checkpoint continues. Launches: upstream_runs.py.
-
-Skipped where the installed megatron.training is ours (base 0.16.1): tests/e2e covers its loop.
 """
 
 import signal

@@ -4,7 +4,7 @@
 12 x 8) result: its Frobenius norm, entries [0, 0], [3, 7], [-1, -1], its smallest and largest
 singular value. The cases cover each coefficient set, the steps past a set's end (quintic and
 AOL start again, Polar Express, CANS and DeepSeek-V4 repeat their last triple) and inputs whose
-norm is near or below eps (X / max(||X||_F, eps)). tests/e2e_next/test_ns_matches_upstream.py
+norm is near or below eps (X / max(||X||_F, eps)). tests/e2e/test_ns_matches_upstream.py
 compares with upstream itself where it is installed.
 """
 

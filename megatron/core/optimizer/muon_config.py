@@ -45,7 +45,7 @@ DEFAULT_EXTRA_SCALE_FACTOR = 1.0
 # What upstream 0.16.1 runs (TensorParallelMuon's coefficient_type, not a config field there).
 DEFAULT_COEFFICIENTS: CoefficientType = "quintic"
 # Ours: off unless asked for. On 0.19.2 optimizer='muon' is upstream's (emerging_optimizers)
-# unless muon_impl='megatron_muon' (patch 0.19.2/0001); 0.16.1 has no such field.
+# unless muon_impl='megatron_muon' (patch 0001); 0.16.1 has no such field.
 DEFAULT_MUON_IMPL: MuonImpl = "emerging"
 DEFAULT_MATCHED_ADAMW_RMS: Optional[float] = None
 DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
