@@ -1,9 +1,12 @@
 """The device check: what CPU CI cannot show, run on one lent GPU in a few minutes.
 
-On the device machine (no network: nothing is pip-installed; its python3 has torch), with the
-upstream archive carried in ``.cache/upstream``:
+On the device machine (Python 3.12 with torch; no network), with the upstream archive carried in
+``.cache/upstream`` and the pinned wheels torch's image lacks in ``.cache/wheels``
+(``pip download -d .cache/wheels emerging-optimizers==0.3.0 absl-py==2.5.1 psutil==7.2.2
+--no-deps``):
 
-    python3 tools/fork.py assemble && PYTHONPATH=build/fork python3 tools/gpu_check.py
+    python3 -m pip install --no-index --no-deps .cache/wheels/*.whl && \
+        python3 tools/fork.py assemble && PYTHONPATH=build/fork python3 tools/gpu_check.py
 
 ``--device cpu`` runs the same checks here (CPU mode, gloo) to test the script itself.
 Prints one line per check and exits non-zero if any fails.
@@ -46,11 +49,12 @@ def check_ns_speed(device: str) -> str:
 
     from megatron.core.optimizer.newton_schulz import newton_schulz
 
-    x = torch.randn(4096, 4096, device=device)
+    n = 4096 if device == "cuda" else 512  # ``--device cpu`` tests the script, quickly
+    x = torch.randn(n, n, device=device)
     coeffs = (3.4445, -4.7750, 2.0315)
     ours = _time(lambda: newton_schulz(x, precision="medium"), device)
     theirs = _time(lambda: _muon._zeropower_via_newtonschulz(x, coeffs, 5, 1e-7), device)
-    return f"NS 4096x4096 bf16: ours {ours * 1e3:.2f} ms, torch.optim.Muon {theirs * 1e3:.2f} ms"
+    return f"NS {n}x{n} bf16: ours {ours * 1e3:.2f} ms, torch.optim.Muon {theirs * 1e3:.2f} ms"
 
 
 def check_packed_gram(device: str) -> str:
@@ -110,7 +114,10 @@ def _time(fn, device: str, repeats: int = 10) -> float:
 
 
 def _train(args: list, device: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "build", "fork"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.path.join(ROOT, "build", "fork"), env.get("PYTHONPATH")])
+    )
     if device == "cpu":
         env["MEGATRON_CPU_MODE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
@@ -126,47 +133,34 @@ def _train(args: list, device: str) -> dict:
     return {int(i): float(v) for i, v in _LOSS.findall(proc.stdout)}
 
 
+# A small GPT on upstream's loop; --transformer-impl local: the image may lack Transformer Engine
+TINY_GPT = (
+    "--mock-data --vocab-size 1024 --tokenizer-type NullTokenizer --transformer-impl local"
+    " --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256"
+    " --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 16 --lr 3e-3"
+    " --bf16 --log-interval 1 --eval-iters 0 --eval-interval 1000 --train-iters 20"
+).split()
+# Muon + DistOpt, ours and upstream's (its LayerWise optimizer)
+SETUPS = {
+    "ours": ["--optimizer", "muon", "--muon-impl", "megatron_muon", "--use-distributed-optimizer"],
+    "layerwise": ["--optimizer", "muon", "--use-distributed-optimizer"],
+}
+
+
 def check_training_resume(device: str) -> str:
-    """pretrain_gpt.py: Muon + DistOpt + bf16 on nccl; the loss falls; a resume is exact."""
-    save = tempfile.mkdtemp()
-    common = [
-        "--mock-data",
-        "--vocab-size",
-        "1024",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "256",
-        "--num-attention-heads",
-        "8",
-        "--seq-length",
-        "256",
-        "--micro-batch-size",
-        "4",
-        "--global-batch-size",
-        "16",
-        "--lr",
-        "3e-3",
-        "--optimizer",
-        "muon",
-        "--use-distributed-optimizer",
-        "--bf16",
-        "--log-interval",
-        "1",
-        "--eval-iters",
-        "0",
-        "--train-iters",
-        "20",
-    ]
-    full = _train(common + ["--save", save, "--save-interval", "10"], device)
-    assert full[20] < full[1], f"loss did not fall: {full[1]} -> {full[20]}"
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("10")  # resume from the middle checkpoint
-    resumed = _train(common + ["--load", save], device)
-    assert all(resumed[i] == full[i] for i in range(11, 21)), (full, resumed)
-    return f"pretrain_gpt.py on {device}: loss {full[1]:.3f} -> {full[20]:.3f}; resume exact"
+    """pretrain_gpt.py on upstream's loop, bf16, nccl: ours and LayerWise Muon + DistOpt; the
+    loss falls; a resume from the middle checkpoint repeats the uninterrupted losses exactly."""
+    lines = []
+    for name, flags in SETUPS.items():
+        save = tempfile.mkdtemp()
+        full = _train(TINY_GPT + flags + ["--save", save, "--save-interval", "10"], device)
+        assert full[20] < full[1], f"{name}: loss did not fall: {full[1]} -> {full[20]}"
+        with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("10")  # resume from the middle checkpoint
+        resumed = _train(TINY_GPT + flags + ["--load", save], device)
+        assert all(resumed[i] == full[i] for i in range(11, 21)), (name, full, resumed)
+        lines.append(f"{name} loss {full[1]:.3f} -> {full[20]:.3f}, resume exact")
+    return f"pretrain_gpt.py on {device}: " + "; ".join(lines)
 
 
 def main() -> int:
