@@ -42,7 +42,8 @@ BASES = {
         ROOT / "patches" / "0.19.2",
         ROOT / "build" / "fork-0.19.2",
         # upstream's megatron/training stays; of ours pretrain_gpt.py's entry on its loop, the
-        # flags of our Muon (muon_args.py, called by patches 0030 and 0031) and the seed's recipe
+        # flags of our Muon (muon_args.py, called by patches 0030 and 0031), the seed's recipe
+        # and the built-in corpora (examples/cpu_quickstart.sh, bench/convergence.py)
         (
             "megatron/core",
             "megatron/training/cpu_mode.py",
@@ -51,6 +52,8 @@ BASES = {
             "megatron/training/muon_args.py",
             "megatron/training/checkpoint_origin.py",  # called by patch 0051
             "megatron/training/muon_recipe.py",
+            "megatron/training/corpus.py",
+            "megatron/training/shakespeare.py",
         ),
     ),
 }
