@@ -54,7 +54,7 @@ def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
     assert sha == "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
     assert (series, tree) == (ROOT / "patches/0.19.2", ROOT / "build/fork-0.19.2")
     # upstream's megatron/training is kept; of ours only pretrain_gpt.py's entry on its loop,
-    # our Muon's flags and the seed's recipe
+    # our Muon's flags, the seed's recipe and the built-in corpora
     assert overlay == (
         "megatron/core",
         "megatron/training/cpu_mode.py",
@@ -63,6 +63,8 @@ def test_default_base_is_0161_and_the_next_is_selected_by_env(fork):
         "megatron/training/muon_args.py",
         "megatron/training/checkpoint_origin.py",
         "megatron/training/muon_recipe.py",
+        "megatron/training/corpus.py",
+        "megatron/training/shakespeare.py",
     )
 
 
