@@ -22,8 +22,8 @@ install:
 fork: install  # after editing patches/ or adding a file under megatron/
 	@$(ENV) $(PY) tools/fork.py assemble
 
-demo: install
-	@bash examples/cpu_quickstart.sh
+demo: install  # upstream's loop: needs base 0.19.2 (`make demo BASE=0.19.2` while it is staged)
+	@PYTHON=$(PY) bash examples/cpu_quickstart.sh
 
 test: install  # base 0.16.1's suite, then the staged 0.19.2's (test-next)
 	@MEGATRON_MUON_BASE=0.19.2 $(PY) tools/fork.py fetch  # for test_fork_build (2 MB, hashed)
