@@ -1,12 +1,20 @@
 """Pretrain a GPT with megatron-core: Megatron-LM's pretrain_gpt.py, with Muon as an optimizer.
 
-Launch (4 CPU ranks, TP=2 x DP=2, Muon, DistributedOptimizer, the built-in stdlib corpus):
-    .venv/bin/torchrun --nproc-per-node 4 --standalone pretrain_gpt.py \
-        --tensor-model-parallel-size 2 --use-distributed-optimizer --optimizer muon \
-        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
-        --micro-batch-size 4 --global-batch-size 16 --train-iters 50 --lr 3e-3 \
-        --data-path $(.venv/bin/python -m megatron.training.corpus) --split 98,2,0 \
-        --num-workers 0 --tokenizer-type ByteLevelTokenizer --save /tmp/ckpt --log-interval 5
+Launch (4 CPU ranks, TP=2 x DP=2, our Muon with the seed's recipe, DistributedOptimizer, the
+built-in stdlib corpus; on upstream's loop, base megatron-core 0.19.2; examples/cpu_quickstart.sh
+is the same, larger):
+    CUDA_DEVICE_MAX_CONNECTIONS=1 .venv/bin/torchrun --nproc-per-node 4 --standalone \
+        pretrain_gpt.py --tensor-model-parallel-size 2 --use-distributed-optimizer \
+        --optimizer muon --muon-impl megatron_muon --muon-matched-adamw-rms 0.2 \
+        --muon-nesterov --muon-momentum 0.95 --muon-coefficient-type simple \
+        --muon-tp-mode duplicated --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
+        --seq-length 64 --max-position-embeddings 64 --micro-batch-size 4 \
+        --global-batch-size 16 --train-iters 50 --lr 3e-3 \
+        --data-path $(.venv/bin/python -P -m megatron.training.corpus) --split 98,2,0 \
+        --tokenizer-type NullTokenizer --vocab-size 257 --log-interval 5 --eval-interval 25 \
+        --eval-iters 4 \
+        --save /tmp/ckpt --save-interval 50 --distributed-backend gloo --transformer-impl local \
+        --no-persist-layer-norm --no-gradient-accumulation-fusion --no-rope-fusion
 
 Flags follow Megatron-LM (``--help`` lists them with their defaults); a bad flag exits 2 with a
 message naming it, a checkpoint that does not fit exits 1; the rerun state machine exits 16
