@@ -357,6 +357,14 @@ TRAINING_0_19_2 = [
             "0061-training-clip-qk-optimizer.patch",
         ],
     ),
+    (
+        "training: --full-validation with one validation set no longer raises",
+        "evaluate_and_print_results built the tensor of eval iterations it broadcasts from\n"
+        "args.eval_iters, an int with one validation set: a 0-d tensor whose tolist() is an int,\n"
+        "so eval_iters[0] raised TypeError at the first evaluation. The list it made is used.",
+        [],
+        ["0062-training-full-validation-one-set.patch"],
+    ),
 ]
 
 SERIES = {"0.16.1": CORE_0_16_1, "0.19.2": CORE_0_19_2 + TRAINING_0_19_2}
