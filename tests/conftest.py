@@ -44,7 +44,8 @@ CORE = ("distributed/*", "unit_tests/*") + tuple(
         "ns_upstream_reference",
     )
 )
-# What users run first, ported from our loop to upstream's (0.19.2 only; on 0.16.1 they skip):
+# What users run first, ported from our loop to upstream's (on 0.16.1 what needs upstream's
+# loop or tokenizer skips, UPSTREAM_LOOP_ONLY):
 # the examples' command lines, the built-in corpus read by megatron-core's datasets, the
 # convergence benchmark's flags and log reading
 UPSTREAM_LOOP = tuple(
