@@ -15,7 +15,7 @@ fork: install  # after editing patches/ or adding a file under megatron/
 	@$(PY) tools/fork.py assemble
 
 demo: install
-	@bash examples/cpu_quickstart.sh
+	@PYTHON=$(PY) bash examples/cpu_quickstart.sh
 
 test: install
 	@$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -3,8 +3,11 @@
     .venv/bin/python bench/convergence.py            # full study (~1 h on 2 busy cores)
     .venv/bin/python bench/convergence.py --quick    # tiny model, few steps, one lr, one seed
 
-Every run is ``pretrain_gpt.py`` (the real training stack: GPTModel, DDP, Megatron's optimizer
-and lr schedule), one process, ``--jobs`` runs at a time. Two corpora, byte-level:
+Every run is ``pretrain_gpt.py`` on Megatron-LM's own training loop (upstream's ``pretrain()``,
+base megatron-core 0.19.2: GPTModel, DDP, Megatron's optimizer and lr schedule), one process (a
+gloo CPU rank where CUDA is absent), ``--jobs`` runs at a time; its console lines are read
+(``VALID``, ``TIMED``, ``PARAMS``). Two corpora, byte-level (upstream's NullTokenizer with
+``--vocab-size 257``: bytes 0..255, eod 256):
 - ``stdlib``: training = the built-in corpus (megatron/training/corpus.py: the Python stdlib's
   own sources, machine-made files left out, seeded order, 4 MiB); validation = stdlib files the
   corpus does NOT contain (the next ones in its seeded order, ~48 kB): held-out code.
@@ -14,8 +17,9 @@ Validation is ``--full-validation``: every evaluation reads the same whole valid
 
 Both optimizers: the same tokens in the same order per seed (``--seed`` sets init and data
 order), batch, warmup, cosine decay to lr/10, weight decay 0.1, clip 1.0, Adam beta2 0.95 (the
-Adam part of Muon too). Muon's recipe is passed explicitly (``MUON_RECIPE``: matched-AdamW RMS
-0.2, Nesterov, the "simple" quintic coefficients), so one lr grid serves both.
+Adam part of Muon too). Muon is ours (``--muon-impl megatron_muon``) with the seed's recipe passed
+explicitly (``MUON_RECIPE``, megatron/training/muon_recipe.py: matched-AdamW RMS 0.2, Nesterov,
+momentum 0.95, the "simple" quintic coefficients), so one lr grid serves both.
 
 Protocol, per corpus:
 1. lr sweep at the first seed; a grid whose best lr is at an edge grows by the next lr on the
@@ -46,14 +50,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Upstream's console (megatron/training/training.py): the evaluations in the loop (not the one
+# after it, "... at iteration N on validation set | ...": the same split again), each logged
+# iteration's average time over its interval, the parameters of the (only) model-parallel rank
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
 TIMED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-PARAMS = re.compile(r"number of parameters: (\d+)")
+PARAMS = re.compile(
+    r"number of parameters on \([a-z_, ]+\) model parallel rank \([0-9, ]+\): (\d+)"
+)
 
 FULL = dict(layers=4, hidden=128, heads=4, groups=2, ffn=384, seq=64, gbs=16, iters=240)
-FULL.update(eval_interval=40, log_interval=10, heldout_bytes=48 * 1024)
+# heldout_bytes: Python 3.12's first held-out files are http/client.py (57 kB), then 21, 3 and
+# 9 kB ones (3.11's fit 48 and 16 kB): 96 kB holds those four, 64 kB the first
+FULL.update(eval_interval=40, log_interval=10, heldout_bytes=96 * 1024)
 QUICK = dict(layers=2, hidden=64, heads=4, groups=2, ffn=192, seq=64, gbs=8, iters=40)
-QUICK.update(eval_interval=20, log_interval=10, heldout_bytes=16 * 1024)
+QUICK.update(eval_interval=20, log_interval=10, heldout_bytes=64 * 1024)
 LADDER = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 FULL_LRS = {"adam": [1e-3, 3e-3, 1e-2], "muon": [3e-3, 1e-2, 3e-2]}
 QUICK_LRS = {"adam": [3e-3], "muon": [1e-2]}
@@ -61,7 +72,18 @@ SEEDS = [1234, 1235, 1236]
 MATCHED = (0.45, 0.65)  # Muon's shorter schedules, as fractions of AdamW's steps
 QUICK_MATCHED = (0.5,)
 MAX_EXTEND = 2
-MUON_RECIPE = "--muon-matched-adamw-rms 0.2 --muon-use-nesterov --muon-coefficient-type simple"
+# our Muon and muon_recipe.SEED_RECIPE_FLAGS (a test keeps them equal; not imported: the bench
+# process stays light)
+MUON_RECIPE = (
+    "--muon-impl megatron_muon --muon-matched-adamw-rms 0.2 --muon-nesterov --muon-momentum 0.95"
+    " --muon-coefficient-type simple --muon-tp-mode duplicated"
+)
+# A CPU rank (gloo) takes torch layers (no TE/Apex) and the fusions without a torch fallback off;
+# on GPUs the same flags run (nccl)
+CPU_FLAGS = (
+    "--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion"
+    " --no-rope-fusion"
+)
 NS_STEPS = 5  # Newton-Schulz iterations per Muon step (the default --muon-num-ns-steps)
 ADAM_FLOPS_PER_PARAM = 12  # moments, bias correction, sqrt, divide, decay: elementwise
 BYTE_VOCAB_PADDED = 384  # 257 byte-level ids padded to a multiple of 128, as Megatron pads
@@ -88,7 +110,7 @@ def train_args(size, run, data) -> list[str]:
         --micro-batch-size {size["gbs"]} --global-batch-size {size["gbs"]}
         --train-iters {iters} --eval-interval {evals} --full-validation
         --log-interval {size["log_interval"]} --data-path {prefix} --split {split}
-        --tokenizer-type ByteLevelTokenizer --num-workers 0
+        --tokenizer-type NullTokenizer --vocab-size 257 {CPU_FLAGS}
     """
     return flags.split() + (MUON_RECIPE.split() if opt == "muon" else [])
 
@@ -106,10 +128,9 @@ def free_port() -> int:
 def run_one(size, run, data, log_dir) -> dict:
     """{"valid": [(iteration, loss)], "seconds": [(iteration, cumulative train s)], "params"};
     raises with the log tail on failure. The log is kept under ``log_dir``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
-    env["PYTHONWARNINGS"] = "ignore"
-    env.pop("RANK", None)
-    cmd = [sys.executable, "pretrain_gpt.py", *train_args(size, run, data)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.update(launch_env())
+    cmd = [sys.executable, "pretrain_gpt.py", *backend(), *train_args(size, run, data)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     result = parse_log(proc.stdout, run) if proc.returncode == 0 else None
     if log_dir and result:  # only finished runs: --reuse takes them as done
@@ -119,6 +140,24 @@ def run_one(size, run, data, log_dir) -> dict:
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"{run} failed (exit {proc.returncode}):\n{tail}")
     return result
+
+
+def launch_env() -> dict:
+    """One process as rank 0 of 1 (what torchrun would tell it), on a free port."""
+    return dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+
+
+def backend() -> list[str]:
+    """Gloo where CUDA is absent (the run's rank is a CPU one there), else upstream's nccl."""
+    import torch
+
+    return [] if torch.cuda.is_available() else ["--distributed-backend", "gloo"]
 
 
 def log_name(run) -> str:
@@ -143,7 +182,7 @@ def from_logs(log_dir: str, size: dict, datas: dict, runs) -> dict:
             continue
         with open(path) as f:
             first, text = f.readline().strip(), f.read()
-        if first.endswith(" ".join(["pretrain_gpt.py", *train_args(size, run, datas[run[0]])])):
+        if first.endswith(" ".join(train_args(size, run, datas[run[0]]))):
             result = parse_log(text, run)
             if result:
                 found[run] = result
@@ -559,6 +598,12 @@ def corpora(size, names) -> dict:
     if "stdlib" in names:
         train = [d["text"] for d in stdlib.stdlib_documents()]
         held = [d["text"] for d in stdlib.heldout_documents(size["heldout_bytes"])]
+        if not held:  # upstream's loop would fail with a bare TypeError on the empty split
+            first = stdlib.heldout_documents(10**15)[0]
+            raise SystemExit(
+                f"heldout_bytes {size['heldout_bytes']} holds no held-out document: the first, "
+                f"{first['path']}, has {len(first['text'].encode('utf-8'))} bytes"
+            )
         tag = f"bench-stdlib-v{stdlib.RULE_VERSION}-heldout{size['heldout_bytes']}"
         prefix = os.path.join(stdlib.corpus_dir(), tag, "stdlib_heldout_text_document")
         stdlib.build_indexed_once(prefix, lambda: iter(train + held))

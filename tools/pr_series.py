@@ -238,6 +238,14 @@ SERIES = [
             "0061-training-clip-qk-optimizer.patch",
         ],
     ),
+    (
+        "training: --full-validation with one validation set no longer raises",
+        "evaluate_and_print_results built the tensor of eval iterations it broadcasts from\n"
+        "args.eval_iters, an int with one validation set: a 0-d tensor whose tolist() is an int,\n"
+        "so eval_iters[0] raised TypeError at the first evaluation. The list it made is used.",
+        [],
+        ["0062-training-full-validation-one-set.patch"],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)

@@ -74,7 +74,7 @@ def run(tree: Path, ranks: int, extra: list) -> dict:
     env.setdefault("NVIDIA_PYTORCH_VERSION", NGC_VERSION)
     env["MEGATRON_UPSTREAM_TESTS_REPORT"] = str(report)
     env["MEGATRON_UPSTREAM_TESTS_TMP"] = str(tree / "tmp")
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
     cmd += ["--standalone", "--log-dir", str(tree / "logs"), "--redirects", "3"]
     files = [a for a in extra if a.startswith("tests/")] or list(FILES)  # a subset if given
     extra = [a for a in extra if not a.startswith("tests/")]

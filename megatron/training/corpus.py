@@ -47,7 +47,9 @@ _GENERATED = re.compile(
 MAX_LINE = 500  # characters: data blobs, not code
 MIN_DISTINCT = 0.5  # share of distinct non-blank lines below which a file is a table
 
-BYTE_EOD = 256  # ByteLevelTokenizer's eod: ids 0..255 are the UTF-8 bytes.
+# The eod after each document; ids 0..255 are the UTF-8 bytes. Upstream's NullTokenizer with
+# --vocab-size 257 reads them as they are (its eod is vocab_size - 1 = 256).
+BYTE_EOD = 256
 
 
 def stdlib_files() -> list[tuple[str, str]]:
@@ -128,7 +130,7 @@ def heldout_documents(
 
 
 def split_ranges(split: str, n_docs: int) -> list[tuple[int, int]]:
-    """[(begin, end)] document ranges of train/valid/test as megatron-core 0.16.1 cuts ``--split``
+    """[(begin, end)] document ranges of train/valid/test as megatron-core cuts ``--split``
     (normalized weights, cumulative bounds rounded to whole documents)."""
     weights = [float(w) for w in split.replace("/", ",").split(",")]
     weights += [0.0] * (3 - len(weights))
@@ -166,7 +168,7 @@ def near_copy_report(texts: list[str], split: str = DEFAULT_SPLIT) -> dict:
 def write_corpus_jsonl(
     path: str, max_bytes: int = DEFAULT_MAX_BYTES, seed: int = DEFAULT_SEED
 ) -> int:
-    """Write the corpus as jsonl (the input of tools/preprocess_data.py); returns documents."""
+    """Write the corpus as jsonl (one ``{"path", "text"}`` per line); returns documents."""
     count = 0
     with open(path, "w", encoding="utf-8") as f:
         for doc in stdlib_documents(max_bytes, seed):
@@ -187,8 +189,8 @@ def build_corpus(
     cache_dir: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, seed: int = DEFAULT_SEED
 ) -> str:
     """Build (once) the byte-level indexed dataset of the stdlib corpus and return its prefix,
-    the same files ``preprocess_data.py --tokenizer-type ByteLevelTokenizer --append-eod`` writes
-    from ``write_corpus_jsonl``'s output."""
+    the ids upstream's NullTokenizer (``--vocab-size 257``) reads from ``write_corpus_jsonl``'s
+    texts as bytes, its eod after each document (tests/unit/test_corpus.py)."""
     if next(stdlib_documents(max_bytes, seed), None) is None:
         first = next(stdlib_documents(10**15, seed))
         raise ValueError(

@@ -1,12 +1,15 @@
 """bench/convergence.py's arithmetic: reaching a target loss, the schedule-matched figure, the lr
-grid extension, and the counted parameters against a real run of the flags it passes."""
+grid extension, and the counted parameters against a real run of the flags it passes, on
+upstream's loop (base 0.19.2), read with the bench's own regexes of upstream's console.
+
+Negative control (checked by hand): the old PARAMS regex (our loop's "number of parameters: N")
+finds nothing in upstream's console and test_counted_params_match_a_real_run fails."""
 
 import os
-import re
-import subprocess
 import sys
 
 import pytest
+from bases import UPSTREAM_LOOP_ONLY
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
@@ -48,27 +51,41 @@ def test_flops_count_newton_schulz_per_matrix():
     assert adam["optimizer"] == 12 * p["total"]
 
 
-def test_counted_params_match_a_real_run(tmp_path):
-    """The count the FLOPs come from is the model the study's flags build (printed by
-    pretrain_gpt.py); a few steps on mock data."""
-    size = dict(convergence.QUICK)
-    run = ("x", "muon", 1e-2, 1234, 4)  # 4 steps: more than the warmup
-    args = convergence.train_args(size, run, ("unused", "98,2,0"))
-    drop = {"--data-path", "--split", "--full-validation"}
-    keep, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a in drop:
-            skip = a != "--full-validation"
-            continue
-        keep.append(a)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "pretrain_gpt.py", *keep, "--mock-data", "--eval-iters", "0"]
-    proc = subprocess.run(
-        cmd, cwd=convergence.ROOT, env=env, capture_output=True, text=True, timeout=300
+@UPSTREAM_LOOP_ONLY
+def test_muon_recipe_is_the_seeds():
+    """The bench runs our Muon with muon_recipe's flags, spelled out in MUON_RECIPE."""
+    from megatron.training.muon_recipe import SEED_RECIPE_FLAGS
+
+    assert convergence.MUON_RECIPE.split() == SEED_RECIPE_FLAGS
+
+
+def test_log_regexes_read_upstreams_console():
+    """Lines as upstream 0.19.2's training.py prints them (copied from a run)."""
+    log = (
+        " [2026-12-02 09:33:10.349287] iteration       50/     150 | consumed samples:"
+        "         1600 | elapsed time per iteration (ms): 487.2 | learning rate: 2.491711E-03 |"
+        " global batch size:    32 | lm loss: 2.430138E+00 | loss scale: 1.0 |\n"
+        " validation loss at iteration 50 | lm loss value: 2.363831E+00 | lm loss PPL: 1.06E+01 |"
+        "\n validation loss at iteration 150 on validation set | lm loss value: 2.05E+00 |\n"
+        " > number of parameters on (tensor, gtp_weight_remat, pipeline) model parallel rank"
+        " (0, 0, 0): 443520\n"
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    printed = int(re.search(r"number of parameters: (\d+)", proc.stdout)[1])
-    assert printed == convergence.model_params(size)["total"]
+    assert convergence.VALID.findall(log) == [("50", "2.363831E+00")]  # not the one after
+    assert convergence.TIMED.findall(log) == [("50", "487.2")]
+    assert convergence.PARAMS.search(log)[1] == "443520"
+
+
+@UPSTREAM_LOOP_ONLY
+@pytest.mark.timeout(600)
+def test_counted_params_match_a_real_run():
+    """The count the FLOPs come from is the model the study's flags build: a short Muon run of
+    the quick study's model on its data, launched and read by run_one (pretrain_gpt.py on
+    upstream's loop, --full-validation on the held-out split at the last step: patch 0062),
+    prints that many parameters. Without patch 0062 the run exits 1 (TypeError at the first
+    evaluation); with our loop's console regexes parse_log finds nothing."""
+    size = dict(convergence.QUICK)
+    data = convergence.corpora(size, ["stdlib"])["stdlib"]  # built once under ~/.cache
+    run = ("stdlib", "muon", 1e-2, 1234, 4)  # 4 steps: more than the warmup, then evaluated
+    result = convergence.run_one(size, run, data, None)
+    assert result["params"] == convergence.model_params(size)["total"]
+    assert [it for it, _ in result["valid"]] == [4]
