@@ -110,14 +110,6 @@ SERIES = [
         ["0015-local-norm-zero-centered-gamma.patch"],
     ),
     (
-        "jit: torch.compile a fusion on its first call",
-        "jit_fuser defers torch.compile to the first call: what is compiled, and when, is\n"
-        "unchanged, but importing megatron.core no longer imports torch._inductor (~2.5 s of CPU\n"
-        "per process, for fusions a run may never call).",
-        ["megatron/core/lazy_compile.py"],
-        ["0020-jit-compile-on-first-call.patch"],
-    ),
-    (
         "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
         "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
         "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"

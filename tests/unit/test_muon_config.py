@@ -14,20 +14,22 @@ from megatron.core.optimizer import OptimizerConfig, muon_config, muon_optimizer
 from megatron.core.optimizer.muon_config import validate_muon_config
 from megatron.core.optimizer.muon_megatron import check_muon_supported
 
-# upstream 0.16.1's OptimizerConfig, read from the pinned archive (tests/unit/test_fork_build.py
+# upstream 0.19.2's OptimizerConfig, read from the pinned archive (tests/unit/test_fork_build.py
 # checks its hash): every field it defines keeps its default
 UPSTREAM_DEFAULTS = {
     "muon_momentum": 0.95,
     "muon_split_qkv": True,
-    "muon_use_nesterov": False,
+    "muon_nesterov": False,
     "muon_scale_mode": "spectral",
     "muon_fp32_matmul_prec": "medium",
+    "muon_coefficient_type": "quintic",
     "muon_num_ns_steps": 5,
     "muon_tp_mode": "blockwise",
     "muon_extra_scale_factor": 1.0,
+    "muon_scalar_optimizer": "adam",
 }
 OURS_OFF = {
-    "muon_coefficient_type": "quintic",  # what upstream 0.16.1 runs (TensorParallelMuon's default)
+    "muon_impl": "emerging",  # optimizer='muon' builds upstream's emerging_optimizers Muon
     "muon_matched_adamw_rms": None,
     "muon_distopt_exchange_dtype": "fp32",
     "muon_plan_tflops": None,  # None: the planner's built-in (H100-class) machine
@@ -70,7 +72,7 @@ def test_one_home_muon_and_newton_schulz_take_the_config_defaults():
     sig = inspect.signature(muon_optimizer.Muon).parameters
     config = OptimizerConfig()
     assert sig["momentum"].default == config.muon_momentum == muon_config.DEFAULT_MOMENTUM
-    assert sig["nesterov"].default is config.muon_use_nesterov is False
+    assert sig["nesterov"].default is config.muon_nesterov is False
     assert sig["ns_steps"].default == config.muon_num_ns_steps
     assert sig["ns_coefficients"].default == config.muon_coefficient_type
     assert sig["ns_precision"].default == config.muon_fp32_matmul_prec
@@ -88,8 +90,11 @@ def test_one_home_muon_and_newton_schulz_take_the_config_defaults():
 
 def test_muon_checks_do_not_run_for_other_optimizers():
     # an Adam user's config is not Muon's business (no Muon validation in __post_init__)
-    config = OptimizerConfig(optimizer="adam", muon_tp_mode="rowwise")
+    # nor is upstream's emerging_optimizers Muon (optimizer='muon', muon_impl='emerging'): only
+    # ours (muon_impl='megatron_muon') is checked here
+    config = OptimizerConfig(optimizer="adam", muon_tp_mode="rowwise", muon_impl="megatron_muon")
     check_muon_supported(config, [])  # returns: only optimizer='muon' is checked
+    check_muon_supported(dataclasses.replace(config, optimizer="muon", muon_impl="emerging"), [])
     with pytest.raises(ValueError, match="muon_tp_mode"):
         check_muon_supported(dataclasses.replace(config, optimizer="muon"), [])
 
@@ -116,7 +121,8 @@ BAD = [
     (dict(muon_num_ns_steps=2.5), ["muon_num_ns_steps", "int"]),
     (dict(muon_extra_scale_factor=0.0, muon_matched_adamw_rms=None), ["muon_extra_scale_factor"]),
     (dict(muon_matched_adamw_rms=-1.0), ["muon_matched_adamw_rms", "None or a float > 0"]),
-    (dict(muon_use_nesterov="yes"), ["muon_use_nesterov", "bool"]),
+    (dict(muon_nesterov="yes"), ["muon_nesterov", "bool"]),
+    (dict(muon_impl="mine"), ["muon_impl", "'mine'", "megatron_muon"]),
     (dict(muon_split_qkv=1), ["muon_split_qkv", "bool"]),
     (dict(muon_plan_tflops=0.0), ["muon_plan_tflops", "a number in (0, 1e+06]"]),
     (dict(muon_plan_tflops=math.inf), ["muon_plan_tflops", "(0, 1e+06]"]),

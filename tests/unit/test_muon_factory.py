@@ -32,6 +32,8 @@ from megatron.core.optimizer.muon_megatron import MegatronMuon
 from megatron.training.muon_recipe import SEED_RECIPE
 
 ROOT = Path(__file__).resolve().parents[2]
+# our Muon: optimizer='muon' alone builds upstream's emerging_optimizers Muon on 0.19.2
+OURS = dict(optimizer="muon", muon_impl="megatron_muon")
 sys.path.insert(0, str(ROOT / "tools"))
 import fork  # noqa: E402
 
@@ -43,7 +45,7 @@ def _names(model):
 def selection_run(dtype, tie):
     spec = TinyGPT(dtype=dtype, num_layers=2, tie_embeddings=tie)
     model = build_model(spec)
-    optimizer = build_optimizer(spec, model, optimizer="muon")
+    optimizer = build_optimizer(spec, model, **OURS)
     inner = optimizer.chained_optimizers[0]
     muon = inner.optimizer
     # the wrapper swaps bf16 params for fp32 main params: map back by position
@@ -116,7 +118,7 @@ def overrides_run():
         ParamKey(name="*linear_fc2.weight"): {"wd_mult": 0.5},
         ParamKey(attr="is_embedding_or_output_parameter"): {"max_lr": 3e-3},
     }
-    config = OptimizerConfig(optimizer="muon", lr=1e-2, min_lr=1e-2, weight_decay=0.1)
+    config = OptimizerConfig(**OURS, lr=1e-2, min_lr=1e-2, weight_decay=0.1)
     optimizer = get_megatron_muon_optimizer(config, model, config_overrides=overrides)
     sched = OptimizerParamScheduler(
         optimizer,
@@ -142,7 +144,7 @@ def overrides_run():
 
 def test_param_group_machinery_wd_mult_and_lr_overrides():
     out = run_distributed(overrides_run, 1)[0]
-    # (0.16.1's scheduler applies wd_mult; lr overrides come as max_lr/min_lr)
+    # (the scheduler applies wd_mult; lr overrides come as max_lr/min_lr)
     assert out["decoder.layers.0.mlp.linear_fc2.weight"] == (True, 1e-2, 0.05)  # wd_mult 0.5
     assert out["decoder.layers.0.mlp.linear_fc1.weight"] == (True, 1e-2, 0.1)
     assert out["embedding.word_embeddings.weight"] == (False, 3e-3, 0.1)  # its own max_lr
@@ -152,7 +154,7 @@ def test_param_group_machinery_wd_mult_and_lr_overrides():
 def error_run(case):
     spec = TinyGPT(num_layers=1)
     model = build_model(spec)
-    return build_optimizer(spec, model, optimizer="muon", decoupled_weight_decay=False)
+    return build_optimizer(spec, model, **OURS, decoupled_weight_decay=False)
 
 
 # (use_distributed_optimizer with Muon raised here until the DistOpt integration, which owns it)
@@ -172,6 +174,7 @@ def layer_wise_run(distopt: bool, upstream_entry: bool):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if upstream_entry:  # upstream's callers pass optimizer='adam' or 'dist_muon'
+            # (LAYER_WISE has muon_impl='megatron_muon': our Muon, whatever optimizer names)
             config = OptimizerConfig(optimizer="adam", **LAYER_WISE)
             optimizer = get_megatron_muon_optimizer(
                 config, model, layer_wise_distributed_optimizer=True
@@ -218,41 +221,58 @@ def test_unsupported_combinations_raise_value_error(case):
         run_distributed(error_run, 1, args=(case,))
 
 
-def grouped_mlp_run():
-    """A MoE GPT whose experts are the legacy GroupedMLP (built here without the grouped_gemm
-    package, which only its forward needs), given to Muon."""
-    from megatron.core.transformer.moe import experts
-
-    experts.gg.assert_grouped_gemm_is_available = lambda: None
-    spec = TinyGPT(num_layers=1, num_moe_experts=4, moe_grouped_gemm=True)
+def grouped_weight_run():
+    """A MoE GPT (SequentialMLP experts) whose config says its experts' weights are one grouped
+    param (``moe_single_grouped_weight``, set after build: it needs Transformer Engine >= 2.14),
+    given to our Muon."""
+    spec = TinyGPT(num_layers=1, num_moe_experts=4)
     model = build_model(spec)
-    assert any(isinstance(m, experts.GroupedMLP) for m in model[0].modules())
-    build_optimizer(spec, model, optimizer="muon")
+    model[0].config.moe_single_grouped_weight = True
+    build_optimizer(spec, model, **OURS)
 
 
-def test_legacy_grouped_mlp_is_refused():
-    """Each expert is its own Muon matrix, as one-process Muon over SequentialMLP has it; the
-    GroupedMLP matrix mixes the local experts (and their number depends on EP)."""
-    with pytest.raises(RankFailure, match=r"ValueError: .*GroupedMLP.*moe_grouped_gemm"):
-        run_distributed(grouped_mlp_run, 1)
+def test_experts_in_one_param_are_refused():
+    """Each expert is its own Muon matrix, as one-process Muon over SequentialMLP has it; a
+    single grouped weight mixes the local experts (and their number depends on EP). (0.16.1's
+    legacy GroupedMLP, refused the same way, is gone upstream since 0.17: TEGroupedMLP keeps one
+    param per expert unless moe_single_grouped_weight.) Breaking the check in
+    check_experts_apart builds the optimizer: no RankFailure, the test fails."""
+    with pytest.raises(RankFailure, match=r"ValueError: .*moe_single_grouped_weight=True"):
+        run_distributed(grouped_weight_run, 1)
+
+
+def _upstream_source(module: str) -> ast.Module:
+    name = f"megatron_core-{fork.UPSTREAM_VERSION}/megatron/core/optimizer/{module}"
+    with tarfile.open(fork.archive_path()) as tar:
+        return ast.parse(tar.extractfile(name).read())
+
+
+def _upstream_function(module: str, name: str) -> ast.FunctionDef:
+    return next(n for n in _upstream_source(module).body if getattr(n, "name", "") == name)
 
 
 def _upstream_signature():
-    name = f"megatron_core-{fork.UPSTREAM_VERSION}/megatron/core/optimizer/muon.py"
-    with tarfile.open(fork.archive_path()) as tar:
-        tree = ast.parse(tar.extractfile(name).read())
-    fn = next(n for n in tree.body if getattr(n, "name", "") == "get_megatron_muon_optimizer")
-    args = fn.args
+    """What upstream 0.19.2's shim ``get_megatron_muon_optimizer(*args, **kwargs)`` takes:
+    ``get_megatron_optimizer``'s parameters (it forwards them as given) and the keyword
+    ``layer_wise_distributed_optimizer`` (it pops that one)."""
+    shim = _upstream_function("muon.py", "get_megatron_muon_optimizer")
+    assert shim.args.vararg and shim.args.kwarg and not shim.args.args  # forwards everything
+    assert "kwargs.pop('layer_wise_distributed_optimizer', False)" in ast.unparse(shim)
+    args = _upstream_function("__init__.py", "get_megatron_optimizer").args
     defaults = [None] * (len(args.args) - len(args.defaults)) + args.defaults
-    return [
-        (a.arg, None if d is None else ast.literal_eval(d)) for a, d in zip(args.args, defaults)
+    forwarded = [
+        (a.arg, None if d is None else ast.literal_eval(d), "POSITIONAL_OR_KEYWORD")
+        for a, d in zip(args.args, defaults)
     ]
+    return forwarded + [("layer_wise_distributed_optimizer", False, "KEYWORD_ONLY")]
 
 
 def test_get_megatron_muon_optimizer_signature_matches_upstream():
+    """Positional calls bind as upstream's shim binds them (pg_collection 5th), and every
+    keyword it takes is taken, with its default."""
     ours = inspect.signature(get_megatron_muon_optimizer).parameters.values()
     empty = inspect.Parameter.empty
-    assert [(p.name, None if p.default is empty else p.default) for p in ours] == (
+    assert [(p.name, None if p.default is empty else p.default, p.kind.name) for p in ours] == (
         _upstream_signature()
     )
     from megatron.core.optimizer import muon
@@ -286,9 +306,9 @@ def _config_run():
     optimizer = build_optimizer(
         spec,
         model,
-        optimizer="muon",
+        **OURS,
         muon_momentum=0.9,
-        muon_use_nesterov=False,
+        muon_nesterov=False,
         muon_num_ns_steps=3,
         muon_coefficient_type="quintic",
         muon_fp32_matmul_prec="highest",

@@ -41,7 +41,7 @@ def learned_positions_run():
     ddp = DistributedDataParallel(
         config=config, ddp_config=DistributedDataParallelConfig(), module=model
     )
-    optimizer = build_optimizer(spec, [ddp], optimizer="muon")
+    optimizer = build_optimizer(spec, [ddp], optimizer="muon", muon_impl="megatron_muon")
     names = {id(p): n.removeprefix("module.") for n, p in ddp.named_parameters()}
     out = {}
     for group in optimizer.chained_optimizers[0].optimizer.param_groups:
@@ -62,9 +62,9 @@ def resumed_settings_run(distopt: bool):
     """Save a Muon optimizer built with one momentum / Newton-Schulz step count, load it into one
     built (as a resumed run with other flags builds it) with others: which values run on?"""
     spec = TinyGPT(num_layers=1)
-    saved_with = dict(muon_momentum=0.95, muon_num_ns_steps=5, muon_use_nesterov=False)
-    resumed_with = dict(muon_momentum=0.5, muon_num_ns_steps=3, muon_use_nesterov=True)
-    kwargs = dict(optimizer="muon", use_distributed_optimizer=distopt)
+    saved_with = dict(muon_momentum=0.95, muon_num_ns_steps=5, muon_nesterov=False)
+    resumed_with = dict(muon_momentum=0.5, muon_num_ns_steps=3, muon_nesterov=True)
+    kwargs = dict(optimizer="muon", muon_impl="megatron_muon", use_distributed_optimizer=distopt)
     model = build_model(spec, distopt=distopt)
     saved = build_optimizer(spec, model, **kwargs, **saved_with).state_dict()
     model = build_model(spec, distopt=distopt)
@@ -81,49 +81,61 @@ def test_resume_runs_the_command_lines_muon_settings_or_refuses(distopt):
 
 
 # ------------------------------------------------------------------ 3. weights-only loads, bf16
-def weights_only_load_run(distopt: bool, flag: str):
-    """Train a bf16 model, load its weights (only) into a fresh bf16 model + optimizer through
-    checkpointing._apply as --finetune / --no-load-optim do, take one step at lr 0: the weights
-    must stay the loaded ones. Returns the largest deviation from them."""
-    from types import SimpleNamespace
-
-    from megatron.training.training import TrainState
+def _upstream_weights_only_branch() -> str:
+    """The lines of upstream's ``load_checkpoint`` that a --finetune or --no-load-optim load
+    runs instead of loading the optimizer: what ``weights_only_load_run`` replays."""
+    import inspect
 
     from megatron.training import checkpointing
 
+    source = inspect.getsource(checkpointing.load_checkpoint)
+    guard = "if not release and (not args.finetune or gpt_compat_load_optim) and not args."
+    guard += "no_load_optim:"
+    assert guard in source, "upstream's optimizer-load guard changed: re-read load_checkpoint"
+    branch = source.split(guard, 1)[1].split("    else:\n", 1)[1].split("\n\n", 1)[0]
+    return branch
+
+
+def test_upstream_weights_only_loads_reload_the_main_params():
+    """What ``weights_only_load_run`` replays is what upstream's loop does: for --finetune and
+    --no-load-optim alike (the guard above), bf16/fp16 runs call reload_model_params()."""
+    branch = _upstream_weights_only_branch()
+    assert "if (args.fp16 or args.bf16) and optimizer is not None:" in branch
+    assert "optimizer.reload_model_params()" in branch
+
+
+def weights_only_load_run(distopt: bool, reload: bool):
+    """Train a bf16 model, load its weights (only) into a fresh bf16 model + optimizer as
+    upstream's load_checkpoint does for --finetune / --no-load-optim (the model's
+    load_state_dict, then the optimizer's reload_model_params), take one step at lr 0: the
+    weights must stay the loaded ones. Returns the largest deviation from them.
+    ``reload=False`` (negative control) skips reload_model_params: the step writes the fresh
+    init's fp32 main params back."""
     spec = TinyGPT(num_layers=1, dtype="bf16")
-    kwargs = dict(optimizer="muon", use_distributed_optimizer=distopt)
+    kwargs = dict(optimizer="muon", muon_impl="megatron_muon", use_distributed_optimizer=distopt)
     batches = global_batches(spec, 3)
     model = build_model(spec, distopt=distopt)
     optimizer = build_optimizer(spec, model, **kwargs)
     for batch in batches[:2]:
         train_step(spec, model, optimizer, batch)
     sync_params(model)
-    loaded = dict(model=model[0].module.state_dict(), iteration=2)
-    loaded.update(consumed_train_samples=16, consumed_valid_samples=0)
+    loaded = model[0].state_dict()
     want = full_params(model, spec)
     fresh = build_model(spec, distopt=distopt, seed=1)  # another init, as a new run's
     fresh_opt = build_optimizer(spec, fresh, lr=0.0, weight_decay=0.0, **kwargs)
-    args = SimpleNamespace(
-        finetune=flag == "finetune",
-        no_load_optim=flag == "no_load_optim",
-        no_load_rng=True,
-        override_opt_param_scheduler=False,
-        use_distributed_optimizer=distopt,
-        bf16=True,
-        fp16=False,
-    )
-    checkpointing._apply(loaded, args, fresh, fresh_opt, None, TrainState())
+    fresh[0].load_state_dict(loaded, strict=True)
+    if reload:
+        fresh_opt.reload_model_params()
     train_step(spec, fresh, fresh_opt, batches[2])  # lr 0, wd 0: nothing may move
     sync_params(fresh)
     got = full_params(fresh, spec)
     return max((got[name] - want[name]).abs().max().item() for name in want)
 
 
-@pytest.mark.parametrize("flag", ["finetune", "no_load_optim"])
 @pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
-def test_weights_only_load_survives_the_first_bf16_step(distopt, flag):
-    assert run_distributed(weights_only_load_run, 1, args=(distopt, flag))[0] == 0.0
+def test_weights_only_load_survives_the_first_bf16_step(distopt):
+    assert run_distributed(weights_only_load_run, 1, args=(distopt, True))[0] == 0.0
+    assert run_distributed(weights_only_load_run, 1, args=(distopt, False))[0] > 0.0  # control
 
 
 # ------------------------------------------------------------------ 4. QKV with an output gate
@@ -133,7 +145,9 @@ def gated_qkv_run():
     spec = TinyGPT(num_layers=1, extra=dict(attention_output_gate=True))
     model = build_model(spec)
     try:
-        optimizer = build_optimizer(spec, model, optimizer="muon")  # muon_split_qkv: default on
+        optimizer = build_optimizer(
+            spec, model, optimizer="muon", muon_impl="megatron_muon"
+        )  # muon_split_qkv: default on
     except ValueError as err:
         return ("refused", str(err))
     muon = optimizer.chained_optimizers[0].optimizer
@@ -160,7 +174,9 @@ def few_groups_run(mode: str):
     spec = TinyGPT(num_layers=1, num_query_groups=1)
     model = build_model(spec)
     try:
-        optimizer = build_optimizer(spec, model, optimizer="muon", muon_tp_mode=mode)
+        optimizer = build_optimizer(
+            spec, model, optimizer="muon", muon_impl="megatron_muon", muon_tp_mode=mode
+        )
     except ValueError as err:
         return ("refused at build", str(err))
     try:
@@ -184,6 +200,7 @@ def decoupled_lr_groups_run(optimizer_name: str, distopt: bool):
     output layer (``OptimizerConfig.decoupled_lr``, the CLI's --decoupled-lr)."""
     spec = TinyGPT(num_layers=1)
     kwargs = dict(optimizer=optimizer_name, use_distributed_optimizer=distopt, decoupled_lr=3e-3)
+    kwargs.update(muon_impl="megatron_muon")  # our Muon for 'muon' (Adam ignores it)
 
     def groups(optimizer):
         out = []

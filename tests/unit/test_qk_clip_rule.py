@@ -3,11 +3,14 @@
 .venv/bin/python -m pytest tests/unit/test_qk_clip_rule.py -q
 """
 
+import contextlib
+import io
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_config import transformer_config
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.max_attention_logit import record_max_attention_logit
@@ -176,37 +179,56 @@ def test_defaults_are_upstreams_and_off():
 
 
 # ------------------------------------------------------------------------------ command line
+# upstream's pretrain_gpt.py command line (parse_args, validate_args, the TransformerConfig its
+# pretrain() builds: tests/cli_config.py) with our patches 0013 and 0060
 
 CLI_BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data"
+    "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local"
 ).split()
 
 
 def test_cli_flags_set_upstreams_fields():
-    from megatron.training.arguments import parse_args
-    from megatron.training.core_configs import transformer_config
-
     flags = "--qk-clip --qk-clip-alpha 0.25 --qk-clip-threshold 50 --log-max-attention-logit"
-    config = transformer_config(parse_args(CLI_BASE + flags.split(), world_size=1))
+    config = transformer_config(CLI_BASE + flags.split(), world_size=1)
     assert (config.qk_clip, config.qk_clip_alpha, config.qk_clip_threshold) == (True, 0.25, 50.0)
     assert config.log_max_attention_logit
-    config = transformer_config(parse_args(CLI_BASE, world_size=1))
+    config = transformer_config(CLI_BASE, world_size=1)
     assert not (config.qk_clip or config.log_max_attention_logit)  # off by default
 
 
 @pytest.mark.parametrize(
     "flags, words",
     [
-        ("--qk-clip --qk-clip-alpha 1.5", ["qk_clip_alpha must be in (0, 1)", "1.5"]),
-        ("--qk-clip-alpha 0.25", ["--qk-clip-alpha", "need --qk-clip"]),
-        ("--qk-clip --qk-clip-threshold -1", ["qk_clip_threshold must be a finite number > 0"]),
-        ("--qk-clip-threshold x", ["--qk-clip-threshold", "invalid float value"]),
+        # upstream's validate_args asserts (its words: the flag and the range, not the value)
+        ("--qk-clip --qk-clip-alpha 1.5", ["--qk-clip-alpha", "between 0.0 and 1.0"]),
+        ("--qk-clip --qk-clip-threshold -1", ["--qk-clip-threshold", "greater than 0"]),
+        # patch 0060: the local attention records the logits too; TE's does from 2.9.0
+        (
+            "--qk-clip --transformer-impl transformer_engine",
+            ["--qk-clip", "TE >= 2.9.0 or --transformer-impl local"],
+        ),
+        # patch 0013's TransformerConfig checks, which upstream's validate_args lets through
+        ("--qk-clip --qk-clip-threshold inf", ["qk_clip_threshold must be a finite number > 0"]),
+        ("--qk-clip --qk-layernorm", ["qk_clip with qk_layernorm"]),
+        # argparse
+        ("--qk-clip-threshold x", ["--qk-clip-threshold", "invalid float value: 'x'"]),
     ],
 )
 def test_cli_bad_qk_clip_values_name_the_setting(flags, words):
-    from megatron.training.arguments import ArgumentsError, parse_args
+    message = _cli_error(CLI_BASE + flags.split())
+    assert all(word in message for word in words), message
 
-    with pytest.raises(ArgumentsError) as err:
-        parse_args(CLI_BASE + flags.split(), world_size=1)
-    assert all(word in str(err.value) for word in words), str(err.value)
+
+def _cli_error(argv: list) -> str:
+    """The error ``pretrain_gpt.py argv`` stops with (argparse's on stderr); fails if none."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            config = transformer_config(argv, world_size=1)
+    except SystemExit as err:  # argparse: usage and message on stderr
+        return f"SystemExit({err.code}): {stderr.getvalue()}"
+    except (AssertionError, ValueError) as err:  # validate_args asserts; the config raises
+        return f"{type(err).__name__}: {err}"
+    raise AssertionError(f"{argv} accepted: {config}")

@@ -1,4 +1,4 @@
-"""Muon for megatron-core: the public names (upstream 0.16.1's, kept for its callers).
+"""Muon for megatron-core: the public names (upstream's, kept for its callers).
 
 Replaces upstream 0.16.1's emerging_optimizers-based ``muon.py``, and on megatron-core 0.19 its
 shim of the same name: there ``get_megatron_muon_optimizer`` keeps upstream's behaviour unless
@@ -36,15 +36,18 @@ def get_megatron_muon_optimizer(
     model_chunks,
     config_overrides=None,
     use_gloo_process_groups: bool = True,
-    layer_wise_distributed_optimizer: bool = False,
     pg_collection=None,
+    dump_param_to_param_group_map=None,
+    *,
+    layer_wise_distributed_optimizer: bool = False,
 ):
-    """Upstream 0.16.1's Muon entry point (same parameters), on ``get_megatron_optimizer``.
+    """Upstream's Muon entry point, on ``get_megatron_optimizer``.
 
-    On megatron-core 0.19, a config with ``muon_impl`` other than ``'megatron_muon'`` (the
-    default, ``'emerging'``) gets upstream 0.19's shim instead: the config as given to
-    ``get_megatron_optimizer``, and ``layer_wise_distributed_optimizer=True`` needs a ``dist_``
-    optimizer name.
+    Takes what upstream 0.19's shim takes: ``get_megatron_optimizer``'s parameters (in its
+    order, so positional calls bind alike) and the keyword ``layer_wise_distributed_optimizer``.
+    A config with ``muon_impl`` other than ``'megatron_muon'`` (the default, ``'emerging'``)
+    gets upstream 0.19's behaviour: the config as given to ``get_megatron_optimizer``, and
+    ``layer_wise_distributed_optimizer=True`` needs a ``dist_`` optimizer name.
 
     Returns the same optimizer as ``get_megatron_optimizer(config, ...)`` with
     ``config.optimizer='muon'`` (a copy of ``config`` is made if it names another optimizer;
@@ -62,6 +65,7 @@ def get_megatron_muon_optimizer(
             same numbers as one process); otherwise Muon runs unsharded. Either way a
             ``DeprecationWarning`` says so.
         pg_collection: process groups, as for ``get_megatron_optimizer``.
+        dump_param_to_param_group_map: as for ``get_megatron_optimizer``.
 
     Returns:
         A ``MegatronOptimizer`` (a ``ChainedOptimizer`` for dense and expert parts).
@@ -85,6 +89,7 @@ def get_megatron_muon_optimizer(
         config_overrides=config_overrides,
         use_gloo_process_groups=use_gloo_process_groups,
         pg_collection=pg_collection,
+        dump_param_to_param_group_map=dump_param_to_param_group_map,
     )
 
 
