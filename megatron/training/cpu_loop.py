@@ -32,8 +32,12 @@ module, so a test sees both a stand-in that is no longer reached and one reached
     pre-Blackwell GPU, so upstream's rules for those (``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP)
     apply unchanged. Reached only with TP or CP > 1 (``LAYOUT_STAND_INS``).
 
-Not a stand-in: ``psutil``, an undeclared dependency of the torch_dist async writer
-(``filesystem_async``); without it every torch_dist save fails. ``missing_dependencies`` names it.
+Not stand-ins: packages that upstream's loop imports only for some flags, which
+``missing_dependencies`` names before the run starts: ``psutil``, an undeclared dependency of the
+torch_dist async writer (``filesystem_async``; without it every torch_dist save fails), and
+``wandb`` for ``--wandb-project`` (an optional extra, requirements/wandb.txt): upstream imports it
+on the last rank only, inside ``parse_and_validate_args`` (``set_global_variables``), and the
+other ranks go on until torchrun stops them; ``gpt_entry`` checks upstream's parser's flags first.
 """
 
 import collections
@@ -86,14 +90,21 @@ def install() -> bool:
 
 
 def missing_dependencies(args) -> list:
-    """(package, why) pairs that upstream's loop needs for ``args`` but cannot import."""
+    """(package, why) pairs that upstream's loop needs for ``args`` but cannot import (none
+    where ``args`` is None: a command line that does not parse)."""
     missing = []
+    if args is None:
+        return missing
     if (
         args.save
         and args.ckpt_format == "torch_dist"
         and importlib.util.find_spec("psutil") is None
     ):
         missing.append(("psutil", "the torch_dist checkpoint writer (filesystem_async) imports it"))
+    if getattr(args, "wandb_project", None) and importlib.util.find_spec("wandb") is None:
+        missing.append(
+            ("wandb", "--wandb-project logs to Weights & Biases (requirements/wandb.txt)")
+        )
     return missing
 
 

@@ -13,6 +13,7 @@ stand-in aside). Flags are upstream's (``--help``); the variants this entry does
 (``--spec``, ``--yaml-cfg``, SFT, FIM, experimental attention, heterogeneous layers) are refused.
 """
 
+import argparse
 import importlib.util
 import os
 import sys
@@ -38,7 +39,11 @@ from megatron.core.utils import (
     get_batch_on_this_tp_rank,
 )
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
-from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+from megatron.training.arguments import (
+    add_megatron_arguments,
+    core_transformer_config_from_args,
+    parse_and_validate_args,
+)
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron.core import mpu
@@ -266,6 +271,11 @@ def forward_step(data_iterator, model: GPTModel):
 
 def main() -> int:
     cpu_loop.install()  # before any process group: CPU stand-ins only where CUDA is absent
+    # Before parse_and_validate_args: its set_global_variables already imports wandb on the last
+    # rank (and starts the W&B run there).
+    missing = cpu_loop.missing_dependencies(_flags())
+    if missing:
+        return _fail("; ".join(f"needs the package {name}: {why}" for name, why in missing))
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     refused = [flag for flag, name in REFUSED if getattr(args, name, None)]
     if refused:
@@ -275,9 +285,6 @@ def main() -> int:
             "--transformer-impl transformer_engine (the default) needs Transformer Engine, "
             "which is not installed: give --transformer-impl local"
         )
-    missing = cpu_loop.missing_dependencies(args)
-    if missing:
-        return _fail("; ".join(f"needs the package {name}: {why}" for name, why in missing))
     with warnings.catch_warnings():  # "use a ModelConfig": this entry gives a model provider
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         config = pretrain_cfg_container_from_args(args, None)
@@ -289,6 +296,23 @@ def main() -> int:
         model_provider=model_provider,
     )
     return 0
+
+
+class _Quiet(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def _flags():
+    """The command line on upstream's parser alone, none of parse_args's side effects (--yaml-cfg,
+    MSC), nothing printed; None for --help or where it does not parse (a bad value): upstream's
+    parse then answers."""
+    parser = _Quiet(add_help=False, allow_abbrev=False)
+    try:
+        flags, rest = add_megatron_arguments(parser).parse_known_args()
+    except ValueError:
+        return None
+    return None if {"-h", "--help"} & set(rest) else flags
 
 
 def _has(package: str) -> bool:
