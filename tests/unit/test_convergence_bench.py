@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-from bases import UPSTREAM_LOOP_ONLY
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
@@ -51,7 +50,6 @@ def test_flops_count_newton_schulz_per_matrix():
     assert adam["optimizer"] == 12 * p["total"]
 
 
-@UPSTREAM_LOOP_ONLY
 def test_muon_recipe_is_the_seeds():
     """The bench runs our Muon with muon_recipe's flags, spelled out in MUON_RECIPE."""
     from megatron.training.muon_recipe import SEED_RECIPE_FLAGS
@@ -75,7 +73,6 @@ def test_log_regexes_read_upstreams_console():
     assert convergence.PARAMS.search(log)[1] == "443520"
 
 
-@UPSTREAM_LOOP_ONLY
 @pytest.mark.timeout(600)
 def test_counted_params_match_a_real_run():
     """The count the FLOPs come from is the model the study's flags build: a short Muon run of
