@@ -93,7 +93,8 @@ SERIES = [
     (
         "transformer: QK-clip (MuonClip) without Transformer Engine",
         "Local attention records per-head max attention logits; clip_qk scales query/key rows\n"
-        "after the optimizer step, on model params, fp32 main params and DistOpt shards.",
+        "after the optimizer step, on model params, fp32 main params and DistOpt shards, by\n"
+        "upstream's per-group rule (qk_clip_per_head, off by default: one eta per query head).",
         [
             OPT + "qk_clip.py",
             "megatron/core/transformer/max_attention_logit.py",

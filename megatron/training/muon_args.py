@@ -13,6 +13,12 @@ into this module from three places of upstream's file:
   Muon runs inside the ``DistributedOptimizer`` that ``--use-distributed-optimizer`` asks for,
   not in upstream's LayerWise optimizer that the check rewrites it into for its own Muon.
 
+``validate_megatron_muon_args`` also refuses ``--qk-clip-per-head`` without ``--qk-clip``. That
+flag needs no code here: upstream's ``ArgumentGroupFactory(TransformerConfig)`` makes one per
+config field, so patch ``0013``'s ``TransformerConfig.qk_clip_per_head`` (our per-head QK-clip
+rule, off by default) gets ``--qk-clip-per-head``, which ``core_transformer_config_from_args``
+copies back by name.
+
 Patch ``0031-checkpoint-args-muon-impl`` calls ``check_checkpoint_muon_impl`` from
 upstream's ``check_checkpoint_args``: the two Muons' optimizer states are not interchangeable.
 
@@ -203,6 +209,10 @@ def validate_megatron_muon_args(args) -> None:
     if hasattr(args, GIVEN):
         delattr(args, GIVEN)  # parse-time bookkeeping: not an argument (nor saved in checkpoints)
     flags = sorted(given.values())
+    if getattr(args, "qk_clip_per_head", False) and not args.qk_clip:
+        raise ValueError(
+            "--qk-clip-per-head selects the rule of --qk-clip: add --qk-clip or drop it"
+        )
     if args.muon_impl != "megatron_muon":
         if flags:
             verb = "configures" if len(flags) == 1 else "configure"

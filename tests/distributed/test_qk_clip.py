@@ -3,7 +3,9 @@ DistributedOptimizer, caps the logits at the threshold, and keeps DistOpt's fp32
 step with the model params.
 
 A tiny real GPT (local spec, GQA 4 heads / 2 query groups, RoPE) whose initial max logit is ~0.73;
-the threshold 0.5 makes the clip act on most heads at every step. Reproduce a case by hand:
+the threshold 0.5 makes the clip act on most heads at every step. The default rule is upstream's
+(one eta per query group); ``qk_clip_per_head`` (ours, opt-in) is checked on the layouts and the
+threshold too. Reproduce a case by hand:
 
     .venv/bin/python -m pytest tests/distributed/test_qk_clip.py -k tp2_pp2_dp2 -q
 """
@@ -37,6 +39,8 @@ STEPS = 3
 TAU = 0.5
 CLIP = dict(qk_clip=True, qk_clip_threshold=TAU, qk_clip_alpha=0.5)
 SPEC = TinyGPT(num_layers=2, extra=CLIP)
+PER_HEAD = dict(CLIP, qk_clip_per_head=True)
+SPEC_PER_HEAD = TinyGPT(num_layers=2, extra=PER_HEAD)
 # the seed recipe: exact TP (duplicated), as the parity reference needs
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 BUCKET = 6000  # with overlap_grad_reduce: several buckets, QKV matrices cut by DP shards
@@ -63,13 +67,33 @@ def run_layout(world_size, tp=1, pp=1, spec=SPEC, **kwargs):
 
 
 @functools.cache
-def reference(clip: bool = True):
-    return run_layout(1, spec=SPEC if clip else TinyGPT(num_layers=2))[0]
+def reference(clip: bool = True, per_head: bool = False):
+    spec = (SPEC_PER_HEAD if per_head else SPEC) if clip else TinyGPT(num_layers=2)
+    return run_layout(1, spec=spec)[0]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_qk_clip_layout_matches_one_process(layout):
     assert_close_runs(reference(), run_layout(**LAYOUTS[layout]), tol=TOL, loss_rtol=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_dp2_distopt"])
+def test_per_head_rule_layout_matches_one_process(layout):
+    """``qk_clip_per_head``: the same parity (its factors differ per query head, so the rows of
+    a group's query heads get different scales, also in DistOpt shards)."""
+    got = run_layout(**LAYOUTS[layout], spec=SPEC_PER_HEAD)
+    assert_close_runs(reference(per_head=True), got, tol=TOL, loss_rtol=LOSS_RTOL)
+
+
+def test_the_two_rules_give_different_runs():
+    """The per-head parity above is not the default's: the two rules' QKV updates differ by far
+    more than TOL (heads below their group's max are scaled less per head; measured 0.36 and
+    0.41 for the two layers). Negative control, checked by hand: ``_clip_layer`` ignoring
+    ``qk_clip_per_head`` makes the two runs equal (0.0) and fails this."""
+    initial, per_group, _ = reference()
+    _, per_head, _ = reference(per_head=True)
+    errors = update_rel_error(initial, per_group, per_head)
+    assert max(e for k, e in errors.items() if "linear_qkv" in k) > 100 * TOL
 
 
 def test_the_clip_changes_the_run():
@@ -80,13 +104,15 @@ def test_the_clip_changes_the_run():
     assert min(e for k, e in errors.items() if "linear_qkv" in k) > 100 * TOL
 
 
-def _swap_query_and_key_scales(optimizer):
-    """Negative control: the key heads' factor lands on query rows and vice versa."""
+def _key_scale_on_value_rows(optimizer):
+    """Negative control: the key heads' factor lands on the value rows, the key rows keep 1.
+    (Swapping the query and key factors, the control before the default became upstream's
+    per-group rule, is no control with it at alpha 1/2: both factors are eta_g ** 1/2.)"""
 
     def wrong(q_scale, k_scale, head_dim):
-        groups = k_scale.numel()
-        swapped_q = k_scale.repeat_interleave(q_scale.numel() // groups)
-        return original(swapped_q, q_scale.view(groups, -1).amin(dim=1), head_dim)
+        rows = original(q_scale, torch.ones_like(k_scale), head_dim).view(k_scale.numel(), -1)
+        rows[:, -head_dim:] = k_scale.view(-1, 1)
+        return rows.reshape(-1)
 
     original = qk_clip.qkv_row_scales
     qk_clip.qkv_row_scales = wrong  # in this forked rank only
@@ -94,7 +120,7 @@ def _swap_query_and_key_scales(optimizer):
 
 def test_negative_control_wrong_rows_miss_the_reference():
     initial, ref, _ = reference()
-    got = run_layout(**LAYOUTS["tp2"], optimizer_hook=_swap_query_and_key_scales)
+    got = run_layout(**LAYOUTS["tp2"], optimizer_hook=_key_scale_on_value_rows)
     errors = update_rel_error(initial, ref, got[0][1])
     assert misses(errors, 100 * TOL)
 
@@ -122,10 +148,10 @@ def _forward_maxima(spec, model, batch) -> list:
     return maxima
 
 
-def capped_run():
+def capped_run(per_head: bool = False):
     # One layer: a later layer's input changes with the clip of the layers before it, so only
     # the first layer's logits are a function of its own weights and the batch alone.
-    spec = TinyGPT(num_layers=1, extra=CLIP)
+    spec = TinyGPT(num_layers=1, extra=PER_HEAD if per_head else CLIP)
     model = build_model(spec)
     batch = global_batches(spec, 1)[0]
     before = _forward_maxima(spec, model, batch)
@@ -134,11 +160,13 @@ def capped_run():
     return before, after, spec.num_query_groups // ps.get_tensor_model_parallel_world_size()
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_group", "per_head"])
 @pytest.mark.parametrize("layout", [dict(world_size=1), dict(world_size=2, tp=2)], ids=str)
-def test_logits_above_threshold_end_at_it(layout):
-    """A head's logit is bilinear in its query and key rows: after the clip the largest logit of
-    every group that exceeded tau equals tau, and no head exceeds it (fp32 rounding: 1e-5)."""
-    for before, after, groups in run_distributed(capped_run, **layout):
+def test_logits_above_threshold_end_at_it(layout, per_head):
+    """A head's logit is bilinear in its query and key rows: after the clip (either rule) the
+    largest logit of every group that exceeded tau equals tau, and no head exceeds it (fp32
+    rounding: 1e-5)."""
+    for before, after, groups in run_distributed(capped_run, **layout, args=(per_head,)):
         clipped = 0
         for b, a in zip(before, after):
             for b_group, a_group in zip(b.view(groups, -1), a.view(groups, -1)):

@@ -4,9 +4,9 @@ logits (patch 0014), upstream's validate_args admits ``--transformer-impl local`
 and upstream's train_step hands the optimizer to ``clip_qk`` (patch 0061), which places the
 DistributedOptimizer's fp32 main shards of bf16 params (megatron/core/optimizer/qk_clip.py).
 
-One run, our Muon with DP2, the DistributedOptimizer and bf16; upstream logs the step's max
-attention logit to TensorBoard (``--log-max-attention-logit``), measured in the forward pass
-before that step's clip.
+One run per rule (upstream's per-group default, our ``--qk-clip-per-head``), our Muon with DP2,
+the DistributedOptimizer and bf16; upstream logs the step's max attention logit to TensorBoard
+(``--log-max-attention-logit``), measured in the forward pass before that step's clip.
 
     .venv/bin/python -m pytest -q tests/e2e/test_upstream_qk_clip.py
 """
@@ -36,17 +36,20 @@ def _scalars(log_dir) -> dict:
     return {t: {e.step: e.value for e in events.Scalars(t)} for t in events.Tags()["scalars"]}
 
 
-def test_qk_clip_caps_the_max_attention_logit(tmp_path):
+@pytest.mark.parametrize("rule", [[], ["--qk-clip-per-head"]], ids=["per_group", "per_head"])
+def test_qk_clip_caps_the_max_attention_logit(tmp_path, rule):
     """Iteration 1 measures the unclipped model; each later one measures the weights its
     predecessor's clip scaled, on a new batch and after one more Muon step. The clip set every
     head's max on the previous batch to TAU; a new batch of the same mock distribution and one
     Muon step (a fixed spectral size, larger relative to the weights the clip shrank) move it:
-    measured 1.18-1.42 x TAU. Without the clip the max stays near iteration 1's (3.9 x TAU; the
-    same steps move it by a few percent), so 1.6 x TAU is 2.4x below where no clip would be, and
-    0.8 x TAU shows the clip stops at the threshold instead of shrinking further."""
+    measured 1.16-1.39 x TAU with the default (upstream's per-group) rule, 1.18-1.43 x TAU with
+    ``--qk-clip-per-head`` (ours, which reaches the clip through upstream's config copy). Without
+    the clip the max stays near iteration 1's (3.9 x TAU; the same steps move it by a few
+    percent), so 1.6 x TAU is 2.4x below where no clip would be, and 0.8 x TAU shows the clip
+    stops at the threshold instead of shrinking further."""
     tb = tmp_path / "tb"
-    flags = [*MUON, *BF16_DISTOPT, *CLIP, "--train-iters", str(ITERS), "--tensorboard-dir", tb]
-    launch(tmp_path, "qk_clip", 2, *map(str, flags))
+    flags = [*MUON, *BF16_DISTOPT, *CLIP, *rule, "--train-iters", str(ITERS)]
+    launch(tmp_path, "qk_clip", 2, *map(str, [*flags, "--tensorboard-dir", tb]))
     maxima = _scalars(tb)["max_attention_logit"]
     assert sorted(maxima) == list(range(1, ITERS + 1)), maxima
     assert maxima[1] > 3 * TAU, maxima  # the clip has something to do

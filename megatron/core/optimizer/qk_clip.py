@@ -5,15 +5,19 @@ by the core attention, megatron/core/transformer/max_attention_logit.py), thresh
 alpha (``TransformerConfig.qk_clip_threshold`` / ``qk_clip_alpha``):
 
     eta_h = tau / S_h if S_h > tau else 1
-    W_q[h] <- W_q[h] * eta_h ** alpha                 (query rows of head h)
-    W_k[g] <- W_k[g] * (min_{h in g} eta_h) ** (1 - alpha)   (key rows of key head g)
+    eta_g = min_{h in g} eta_h                   (key head g's group: min(1, tau / max_g S_h))
+    W_q[h] <- W_q[h] * eta_g ** alpha            (query rows of head h in group g; upstream's rule)
+    W_q[h] <- W_q[h] * eta_h ** alpha            (instead, with ``qk_clip_per_head``: ours, opt-in)
+    W_k[g] <- W_k[g] * eta_g ** (1 - alpha)      (key rows of key head g)
 
-GQA rule: key head g serves the query heads h of its group; it takes the group's smallest eta
-(the largest S_h), so that every head's logit, bilinear in its query and key rows, ends at
-S_h * eta_h**alpha * eta_g**(1-alpha) <= tau, and a head whose group stays below tau is left
-alone. (Upstream 0.16.1's TE-only clip scales every query head of a group by the group's eta;
-here a query head is scaled by its own.) Bias rows, where the QKV projection has them, scale with
-their weight rows, so the head's query/key output scales exactly.
+The default is upstream 0.19's rule (``SelfAttention.clip_qk``; upstream records with TE only):
+one eta per query group, from the group's largest logit, for its query heads and its key head.
+``qk_clip_per_head`` (``--qk-clip-per-head``, off by default) scales each query head by its own
+eta instead, so that a head of a clipped group whose logit is below the group's max is shrunk
+less; either way every head's logit, bilinear in its query and key rows, ends at or below tau
+(at tau for the largest head of a group above it), and a group below tau is left alone. Bias
+rows, where the QKV projection has them, scale with their weight rows, so the head's query/key
+output scales exactly (upstream scales the weight only).
 
 Where the rows live:
 * TP: ``linear_qkv`` is column-parallel by query group; each rank clips the heads it holds (the
@@ -45,7 +49,13 @@ from megatron.core import parallel_state
 # ------------------------------------------------------------------------------ the math
 
 
-def head_scales(max_logits: torch.Tensor, num_groups: int, threshold: float, alpha: float):
+def head_scales(
+    max_logits: torch.Tensor,
+    num_groups: int,
+    threshold: float,
+    alpha: float,
+    per_head: bool = False,
+):
     """(query scale per head [np], key scale per key head [ng]) from the per-head maxima [np]
     (heads ordered group by group, as Megatron lays them out). A non-finite max (an fp16
     overflow, whose step the loss scaler skips) leaves its head alone rather than zeroing it.
@@ -55,6 +65,8 @@ def head_scales(max_logits: torch.Tensor, num_groups: int, threshold: float, alp
         num_groups: ng, the query groups among those heads (GQA; ng == np for MHA).
         threshold: tau: heads whose max exceeds it are clipped to it.
         alpha: the share of the clip put on the query side (the key side gets ``1 - alpha``).
+        per_head: False (upstream's rule, ``qk_clip_per_head`` off): every query head of a group
+            takes the group's eta ** alpha; True: each query head its own eta ** alpha.
 
     Returns:
         (query scale [np], key scale [ng]), each 1 where nothing is clipped.
@@ -62,6 +74,8 @@ def head_scales(max_logits: torch.Tensor, num_groups: int, threshold: float, alp
     clip = (max_logits > threshold) & torch.isfinite(max_logits)
     eta = torch.where(clip, threshold / max_logits, torch.ones_like(max_logits))
     group_eta = eta.view(num_groups, -1).amin(dim=1)
+    if not per_head:
+        eta = group_eta.repeat_interleave(max_logits.numel() // num_groups)
     return eta.pow(alpha), group_eta.pow(1.0 - alpha)
 
 
@@ -211,6 +225,7 @@ def _clip_layer(layer, max_logits: torch.Tensor, config, optimizer) -> None:
         attention.num_query_groups_per_partition,
         config.qk_clip_threshold,
         config.qk_clip_alpha,
+        per_head=config.qk_clip_per_head,
     )
     rows = qkv_row_scales(q_scale, k_scale, attention.hidden_size_per_attention_head)
     for param in (layer.linear_qkv.weight, getattr(layer.linear_qkv, "bias", None)):

@@ -1,5 +1,6 @@
 """Checks of TransformerConfig's QK-clip fields (``qk_clip``, ``qk_clip_alpha``,
-``qk_clip_threshold``, ``log_max_attention_logit``), called from ``__post_init__``.
+``qk_clip_threshold``, ``log_max_attention_logit``, and our ``qk_clip_per_head``), called from
+``__post_init__``.
 
 The fields are upstream's (0.16.1 declares them without checks); the refusals below are where the
 clip (megatron/core/optimizer/qk_clip.py) cannot keep its promise that every head's logit ends at
@@ -14,6 +15,14 @@ from megatron.core import package_info
 def validate_qk_clip_config(config) -> None:
     """Raise ValueError naming the field when the QK-clip settings are out of range or the
     attention variant is one the clip cannot bound."""
+    if getattr(config, "qk_clip_per_head", False):  # ours: refused where it would do nothing
+        if not config.qk_clip:
+            raise ValueError("qk_clip_per_head selects the rule of qk_clip: set qk_clip too")
+        if config.multi_latent_attention:
+            raise ValueError(
+                "qk_clip_per_head does not apply to multi_latent_attention (upstream's MLA clip "
+                "has its own rule)"
+            )
     # 0.16.1: MLA refused; from 0.17 on (upstream's clip_qk caller in its training loop) the clip
     # runs upstream's MLA clip (optimizer/qk_clip.py), so upstream's MLA configs stay valid.
     if config.multi_latent_attention and (package_info.MAJOR, package_info.MINOR) >= (0, 17):
