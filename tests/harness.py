@@ -13,8 +13,10 @@ as the root cause ahead of the peers' transport errors.
 """
 
 import multiprocessing
+import os
 import queue
-import socket
+import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -39,13 +41,7 @@ class Layout:
         return self.world_size // (self.tp * self.pp)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
+def _init_rank(rank: int, layout: Layout, store: str, seed: int) -> None:
     import datetime
     import os
     import warnings
@@ -66,7 +62,7 @@ def _init_rank(rank: int, layout: Layout, port: int, seed: int) -> None:
     writer_queue.install()  # torch_dist saves: upstream's spawned queue server would import torch
     torch.distributed.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store}",  # a file, not a port: no port another run can take
         rank=rank,
         world_size=layout.world_size,
         timeout=datetime.timedelta(seconds=120),
@@ -133,9 +129,9 @@ def _from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _rank_main(rank, layout, port, seed, fn, args, kwargs, results):
+def _rank_main(rank, layout, store, seed, fn, args, kwargs, results):
     try:
-        _init_rank(rank, layout, port, seed)
+        _init_rank(rank, layout, store, seed)
         out = fn(*args, **kwargs)
         results.put((rank, True, _to_bytes(out)))
         _teardown_rank()
@@ -169,10 +165,11 @@ def run_distributed(
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    port = _free_port()
+    rendezvous = tempfile.mkdtemp(prefix="harness_store_")
+    store = os.path.join(rendezvous, "store")
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, layout, port, seed, fn, args, kwargs or {}, results)
+            target=_rank_main, args=(r, layout, store, seed, fn, args, kwargs or {}, results)
         )
         for r in range(world_size)
     ]
@@ -194,6 +191,7 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
             p.join()
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def _crashed(procs, grace: float) -> list:
