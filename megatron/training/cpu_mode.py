@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -151,11 +152,34 @@ def enable() -> None:
     global _mode
     if _mode is not None:
         return
+    _inductor_cache_per_capability()
     _patch_torch_cuda()
     _patch_all_to_all()
     _patch_rng_tracker()
     _mode = CudaToCpuMode()
     _mode.__enter__()
+
+
+def _inductor_cache_per_capability() -> None:
+    """One inductor cache folder per ``ATEN_CPU_CAPABILITY``. torch 2.13 reuses a CPU kernel that
+    a run of another capability generated (vectorized for avx2, say) and compiles it with this
+    run's flags: ``'at::vec' has not been declared``, and every ``torch.compile`` fusion (upstream's
+    ``jit_fuser``) fails. torch's default folder (which torch writes into the environment on first
+    use, e.g. when ``import megatron.core`` compiles emerging-optimizers' kernels) gets the
+    capability as a suffix; a folder the user chose stays, and so does torch's without a
+    capability."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not capability:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # no torch imports
+
+    default = os.path.abspath(default_cache_dir())
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) != default:
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{capability}"
+    utils = sys.modules.get("torch._inductor.utils")
+    if utils is not None:
+        utils.clear_caches()  # paths inductor memoized under the old folder
 
 
 def enable_if_needed() -> bool:
