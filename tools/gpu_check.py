@@ -163,7 +163,11 @@ def check_training_resume(device: str) -> str:
         with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("10")  # resume from the middle checkpoint
         resumed = _train(TINY_GPT + flags + ["--load", save], device)
-        assert all(resumed[i] == full[i] for i in range(11, 21)), (name, full, resumed)
+        # upstream's second line after a start shows the mean of that start's first two
+        # iterations (tests/e2e/upstream_runs.step_losses): undone, to the 7 digits printed
+        resumed[12] = 2 * resumed[12] - resumed[11]
+        assert abs(resumed[12] - full[12]) <= 2e-6 * abs(full[12]), (name, full, resumed)
+        assert all(resumed[i] == full[i] for i in (11, *range(13, 21))), (name, full, resumed)
         lines.append(f"{name} loss {full[1]:.3f} -> {full[20]:.3f}, resume exact")
     return f"pretrain_gpt.py on {device}: " + "; ".join(lines)
 
