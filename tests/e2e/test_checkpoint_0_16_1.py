@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from upstream_runs import CPU, RANKS
 
 ROOT = Path(__file__).resolve().parents[2]
 SAVED_ON_0_16_1 = ROOT / "tests" / "fixtures" / "checkpoint_0_16_1"
@@ -28,8 +29,6 @@ pytestmark = [
     pytest.mark.timeout(900),
 ]
 
-CPU = not torch.cuda.is_available()
-RANKS = 2 if CPU else min(2, torch.cuda.device_count())
 # the fixture's tiny GPT, flag for flag; upstream's defaults otherwise (--num-workers 2).
 # The embedding's rows: NullTokenizer's vocabulary is 129 on our 0.16.1 loop (Megatron-LM's
 # legacy tokenizer adds the eod) and 128 on 0.19.2's; padded to a multiple of 256 both are 256
@@ -45,10 +44,10 @@ TINY = (
 OURS_0_19_2 = ["--muon-impl", "megatron_muon"]
 
 
-def _launch(python: Path, cwd: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [str(python), "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--standalone"]
+def _launch(cwd: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}"]
+    cmd += ["--standalone"]
     cmd += [str(ROOT / "pretrain_gpt.py"), *TINY, "--distributed-backend"]
     cmd += ["gloo" if CPU else "nccl", *flags]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -75,7 +74,7 @@ def _model(folder: Path, out: Path) -> dict:
 
 def test_a_resume_is_refused_in_one_line(saved_on_0_16_1, tmp_path):
     done = _launch(
-        sys.executable, tmp_path, *OURS_0_19_2, "--lr", "1e-3", "--train-iters", "4",
+        tmp_path, *OURS_0_19_2, "--lr", "1e-3", "--train-iters", "4",
         "--load", str(saved_on_0_16_1), "--save", "again", "--save-interval", "4",
     )  # fmt: skip
     out = done.stdout + done.stderr
@@ -92,7 +91,7 @@ def test_finetune_loads_its_weights(saved_on_0_16_1, tmp_path):
     """--lr 0: one step changes no weight, so the checkpoint saved after it holds the loaded
     weights (Muon's and AdamW's updates and weight decay all scale with the lr)."""
     done = _launch(
-        sys.executable, tmp_path, *OURS_0_19_2, "--lr", "0", "--min-lr", "0",
+        tmp_path, *OURS_0_19_2, "--lr", "0", "--min-lr", "0",
         "--train-iters", "1", "--finetune", "--load", str(saved_on_0_16_1),
         "--save", "tuned", "--save-interval", "1",
     )  # fmt: skip
