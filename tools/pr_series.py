@@ -158,9 +158,11 @@ SERIES = [
     ),
     (
         "layer_wise_optimizer: the uneven all-gather on gloo",
-        "The legacy LayerWise path all-gathers tensors of different sizes per rank, which NCCL\n"
+        "The legacy LayerWise path all-gathers tensors of different sizes per rank, after the\n"
+        "step and in the DDP buckets' param sync (--overlap-param-gather included), which NCCL\n"
         "allows and gloo refuses: on gloo each part is padded to the largest and sliced back\n"
-        "(uneven_all_gather.py); NCCL calls torch's all_gather as before.",
+        "(uneven_all_gather.py), and a bucket group's wait waits for each padded gather; NCCL\n"
+        "calls torch's all_gather and waits for the last as before.",
         [OPT + "uneven_all_gather.py"],
         ["0041-layer-wise-all-gather-on-gloo.patch"],
     ),

@@ -10,6 +10,8 @@ downloads test data to /opt/data and sets NCCL variables).
   without destroying them: on gloo that leaked ~5,000 threads per rank).
 * A layout ``initialize_model_parallel`` cannot form on this many ranks (upstream's own "not
   divisible" check) is a skip naming the ranks it needs, not a failure.
+* Where Transformer Engine is absent, a test that builds upstream's TE layer spec is a skip
+  naming it (the spec's TE classes are ``None`` there), not a failure.
 * Tests that call emerging-optimizers 0.2.0's ``SOAP(precondition_frequency=...)`` themselves
   are skipped, naming why, where the installed SOAP has no such argument (0.3.0; Megatron-LM
   2c8ac9b753 drops it from the same tests): they test the package's API, not the fork.
@@ -30,6 +32,7 @@ from megatron.training import cpu_mode
 
 CPU = cpu_mode.enable_if_needed()
 
+import megatron.core.models.gpt.gpt_layer_specs as _specs  # noqa: E402
 import megatron.core.parallel_state as ps  # noqa: E402  (after cpu_mode)
 from tests.unit_tests.test_utilities import Utils  # noqa: E402
 
@@ -83,6 +86,36 @@ def _initialize_model_parallel(*args, **kwargs):
 
 Utils.initialize_distributed = staticmethod(_initialize_distributed)
 ps.initialize_model_parallel = _initialize_model_parallel
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _needs_te(spec_fn, uses_te):
+    """``spec_fn`` that skips the test, naming why, where it would build TE modules without TE
+    (upstream's TE spec then holds ``None`` classes: "'NoneType' object is not callable")."""
+
+    def wrapped(*args, **kwargs):
+        if uses_te(*args, **kwargs):
+            pytest.skip(f"needs Transformer Engine (not installed): {spec_fn.__name__}")
+        return spec_fn(*args, **kwargs)
+
+    return wrapped
+
+
+if not _have_transformer_engine():
+    _specs.get_gpt_layer_with_transformer_engine_spec = _needs_te(
+        _specs.get_gpt_layer_with_transformer_engine_spec, lambda *a, **k: True
+    )
+    _specs.get_gpt_decoder_block_spec = _needs_te(
+        _specs.get_gpt_decoder_block_spec,
+        lambda *a, **k: k.get("use_transformer_engine", a[1:2] == (True,)),
+    )
 
 
 # tests of test_emerging_optimizers.py that construct SOAP(precondition_frequency=...) directly

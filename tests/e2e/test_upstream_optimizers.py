@@ -13,7 +13,8 @@ What each test holds up (negative controls: run without the patch, the test fail
   step 0 is checkpointed (without it: ``KeyError: 'step'`` at torch's step; no ``common_step``).
 * 0041-layer-wise-all-gather-on-gloo: LayerWise without the precomputed layout
   (``--no-use-layer-wise-param-layout``: each rank's params flattened, sizes differing by rank)
-  trains on gloo (without it: ``ProcessGroupGloo::allgather: invalid tensor size``).
+  trains on gloo, also with ``--overlap-param-gather`` (without it: ``ProcessGroupGloo::allgather:
+  invalid tensor size``; with only upstream's wait for the last bucket's gather, stale params).
 """
 
 import math
@@ -62,8 +63,13 @@ def test_a_field_the_installed_optimizer_does_not_take_is_refused(tmp_path):
 
 def test_layer_wise_legacy_path_trains_on_gloo(tmp_path):
     """LayerWise Muon, bf16, without the precomputed param layout: every param (AdamW's too)
-    lives in LayerWise, and its all-gather of per-rank flattened params runs on gloo."""
-    _trains(_launch(tmp_path, "layerwise-legacy", ITERS, *LAYERWISE_LEGACY))
+    lives in LayerWise, and its all-gather of per-rank flattened params runs on gloo, after the
+    step or overlapped with the next forward (``--overlap-param-gather``: the DDP buckets' async
+    gathers), with the same losses bit for bit."""
+    synced = _trains(_launch(tmp_path, "layerwise-legacy", ITERS, *LAYERWISE_LEGACY))
+    overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
+    overlapped = _launch(tmp_path, "layerwise-overlap", ITERS, *LAYERWISE_LEGACY, *overlap)
+    assert _step_losses(overlapped) == synced
 
 
 def test_torch_adam_seeded_for_loading_keeps_its_step():
