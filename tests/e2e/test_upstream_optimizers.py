@@ -1,6 +1,7 @@
 """Upstream's other optimizers through pretrain_gpt.py on upstream's loop (base megatron-core
 0.19.2): ``--optimizer adaptive_muon``, ``lion`` and ``soap`` (package emerging-optimizers, pinned
-0.3.0) and LayerWise Muon on its legacy path, on 2 ranks (gloo CPU ranks where CUDA is absent).
+0.3.0), LayerWise Muon on its legacy path, and MuP with upstream's Muon and ours, on 2 ranks (gloo
+CPU ranks where CUDA is absent).
 
     .venv/bin/python -m pytest -q tests/e2e/test_upstream_optimizers.py
 
@@ -70,6 +71,26 @@ def test_layer_wise_legacy_path_trains_on_gloo(tmp_path):
     overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
     overlapped = _launch(tmp_path, "layerwise-overlap", ITERS, *LAYERWISE_LEGACY, *overlap)
     assert _step_losses(overlapped) == synced
+
+
+MUP = "--use-mup --mup-base-hidden-size 32 --muon-fp32-matmul-prec high".split()
+# learned absolute position embeddings are AdamW's in ours, Muon's in upstream's (it does not mark
+# them as embeddings): rotary embeddings leave no param where the two Muons differ
+ROPE = "--position-embedding-type rope --no-rope-fusion".split()
+
+
+def test_mup_runs_the_same_with_our_muon_as_with_upstreams(tmp_path):
+    """MuP (--use-mup, width multiplier 2: the model's multipliers and upstream's optimizer
+    overrides, which leave Muon's matrices to Muon's own scale) with upstream's Muon and with
+    ours under the DistributedOptimizer: Newton-Schulz in fp32 on both sides ('high' is fp32 on
+    CPU; 'medium', the default, is bf16, which the two round apart: test_ns_matches_upstream),
+    the same losses to the 7 digits printed."""
+    ours = "--muon-impl megatron_muon --use-distributed-optimizer".split()
+    theirs = _launch(tmp_path, "mup-upstream", ITERS, "--optimizer", "muon", *MUP, *ROPE)
+    mine = _launch(tmp_path, "mup-ours", ITERS, "--optimizer", "muon", *ours, *MUP, *ROPE)
+    assert "Both MuP and muon_scale_mode=spectral are enabled" in theirs  # MuP's overrides ran
+    assert "Both MuP and muon_scale_mode=spectral are enabled" in mine
+    assert _trains(mine) == _trains(theirs)
 
 
 def test_torch_adam_seeded_for_loading_keeps_its_step():
