@@ -51,7 +51,7 @@ class TinyGPT:
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "alltoall"  # allgather avoids the alltoall's CUDA events
-    moe_grouped_gemm: bool = False  # True: the legacy GroupedMLP (needs grouped_gemm to run)
+    moe_grouped_gemm: bool = False  # the local spec builds SequentialMLP either way (0.19)
     extra: dict = field(default_factory=dict)  # further TransformerConfig fields
 
 

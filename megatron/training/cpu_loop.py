@@ -25,8 +25,8 @@ module, so a test sees both a stand-in that is no longer reached and one reached
   - **T6** ``build_pretraining_data_loader``'s DataLoader draws its worker seed from torch's
     global generator when an iterator is made. On CPU that generator is also the "CUDA" one that
     dropout uses, and upstream makes the iterators after loading a checkpoint: a resumed run's
-    dropout would be shifted. The loader gets its own generator (seeded with ``--seed``), as our
-    0.16.1 loop does; on GPUs nothing changes.
+    dropout would be shifted. The loader gets its own generator (seeded with ``--seed``); on
+    GPUs nothing changes.
   - **T7** ``validate_args`` reads the GPU architecture (``get_device_arch_version``, through
     ``torch.cuda.get_device_properties``) with TP or CP > 1, and a CPU has none: 0 there, as a
     pre-Blackwell GPU, so upstream's rules for those (``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP)

@@ -1,4 +1,4 @@
-"""CPU mode: run megatron-core 0.16.1 on a machine without CUDA (development, CI, laptops).
+"""CPU mode: run megatron-core 0.19.2 on a machine without CUDA (development, CI, laptops).
 
     from megatron.training import cpu_mode
     cpu_mode.enable_if_needed()   # before building models; a no-op where CUDA is available
@@ -6,7 +6,7 @@
 Active only when ``torch.cuda.is_available()`` is false, or when ``MEGATRON_CPU_MODE=1`` asks for
 it. It leaves the GPU path untouched: nothing here runs unless enabled.
 
-What it redirects (the CUDA assumptions of megatron-core 0.16.1 found on CPU):
+What it redirects (the CUDA assumptions of megatron-core found on CPU):
 
 * ``device='cuda'``, a CUDA device index and ``Tensor.cuda()``: a ``TorchFunctionMode`` rewrites
   CUDA devices to the CPU at the call. torch runs ``autograd.Function.apply`` and

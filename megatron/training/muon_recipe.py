@@ -7,27 +7,19 @@ that set them (a test checks that the flags parse to the fields):
 
 * ``muon_matched_adamw_rms=0.2``: update scale 0.2 sqrt(max(m, n)), so AdamW's lr and weight
   decay carry over (Moonlight);
-* Nesterov (``muon_nesterov``; megatron-core 0.16.1: ``muon_use_nesterov``), ``muon_momentum=0.95``;
+* Nesterov (``muon_nesterov``), ``muon_momentum=0.95``;
 * ``muon_coefficient_type='simple'``: Keller Jordan's Newton-Schulz coefficients;
 * ``muon_tp_mode='duplicated'``: exact under tensor parallelism (the same numbers as TP=1);
-* ``muon_impl='megatron_muon'`` where the base has it (>= 0.17): this fork's Muon, not
-  upstream's emerging-optimizers one, which ``optimizer='muon'`` builds there by default.
+* ``muon_impl='megatron_muon'``: this fork's Muon, not upstream's emerging-optimizers one,
+  which ``optimizer='muon'`` builds by default.
 """
-
-import dataclasses
-
-from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer.muon_config import nesterov_field
 
 
 def _recipe() -> dict:
-    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    # 0.16.1: no muon_impl field; optimizer='muon' is ours
-    impl = {"muon_impl": "megatron_muon"} if "muon_impl" in fields else {}
     return {
-        **impl,
+        "muon_impl": "megatron_muon",
         "muon_matched_adamw_rms": 0.2,
-        nesterov_field(OptimizerConfig): True,
+        "muon_nesterov": True,
         "muon_momentum": 0.95,
         "muon_coefficient_type": "simple",
         "muon_tp_mode": "duplicated",

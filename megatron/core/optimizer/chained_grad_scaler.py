@@ -2,7 +2,7 @@
 
 With expert parallelism megatron-core builds one Megatron optimizer for the dense params and one
 for the expert params, each with its own grad scaler, while the loss is scaled by the first
-one's scale (``ChainedOptimizer.get_loss_scale``). 0.16.1 updated each scaler with its own
+one's scale (``ChainedOptimizer.get_loss_scale``). Upstream updates each scaler with its own
 optimizer's inf/NaN check: an inf only in expert grads skips the step (rightly, the chain ORs
 the checks) but backs off the expert scaler alone, and from then on the expert grads are
 unscaled by a scale the loss was not scaled by (twice too large after one backoff; the growth

@@ -1,10 +1,10 @@
 """torch Adam/AdamW under the DistributedOptimizer: upstream's checkpoint format, resumable.
 
 Without Transformer Engine or Apex, Megatron's Adam is torch's ``Adam``/``AdamW``, and plain
-megatron-core 0.16.1 cannot resume it from any DistOpt checkpoint. Patch
+megatron-core (0.16.1, 0.19.2) cannot resume it from any DistOpt checkpoint. Patch
 ``0009-distopt-torch-adam-checkpoint-repairs.patch`` calls the repairs below from
 ``distrib_optimizer.py``; the checkpoint *format* stays upstream's, so a checkpoint written by
-plain megatron-core 0.16.1 loads here and one written here loads wherever upstream can load:
+plain megatron-core loads here and one written here loads wherever upstream can load:
 
 1. ``state_dict()`` asserts that all params share one ``step``; a fresh optimizer has none, and
    ``sharded_state_dict(is_loading=True)`` calls it before anything is loaded
@@ -18,7 +18,7 @@ plain megatron-core 0.16.1 loads here and one written here loads wherever upstre
    increments once per param per step: wrong bias correction after resume (``unshare_steps``).
 4. ``fully_reshardable`` slices the dp-zero gather (buckets' unpadded parts, concatenated) at
    ``param_index_map`` offsets that count the padding ending each bucket: every param after the
-   first bucket was saved shifted (fixed upstream after 0.16.1 by NVIDIA/Megatron-LM#5077).
+   first bucket was saved shifted (on 0.16.1; NVIDIA/Megatron-LM#5077) or is loaded shifted.
    ``distopt_layout.unpadded_index_map`` gives the offsets the gathered tensors have. A
    ``fully_reshardable`` checkpoint that plain 0.16.1 wrote with several buckets per buffer
    (``overlap_grad_reduce``) holds that shifted state; no loader can restore it.
@@ -46,7 +46,7 @@ def unshare_steps(optimizer: torch.optim.Optimizer) -> None:
 def copy_state(destination: dict, source: dict) -> None:
     """Copy a param's main param and state tensors from ``source``; ``step`` is not one of them
     (load_state_dict restores it from the param groups), nor is a non-tensor source value
-    (megatron-core 0.19's loaders pass some; 0.16.1's only tensors).
+    (megatron-core 0.19's loaders pass some).
 
     Args:
         destination: {key: tensor} of this rank's shard, written in place.

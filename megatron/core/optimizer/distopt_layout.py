@@ -2,7 +2,7 @@
 
 The Muon exchange (``muon_distopt.py``), the declared-state checkpoints
 (``muon_checkpoint*.py``) and the torch Adam checkpoint repairs (``distopt_adam_checkpoint.py``)
-all read megatron-core 0.16.1's layout from here, so that they agree on it:
+all read megatron-core's layout from here, so that they agree on it:
 
 * DDP packs params into per-buffer, per-bucket flat tensors; ``param_index_map[p] = (start, end,
   bucket_id)`` counts from the buffer's start, *with* the padding that ends every bucket (to a

@@ -1,8 +1,8 @@
 """Muon for megatron-core: the public names (upstream's, kept for its callers).
 
-Replaces upstream 0.16.1's emerging_optimizers-based ``muon.py``, and on megatron-core 0.19 its
-shim of the same name: there ``get_megatron_muon_optimizer`` keeps upstream's behaviour unless
-the config asks for this Muon (``muon_impl='megatron_muon'``). The layering, leaves first:
+Replaces upstream's shim of the same name (megatron-core 0.19.2): ``get_megatron_muon_optimizer``
+keeps upstream's behaviour unless the config asks for this Muon (``muon_impl='megatron_muon'``).
+The layering, leaves first:
 
 * ``muon_config.py``: vocabularies and defaults (one home), config validation;
 * ``newton_schulz.py``: pure Newton-Schulz;
@@ -70,7 +70,7 @@ def get_megatron_muon_optimizer(
     Returns:
         A ``MegatronOptimizer`` (a ``ChainedOptimizer`` for dense and expert parts).
     """
-    if getattr(config, "muon_impl", "megatron_muon") != "megatron_muon":  # 0.16.1: no field
+    if config.muon_impl != "megatron_muon":
         if layer_wise_distributed_optimizer and not config.optimizer.startswith("dist_"):
             raise ValueError(  # upstream 0.19's words
                 "Layer-wise distributed optimizer is enabled by dist_ prefix in optimizer name."

@@ -37,8 +37,7 @@ from .optimizer import param_group_identifier_keys
 
 FORMAT = "declared-state-distopt/1"
 MARK = "declared_state_checkpoint"  # key of the format marker in DistOpt.state_dict()
-# 0.16.1: upstream's keys lack use_muon; patch 0012 adds it to them (no duplicate)
-GROUP_IDENTITY = tuple(dict.fromkeys((*param_group_identifier_keys, "use_muon")))
+GROUP_IDENTITY = param_group_identifier_keys  # use_muon among them (patch 0012)
 
 
 def declared(distopt):

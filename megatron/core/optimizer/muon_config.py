@@ -2,7 +2,7 @@
 
 A leaf module (no torch, nothing of ours): ``OptimizerConfig`` (patch
 ``0001-optimizer-config-muon.patch``) takes its ``muon_*`` defaults from here, and so do the
-``Muon`` optimizer and the Newton-Schulz functions. Fields that upstream megatron-core 0.16.1
+``Muon`` optimizer and the Newton-Schulz functions. Fields that upstream megatron-core
 defines keep upstream's defaults and meanings; the fields we add default to off.
 
 The seed's recipe (matched AdamW RMS 0.2, Nesterov, Keller Jordan's ``simple`` coefficients,
@@ -33,7 +33,7 @@ MATMUL_PRECISIONS: tuple[str, ...] = get_args(MatmulPrecision)
 EXCHANGE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 MUON_IMPLS: tuple[str, ...] = ("emerging", "megatron_muon")
 
-# Upstream 0.16.1's OptimizerConfig defaults (same values, same meanings).
+# Upstream's OptimizerConfig defaults (same values, same meanings).
 DEFAULT_MOMENTUM = 0.95
 DEFAULT_SPLIT_QKV = True
 DEFAULT_NESTEROV = False
@@ -42,10 +42,10 @@ DEFAULT_PRECISION: MatmulPrecision = "medium"  # bf16 Newton-Schulz matmuls
 DEFAULT_STEPS = 5
 DEFAULT_TP_MODE: TPMode = "blockwise"
 DEFAULT_EXTRA_SCALE_FACTOR = 1.0
-# What upstream 0.16.1 runs (TensorParallelMuon's coefficient_type, not a config field there).
+# Upstream's muon_coefficient_type default.
 DEFAULT_COEFFICIENTS: CoefficientType = "quintic"
-# Ours: off unless asked for. On 0.19.2 optimizer='muon' is upstream's (emerging_optimizers)
-# unless muon_impl='megatron_muon' (patch 0001); 0.16.1 has no such field.
+# Ours: off unless asked for. optimizer='muon' is upstream's (emerging_optimizers) unless
+# muon_impl='megatron_muon' (patch 0001).
 DEFAULT_MUON_IMPL: MuonImpl = "emerging"
 DEFAULT_MATCHED_ADAMW_RMS: Optional[float] = None
 DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
@@ -57,18 +57,9 @@ DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / max(||X||_F, eps), as ups
 
 
 def is_megatron_muon(config) -> bool:
-    """True where ``config`` asks for this fork's Muon: ``optimizer='muon'`` and, on bases that
-    also ship upstream's emerging-optimizers Muon, ``muon_impl='megatron_muon'``."""
-    # 0.16.1: no muon_impl field; optimizer='muon' is ours
-    return config.optimizer == "muon" and getattr(config, "muon_impl", "megatron_muon") == (
-        "megatron_muon"
-    )
-
-
-def nesterov_field(config) -> str:
-    """The name of ``config``'s Nesterov switch: ``muon_nesterov`` (megatron-core >= 0.17)."""
-    # 0.16.1: muon_use_nesterov (renamed muon_nesterov upstream in 0.17)
-    return "muon_nesterov" if hasattr(config, "muon_nesterov") else "muon_use_nesterov"
+    """True where ``config`` asks for this fork's Muon: ``optimizer='muon'`` and
+    ``muon_impl='megatron_muon'`` (upstream's emerging-optimizers Muon otherwise)."""
+    return config.optimizer == "muon" and config.muon_impl == "megatron_muon"
 
 
 def resolve_scale(
@@ -134,15 +125,15 @@ def validate_muon_config(config) -> None:
     for name, allowed in _CHOICES.items():
         value = getattr(config, name)
         _require(value in allowed, name, value, f"be one of {list(allowed)}")
-    impl = getattr(config, "muon_impl", None)  # 0.16.1: no such field
-    _require(impl is None or impl in MUON_IMPLS, "muon_impl", impl, f"be one of {list(MUON_IMPLS)}")
-    for name in ("muon_split_qkv", nesterov_field(config)):
+    impl = config.muon_impl
+    _require(impl in MUON_IMPLS, "muon_impl", impl, f"be one of {list(MUON_IMPLS)}")
+    for name in ("muon_split_qkv", "muon_nesterov"):
         _require(isinstance(getattr(config, name), bool), name, getattr(config, name), "be a bool")
     mu = config.muon_momentum
     _require(0.0 <= mu < 1.0, "muon_momentum", mu, "be a float in [0, 1)")
     steps = config.muon_num_ns_steps
     ok = isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1
-    # "num_ns_steps must be at least 1": upstream 0.16.1's words for the same check
+    # "num_ns_steps must be at least 1": upstream's words for the same check
     _require(ok, "muon_num_ns_steps", steps, "be at least 1 (an int >= 1)")
     factor = config.muon_extra_scale_factor
     _require(factor > 0, "muon_extra_scale_factor", factor, "be a float > 0")

@@ -31,7 +31,6 @@ from .muon_config import (
     EXCHANGE_DTYPES,
     TP_MODES,
     is_megatron_muon,
-    nesterov_field,
     validate_muon_config,
 )
 from .muon_distopt import attach
@@ -264,8 +263,8 @@ def check_muon_supported(config, model_chunks) -> None:
 
 
 def _check_not_upstream_muon_only(config) -> None:
-    """Refuse, by name, the settings of upstream's emerging-optimizers Muon (megatron-core >= 0.17)
-    that this Muon does not have; absent fields (0.16.1) pass."""
+    """Refuse, by name, the settings of upstream's emerging-optimizers Muon that this Muon does
+    not have."""
     refused = {
         "use_layer_wise_distributed_optimizer": (
             True,
@@ -289,9 +288,9 @@ def _check_not_upstream_muon_only(config) -> None:
 
 def check_experts_apart(model_chunks) -> None:
     """ValueError where one param holds several experts' matrices: Muon orthogonalizes each
-    expert's weight on its own (as over SequentialMLP in one process), but the legacy
-    ``GroupedMLP`` keeps all local experts in one ``weight1`` (``[hidden, experts x ffn]``)
-    and one ``weight2``, whose Newton-Schulz would mix the experts (and depend on EP).
+    expert's weight on its own (as over SequentialMLP in one process), but
+    ``moe_single_grouped_weight`` keeps all local experts in one param, whose Newton-Schulz
+    would mix the experts (and depend on EP).
 
     Args:
         model_chunks: the model chunks.
@@ -299,23 +298,11 @@ def check_experts_apart(model_chunks) -> None:
     Raises:
         ValueError: naming the module and the ways out.
     """
-    try:
-        from ..transformer.moe.experts import GroupedMLP
-    except ImportError:  # 0.16.1: the legacy GroupedMLP exists (removed upstream in 0.17)
-        GroupedMLP = ()
     configs = [getattr(c, "config", None) for c in model_chunks]
     if any(getattr(cfg, "moe_single_grouped_weight", False) for cfg in configs):
         raise ValueError(
             "optimizer='muon' with moe_single_grouped_weight=True: one param holds all local "
             "experts, which Muon would orthogonalize together; keep one weight per expert"
-        )
-    if GroupedMLP and any(isinstance(m, GroupedMLP) for c in model_chunks for m in c.modules()):
-        raise ValueError(
-            "optimizer='muon' with the legacy GroupedMLP experts (moe_grouped_gemm=True with "
-            "the local spec or moe_use_legacy_grouped_gemm=True): one param holds all local "
-            "experts, which Muon would orthogonalize together; use SequentialMLP "
-            "(moe_grouped_gemm=False) or TEGroupedMLP (Transformer Engine spec), whose params "
-            "are one matrix per expert"
         )
 
 
@@ -325,7 +312,7 @@ def muon_kwargs(config) -> dict:
         lr=config.lr,
         weight_decay=config.weight_decay,
         momentum=config.muon_momentum,
-        nesterov=getattr(config, nesterov_field(config)),
+        nesterov=config.muon_nesterov,
         ns_steps=config.muon_num_ns_steps,
         ns_coefficients=config.muon_coefficient_type,
         ns_precision=config.muon_fp32_matmul_prec,

@@ -2,14 +2,12 @@
 ``qk_clip_threshold``, ``log_max_attention_logit``, and our ``qk_clip_per_head``), called from
 ``__post_init__``.
 
-The fields are upstream's (0.16.1 declares them without checks); the refusals below are where the
+The fields are upstream's (declared there without these checks); the refusals below are where the
 clip (megatron/core/optimizer/qk_clip.py) cannot keep its promise that every head's logit ends at
 or below the threshold, so a run asking for it fails at configuration time on every rank alike.
 """
 
 import math
-
-from megatron.core import package_info
 
 
 def validate_qk_clip_config(config) -> None:
@@ -23,19 +21,11 @@ def validate_qk_clip_config(config) -> None:
                 "qk_clip_per_head does not apply to multi_latent_attention (upstream's MLA clip "
                 "has its own rule)"
             )
-    # 0.16.1: MLA refused; from 0.17 on (upstream's clip_qk caller in its training loop) the clip
-    # runs upstream's MLA clip (optimizer/qk_clip.py), so upstream's MLA configs stay valid.
-    if config.multi_latent_attention and (package_info.MAJOR, package_info.MINOR) >= (0, 17):
-        return  # upstream's MLA clip, upstream's rules
-    if config.multi_latent_attention and (config.qk_clip or config.log_max_attention_logit):
-        raise ValueError(
-            "qk_clip / log_max_attention_logit do not support multi_latent_attention: this "
-            "fork records logits in the local core attention and clips the fused linear_qkv; "
-            "MLA's q/kv up-projections (upstream's MLA clip, Transformer Engine only) are not "
-            "handled"
-        )
+    # MLA: the clip runs upstream's MLA clip (optimizer/qk_clip.py), upstream's rules
+    if config.multi_latent_attention:
+        return
     if not config.qk_clip:
-        return  # upstream 0.16.1 takes any alpha / threshold while the clip is off
+        return  # upstream takes any alpha / threshold while the clip is off
     alpha, tau = config.qk_clip_alpha, config.qk_clip_threshold
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"qk_clip_alpha must be in (0, 1), got {alpha}")

@@ -6,7 +6,7 @@ Engine or Apex.
 
 The stored weight is gamma, as in TE's and Apex's zero-centered norms, so weight decay pulls the
 scale towards 1 rather than 0 and checkpoints hold the same numbers as those backends.
-megatron-core 0.16.1's ``WrappedTorchNorm`` asserts the field is off; patch 0015 returns these
+megatron-core's ``WrappedTorchNorm`` asserts the field is off; patch 0015 returns these
 modules instead.
 """
 
