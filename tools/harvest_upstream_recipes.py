@@ -16,6 +16,7 @@ upstream's functional-test launcher runs a model_config with pretrain_gpt.py unl
 otherwise).
 """
 
+import argparse
 import re
 import subprocess
 import sys
@@ -52,8 +53,12 @@ def flag_names(model_args: dict) -> list:
     return [name for name, value in model_args.items() if value is not False]
 
 
-def main(argv: list) -> int:
-    git_dir, ref = argv[0], argv[1] if len(argv) > 1 else "core_v0.19.0"
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("git_dir", help="a Megatron-LM git directory (clone or bare mirror)")
+    parser.add_argument("ref", nargs="?", default="core_v0.19.0", help="a tag or commit")
+    args = parser.parse_args(argv)
+    git_dir, ref = args.git_dir, args.ref
     commit = _git(git_dir, "rev-parse", f"{ref}^{{commit}}").strip()
     files = _git(git_dir, "ls-tree", "-r", "--name-only", commit, "tests").split()
     scripts = scripts_of(git_dir, commit, files)
@@ -79,4 +84,4 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

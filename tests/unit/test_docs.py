@@ -226,7 +226,8 @@ def child_cases(found: dict) -> dict:
             elif kind in ("fragment", "retired"):
                 cases[name] = {"argv": FRAGMENT_BASE + details, "world_size": 1}
             elif kind == "tool" and details[0] not in NON_ARGPARSE:
-                cases[name] = {"tool": str(ROOT / details[0]), "argv": details[1]}
+                if not local_problems(kind, details):  # a script of ours with argparse: only
+                    cases[name] = {"tool": str(ROOT / details[0]), "argv": details[1]}
     for tool in sorted(set(TOOL_FLAGS.values())):
         if tool.endswith(".py"):
             cases[f"options:{tool}"] = {"tool": str(ROOT / tool), "argv": []}

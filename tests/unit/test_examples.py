@@ -92,20 +92,21 @@ DRIVER = textwrap.dedent(
     def tool(case):
         \"\"\"A script of ours run as __main__ up to its argparse parse_args, which parses the
         case's argv with the parser the script built: its option strings, or the error.\"\"\"
-        parse, found = argparse.ArgumentParser.parse_args, []
+        Parser, found = argparse.ArgumentParser, []
+        parse, parse_known = Parser.parse_args, Parser.parse_known_args
 
         def grab(parser, args=None, namespace=None):
             found.append(parser)
             raise Parsed
 
-        argparse.ArgumentParser.parse_args = grab
+        Parser.parse_args = Parser.parse_known_args = grab
         sys.argv = [case["tool"], *case["argv"]]
         try:
             runpy.run_path(case["tool"], run_name="__main__")
         except Parsed:
             pass
         finally:
-            argparse.ArgumentParser.parse_args = parse
+            Parser.parse_args, Parser.parse_known_args = parse, parse_known
         if not found:
             return {"error": "no argparse", "message": case["tool"] + " parsed nothing"}
         parse(found[0], case["argv"])
