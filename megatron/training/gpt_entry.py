@@ -10,7 +10,9 @@ checkpointing, rerun state machine and signal handler as they are.
 Where CUDA is absent the run takes gloo CPU ranks (``cpu_loop``: ``cpu_mode`` plus the stand-ins
 that upstream's loop needs); on GPUs nothing of that is installed (``cpu_loop``'s packaging
 stand-in aside). Flags are upstream's (``--help``); the variants this entry does not build
-(``--spec``, ``--yaml-cfg``, SFT, FIM, experimental attention, heterogeneous layers) are refused.
+(``--spec``, ``--yaml-cfg``, SFT, heterogeneous layers, ...: ``REFUSED``) are refused, and so, where
+Transformer Engine is absent, are the features only it provides (``NEEDS_TE``), each naming the
+way out.
 """
 
 import argparse
@@ -25,6 +27,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    get_transformer_block_with_experimental_attention_variant_spec,
+    get_transformer_layer_with_experimental_attention_variant_spec,
+)
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
@@ -44,6 +50,7 @@ from megatron.training.arguments import (
     core_transformer_config_from_args,
     parse_and_validate_args,
 )
+from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron.core import mpu
@@ -57,12 +64,47 @@ REFUSED = (
     ("--spec", "spec"),
     ("--yaml-cfg", "yaml_cfg"),
     ("--sft", "sft"),
-    ("--fim-data", "fim_data"),
-    ("--experimental-attention-variant", "experimental_attention_variant"),
     ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path"),
     ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"),
     ("--hybrid-context-parallel", "hybrid_context_parallel"),
 )
+
+# (flag, args attribute, the way out) of what only Transformer Engine provides: refused where it is
+# not installed or not the layers' implementation; with it, built as upstream builds them.
+NEEDS_TE = (
+    (
+        "--experimental-attention-variant",
+        "experimental_attention_variant",
+        "upstream builds its layers with Transformer Engine only; on a machine with TE give "
+        "--transformer-impl transformer_engine, else drop it (standard attention)",
+    ),
+    (
+        "--fp8-format",
+        "fp8",
+        "without TE upstream's layers would train without fp8, silently; drop the fp8 flags "
+        "(--fp8-format, --fp8-recipe, --fp8-param-gather, ...) and train with --bf16",
+    ),
+    (
+        "--fp4-format",
+        "fp4",
+        "without TE upstream's layers would train without fp4, silently; drop the fp4 flags and "
+        "train with --bf16",
+    ),
+)
+# Of NEEDS_TE, those refused with --transformer-impl local even where TE is installed
+TE_LAYERS_ONLY = ("experimental_attention_variant",)
+
+
+def te_refusals(args, have_te: bool) -> list:
+    """The NEEDS_TE messages that apply to ``args`` where TE is (not) installed."""
+    local = args.transformer_impl != "transformer_engine"
+    return [
+        f"{flag} needs Transformer Engine"
+        + (" layers (--transformer-impl local given)" if have_te else ", which is not installed")
+        + f": {way_out}"
+        for flag, name, way_out in NEEDS_TE
+        if getattr(args, name, None) and (not have_te or (local and name in TE_LAYERS_ONLY))
+    ]
 
 
 def model_provider(
@@ -79,6 +121,8 @@ def model_provider(
     mtp_spec = None
     if args.mtp_num_layers is not None:
         last = spec.layer_specs[-1] if hasattr(spec, "layer_specs") and spec.layer_specs else None
+        if last is not None and args.experimental_attention_variant is not None:
+            last = get_transformer_layer_with_experimental_attention_variant_spec(config=config)[-1]
         mtp_spec = get_gpt_mtp_block_spec(
             config, last or _layer_spec(args, config, use_te, None, dense=True), use_te, vp_stage
         )
@@ -103,6 +147,10 @@ def model_provider(
 
 
 def _layer_spec(args, config, use_te, vp_stage, dense=False):
+    if args.experimental_attention_variant is not None and not dense:  # TE only (NEEDS_TE)
+        return get_transformer_block_with_experimental_attention_variant_spec(
+            config=config, vp_stage=vp_stage
+        )
     if args.num_experts and not dense:
         return get_gpt_decoder_block_spec(
             config,
@@ -124,9 +172,26 @@ def _layer_spec(args, config, use_te, vp_stage, dense=False):
 
 
 def dataset_config(args) -> GPTDatasetConfig:
-    """The GPT dataset config of the data flags, with the tokenizer upstream's setup built."""
+    """The GPT dataset config of the data flags, with the tokenizer upstream's setup built
+    (``--fim-data``: the FIM dataset's config, with upstream's FIM flags)."""
     blend, blend_per_split = get_blend_and_blend_per_split(args)
-    return GPTDatasetConfig(
+    fim = {}
+    if args.fim_data:
+        fim = dict(
+            fim_rate=args.fim_rate,
+            fim_spm_rate=args.fim_spm_rate,
+            fim_extra_tokens={
+                "prefix": args.fim_prefix_token,
+                "middle": args.fim_middle_token,
+                "suffix": args.fim_suffix_token,
+                "pad": args.fim_pad_token,
+                "eod": args.fim_eod_token,
+            },
+            fim_split_sample=args.fim_split_sample,
+            fim_fragment_rate=args.fim_fragment_rate,
+            fim_no_prefix=args.fim_no_prefix,
+        )
+    return (GPTFIMDatasetConfig if args.fim_data else GPTDatasetConfig)(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
@@ -150,6 +215,7 @@ def dataset_config(args) -> GPTDatasetConfig:
         context_parallel_size=args.context_parallel_size,
         data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+        **fim,
     )
 
 
@@ -171,10 +237,11 @@ def _has_mtp(vp_stage) -> bool:
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """(train, valid, test) GPT datasets (``--mock-data``: MockGPTDataset) from megatron-core's
-    builder; every rank calls it, the readers build."""
+    """(train, valid, test) GPT datasets (``--mock-data``: MockGPTDataset, ``--fim-data``:
+    upstream's GPTFIMDataset) from megatron-core's builder; every rank calls it, the readers
+    build."""
     args = get_args()
-    kind = MockGPTDataset if args.mock_data else GPTDataset
+    kind = MockGPTDataset if args.mock_data else GPTFIMDataset if args.fim_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(
         kind, train_val_test_num_samples, partial(_reads_data, vp_stage), dataset_config(args)
@@ -280,11 +347,15 @@ def main() -> int:
     refused = [flag for flag, name in REFUSED if getattr(args, name, None)]
     if refused:
         return _fail(f"not built by this entry: {' '.join(refused)}")
-    if args.transformer_impl == "transformer_engine" and not _has("transformer_engine"):
-        return _fail(
+    have_te = _has("transformer_engine")
+    needs_te = te_refusals(args, have_te)
+    if args.transformer_impl == "transformer_engine" and not have_te:
+        needs_te.append(
             "--transformer-impl transformer_engine (the default) needs Transformer Engine, "
             "which is not installed: give --transformer-impl local"
         )
+    if needs_te:
+        return _fail("; ".join(needs_te))
     with warnings.catch_warnings():  # "use a ModelConfig": this entry gives a model provider
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         config = pretrain_cfg_container_from_args(args, None)

@@ -7,7 +7,9 @@ of their flags has the corpus's eod and ids, and megatron-core's GPT datasets of
 read hold documents.
 
 Upstream's parser runs in one child process for every case (importing upstream's
-megatron.training takes tens of seconds), and each test reads its case's outcome.
+megatron.training takes tens of seconds), and each test reads its case's outcome
+(``run_parse_child``; tests/unit/test_docs.py runs the documentation's commands through it too,
+our bench and tools scripts' with their own argparse: a case with ``tool``).
 
 Negative controls (checked by hand): ``--muon-use-nesterov`` (0.16.1's spelling) in an example
 fails its parse (unknown flag); dropping ``--muon-nesterov`` from cpu_quickstart.sh fails
@@ -57,7 +59,7 @@ ARGS = (  # the args attributes each case reports
 
 DRIVER = textwrap.dedent(
     """
-    import contextlib, dataclasses, io, json, os, sys, traceback
+    import argparse, contextlib, dataclasses, io, json, os, runpy, sys, traceback
     from megatron.training import arguments, cpu_loop, global_vars, training
 
     cpu_loop.install()  # a CPU has no GPU architecture for validate_args to read with TP > 1
@@ -84,8 +86,44 @@ DRIVER = textwrap.dedent(
         return {"eod": tokenizer.eod, "vocab_size": tokenizer.vocab_size,
                 "samples": list(samples), "documents": docs}
 
+    class Parsed(BaseException):
+        \"\"\"Raised where a tool's main parses its command line: nothing of it runs.\"\"\"
+
+    def tool(case):
+        \"\"\"A script of ours run as __main__ up to its argparse parse_args, which parses the
+        case's argv with the parser the script built: its option strings, or the error.\"\"\"
+        Parser, found = argparse.ArgumentParser, []
+        parse, parse_known = Parser.parse_args, Parser.parse_known_args
+
+        def grab(parser, args=None, namespace=None):
+            found.append(parser)
+            raise Parsed
+
+        Parser.parse_args = Parser.parse_known_args = grab
+        sys.argv = [case["tool"], *case["argv"]]
+        try:
+            runpy.run_path(case["tool"], run_name="__main__")
+        except Parsed:
+            pass
+        finally:
+            Parser.parse_args, Parser.parse_known_args = parse, parse_known
+        if not found:
+            return {"error": "no argparse", "message": case["tool"] + " parsed nothing"}
+        parse(found[0], case["argv"])
+        return {"options": sorted(found[0]._option_string_actions)}
+
     results = {}
     for name, case in cases.items():
+        if "tool" in case:
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                    results[name] = tool(case)
+            except SystemExit as exc:
+                results[name] = {"error": f"SystemExit {exc.code}", "message": err.getvalue()}
+            except Exception as exc:
+                results[name] = {"error": type(exc).__name__, "message": traceback.format_exc()}
+            continue
         os.environ.update(WORLD_SIZE=str(case["world_size"]), RANK="0", LOCAL_RANK="0")
         sys.argv = ["pretrain_gpt.py", *case["argv"]]
         err = io.StringIO()
@@ -158,17 +196,23 @@ def _cases(cache: str) -> dict:
     return cases
 
 
-@pytest.fixture(scope="module")
-def outcome(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("examples")
+def run_parse_child(tmp, cases: dict, keys=ARGS) -> dict:
+    """{case name: outcome} of upstream's parse_args + validate_args (``argv``, ``world_size``,
+    optional ``cache``) or of our script's argparse (``tool``: its path, ``argv``), all in one
+    child process started in the folder ``tmp``."""
     (tmp / "driver.py").write_text(DRIVER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    cases = _cases(str(tmp / "cache"))
-    cmd = [sys.executable, "driver.py", json.dumps(cases), json.dumps(ARGS), "out.json"]
+    cmd = [sys.executable, "driver.py", json.dumps(cases), json.dumps(keys), "out.json"]
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("examples")
+    return run_parse_child(tmp, _cases(str(tmp / "cache")))
 
 
 def _ok(outcome, name) -> dict:
