@@ -21,6 +21,7 @@ class PaddedWork:
         self._work, self._padded, self._gather_list = work, padded, gather_list
 
     def wait(self) -> bool:
+        """Wait for the gather, then copy each rank's part from its padded buffer (once)."""
         if self._work is not None:
             self._work.wait()
             _unpad(self._gather_list, self._padded)
