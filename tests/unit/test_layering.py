@@ -1,4 +1,5 @@
-"""Layering of megatron/core/optimizer's Muon modules: no import circles, no CPU shim in core.
+"""Layering of our megatron/ files: no import circles (the Muon modules of megatron/core/optimizer
+and, at the end, every file of ours with the upstream files our patches edit), no CPU shim in core.
 
 Two views of the same rule. Statically, every ``import`` of one of our optimizer modules by
 another (function-level imports included: a lazy import only hides a circle) forms a graph that
@@ -118,3 +119,78 @@ print('ok', len({OURS!r}))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["ok", str(len(OURS))]
+
+
+# ----------------------------------------------------------------- all of our megatron/ files
+# Nodes: each of our modules, and each upstream module our patches edit (they import ours, so a
+# circle can close through them). Upstream modules nobody patched are left out: a circle through
+# them alone would need an unpatched upstream file to import ours, which none does.
+def _module_name(path: Path) -> str:
+    parts = path.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _tree_nodes() -> dict[str, Path]:
+    ours = {_module_name(p.relative_to(ROOT)): p for p in (ROOT / "megatron").rglob("*.py")}
+    patched = set()
+    for patch in (ROOT / "patches").glob("*.patch"):
+        for line in patch.read_text().splitlines():
+            if line.startswith("+++ b/"):
+                patched.add(line[len("+++ b/") :])
+    for rel in sorted(patched):
+        if rel.endswith(".py") and (fork.FORK_DIR / rel).exists():
+            ours.setdefault(_module_name(Path(rel)), fork.FORK_DIR / rel)
+    return ours
+
+
+def _tree_imports(name: str, path: Path, nodes) -> set[str]:
+    """The nodes ``name`` imports anywhere in its file (relative imports resolved)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for target in targets:
+            while target and target not in nodes:  # a.b.c -> a.b: the module that holds c
+                target = target.rpartition(".")[0]
+            # a module's own parent packages are imported before it, always: not an edge
+            if target and target != name and not name.startswith(target + "."):
+                found.add(target)
+    return found
+
+
+def _tree_graph() -> dict[str, set[str]]:
+    """Our files' imports of nodes; an upstream file's imports of our files only (the lines our
+    patches add: upstream's own imports among its modules are upstream's layering)."""
+    nodes = _tree_nodes()
+    ours = {n for n, p in nodes.items() if (ROOT / "megatron") in p.parents}
+    graph = {}
+    for name, path in nodes.items():
+        found = _tree_imports(name, path, nodes)
+        graph[name] = found if name in ours else found & ours
+    return graph
+
+
+def test_no_import_circle_among_all_our_megatron_files():
+    graph = _tree_graph()
+    ours = [n for n, p in _tree_nodes().items() if (ROOT / "megatron") in p.parents]
+    assert len(ours) >= 30 and "megatron.training.gpt_entry" in ours, ours
+    assert "megatron.core.optimizer.muon_megatron" in graph["megatron.core.optimizer"]
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_tree_graph_sees_a_circle_our_files_would_close():
+    # negative control: an import of gpt_entry from cpu_mode (which gpt_entry imports through
+    # cpu_loop) is a circle the whole-tree check reports
+    graph = _tree_graph()
+    graph["megatron.training.cpu_mode"] = graph["megatron.training.cpu_mode"] | {
+        "megatron.training.gpt_entry"
+    }
+    assert "megatron.training.cpu_mode" in (_cycle(graph) or [])
