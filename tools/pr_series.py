@@ -51,32 +51,27 @@ SERIES = [
         "factory hooks. muon_impl='megatron_muon' routes --optimizer muon to the standard path\n"
         "(DistributedOptimizer included); the default muon_impl='emerging' keeps upstream's\n"
         "emerging_optimizers Muon and LayerWise optimizer unchanged. muon.py keeps upstream's\n"
-        "public names.",
+        "public names. With use_distributed_optimizer the factory builds\n"
+        "MuonDistributedOptimizer, a DistributedOptimizer that plans one owner per matrix\n"
+        "(ZeRO-1 Muon, exact) and saves its inner optimizer's declared state in every DistOpt\n"
+        "checkpoint format (torch, torch_dist fully/dp-reshardable); a plain\n"
+        "DistributedOptimizer refuses such a checkpoint by name; use_muon joins\n"
+        "param_group_identifier_keys.",
         [
             OPT + "muon_tp.py",
             OPT + "muon_split.py",
             OPT + "muon_placement.py",
             OPT + "muon_plan.py",
             OPT + "muon_distopt.py",
+            OPT + "group_matching.py",
+            OPT + "muon_checkpoint.py",
+            OPT + "muon_checkpoint_sharded.py",
+            OPT + "muon_distrib_optimizer.py",
             OPT + "muon_megatron.py",
             OPT + "muon.py",
         ],
-        ["0002-optimizer-factory-muon.patch"],
-    ),
-    (
-        "distrib_optimizer: hand Muon its shard layout (ZeRO-1 Muon)",
-        "The DistributedOptimizer gives an inner optimizer that asks for it the shard layout, so\n"
-        "Muon orthogonalizes whole matrices exactly.",
-        [],
-        ["0010-distopt-muon-shard-layout.patch"],
-    ),
-    (
-        "distrib_optimizer: checkpoints for optimizers that declare their state",
-        "torch and torch_dist (fully_reshardable, dp_reshardable) DistOpt checkpoints use the\n"
-        "state keys the optimizer declares; use_muon joins param_group_identifier_keys, and\n"
-        "groups of one identity (--decoupled-lr's and the default) load in order.",
-        [OPT + "muon_checkpoint.py", OPT + "muon_checkpoint_sharded.py"],
         [
+            "0002-optimizer-factory-muon.patch",
             "0011-distopt-declared-state-checkpoint.patch",
             "0012-param-group-identity-use-muon.patch",
         ],
@@ -87,7 +82,7 @@ SERIES = [
         "group kept the last: a DistOpt resume gave the default group the decoupled lr bounds.\n"
         "The k-th saved group of an identity now loads into the k-th current one\n"
         "(group_matching.match_groups).",
-        [OPT + "group_matching.py"],
+        [],
         ["0016-distopt-param-groups-matched-in-order.patch"],
     ),
     (

@@ -208,10 +208,10 @@ def test_layer_wise_distributed_optimizer_runs_muon_through_distopt_with_a_notic
         (notice,) = ours["notices"]
         assert "layer_wise_distributed_optimizer=True" in notice and "deprecated" in notice
         if distopt:
-            assert ours["inner"] == ["DistributedOptimizer"]
+            assert ours["inner"] == ["MuonDistributedOptimizer"]
             assert "runs inside the DistributedOptimizer" in notice
         else:
-            assert ours["inner"] != ["DistributedOptimizer"]
+            assert ours["inner"] != ["MuonDistributedOptimizer"]
             assert "NOT sharded" in notice and "use_distributed_optimizer=True" in notice
 
 

@@ -3,8 +3,8 @@
 Upstream's DistOpt checkpoint code assumes Adam: every param carries ``exp_avg`` and
 ``exp_avg_sq`` and one ``step`` shared by all params. Muon params carry ``momentum_buffer``,
 AdamW params ``exp_avg``, ``exp_avg_sq`` and a per-param ``step``. When the inner optimizer
-offers ``state_keys(p)``, ``scalar_state_keys(p)`` and ``init_state(p)``, patch
-``0011-distopt-declared-state-checkpoint.patch`` routes the DistOpt checkpoint methods here.
+offers ``state_keys(p)``, ``scalar_state_keys(p)`` and ``init_state(p)``,
+``MuonDistributedOptimizer``'s checkpoint methods (``muon_distrib_optimizer.py``) call these.
 Every other optimizer (torch's Adam/AdamW, TE/Apex fused Adam) keeps upstream's code and
 format, so checkpoints written by plain megatron-core load as before (torch Adam's resume
 defects are repaired apart, in ``distopt_adam_checkpoint.py``). The layout (which rank holds

@@ -12,9 +12,10 @@ params, grad scaler, clipping and grad norm; ``ChainedOptimizer``). Patch
   whose groups are Megatron's groups, each split into a Muon half (``use_muon=True``: 2-D weights
   that are not embeddings or the output layer, expert weights included) and an AdamW half.
 
-Also here: upstream's ``TensorParallelMuon`` constructor on our optimizer, and the DistOpt
-attach. Tensor parallelism lives in ``muon_tp.py`` (the orthogonalizers), the plain optimizer in
-``muon_optimizer.py``; ``muon.py`` is the public face.
+Also here: upstream's ``TensorParallelMuon`` constructor on our optimizer. Under the
+DistributedOptimizer: ``muon_distrib_optimizer.py``. Tensor parallelism lives in ``muon_tp.py``
+(the orthogonalizers), the plain optimizer in ``muon_optimizer.py``; ``muon.py`` is the public
+face.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -33,7 +34,6 @@ from .muon_config import (
     is_megatron_muon,
     validate_muon_config,
 )
-from .muon_distopt import attach
 from .muon_functional import MuonParamInfo
 from .muon_optimizer import Muon
 from .muon_split import DEFAULT_LINKS, PlanLinks
@@ -403,9 +403,8 @@ class _PositionalInfo(dict):
 class MegatronMuon(Muon):
     """``Muon`` inside Megatron's optimizer wrappers and DistributedOptimizer.
 
-    Its per-param infos follow the fp32 main-param swap (``_PositionalInfo``), and the
-    DistributedOptimizer (patch 0010) hands it the shard layout through
-    ``attach_distributed_optimizer``.
+    Its per-param infos follow the fp32 main-param swap (``_PositionalInfo``); under the
+    DistributedOptimizer, ``MuonDistributedOptimizer`` attaches its shard layout and exchange.
 
     Args:
         params: param groups (``use_muon`` picks the rule), as for ``Muon``.
@@ -433,14 +432,6 @@ class MegatronMuon(Muon):
         built = self.param_info
         self.param_info = _PositionalInfo(self)
         self.param_info.update(built)
-
-    def attach_distributed_optimizer(self, distopt) -> None:
-        """Step DP-sharded params exactly; called by Megatron's DistributedOptimizer (ZeRO-1).
-
-        Args:
-            distopt: the ``DistributedOptimizer`` that just sharded this optimizer's params.
-        """
-        attach(distopt, self, self.distopt_exchange_dtype, links=self.distopt_plan_links)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``Muon.add_param_group``, remembering the group's infos by position."""
