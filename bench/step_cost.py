@@ -10,7 +10,13 @@ optimizer step) and the optimizer step alone, each the max over ranks, median ov
 DP=4 variants: AdamW+DistOpt, Muon+DistOpt (ours: one owner per matrix) with DDP's default (one
 bucket here) and with small buckets (``--overlap-grad-reduce``, one or two matrices per bucket,
 as at scale), and Muon+DistOpt with the gather-everything baseline (bench/gather_everything.py:
-every rank gathers every Muon bucket and orthogonalizes every matrix). Counted figures (exact,
+every rank gathers every Muon bucket and orthogonalizes every matrix). In bf16 (upstream's
+LayerWise refuses fp16 and fails in fp32), default and small buckets: AdamW+DistOpt, ours and
+upstream's Muon under its LayerWiseDistributedOptimizer (``UPSTREAM_MUON``; the seed recipe's
+settings where upstream has them), with per-variant counts from the real layouts: bytes per step
+of the whole iteration (DDP grad reduce-scatter and param all-gather of the padded buckets, our
+exchange; checked against the recorded collectives of the same step), buffer padding, DDP
+buffer, optimizer state and fp32 main-param bytes, NS FLOPs per rank. Counted figures (exact,
 not timed): the plan's parallel efficiency (ideal / critical path; tests tie it to the FLOPs a
 real step runs) for both bucket settings and, for comparison, the former bucket-by-bucket
 schedule; Newton-Schulz FLOPs per rank, bytes moved per step by the Muon exchange (sent +
