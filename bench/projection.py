@@ -101,6 +101,82 @@ def ddp_layout(numels: list[int], dp: int, bucket_size) -> list[tuple[int, int, 
     return buckets
 
 
+# LayerWiseDistributedOptimizer._compute_per_buffer_param_layout's constant (megatron-core 0.19.2)
+LAYER_WISE_PADDING_FLOOR = 0.9
+
+
+def layer_wise_layout(numels: list[int], dp: int, bucket_size) -> dict:
+    """Upstream's LayerWise layout rule (``LayerWiseDistributedOptimizer.
+    _compute_per_buffer_param_layout``, megatron-core 0.19.2) for the buffer of the Muon matrices
+    (``numels`` in ``named_parameters`` order): params walked in reverse into chunks, a chunk
+    closed once it holds >= ``max(bucket_size, int(dp * its largest param * 0.9))`` elements
+    (all in one without ``bucket_size``); each chunk bin-packed whole into ``dp`` shards (LPT:
+    largest first, stable, onto the least-filled shard, starts padded to 64 elements); every
+    shard padded to the fullest one, rounded up to ``lcm(64, lcm(dp, 128) / dp)``; shard ``s``
+    of a bucket is DP rank ``s``'s (``shard_params``). Returns ``index`` {param: (start, end,
+    bucket, owner)}, ``buckets`` [(start, end)], ``numel`` (the padded buffer) and ``padding``."""
+    divisor = math.lcm(64, math.lcm(dp, 128) // dp)
+    pad64 = lambda n: -(-n // 64) * 64  # noqa: E731
+    index, buckets = {}, []
+
+    def emit(chunk: list[int]) -> None:
+        if not chunk:
+            return
+        shards, cursors = [[] for _ in range(dp)], [0] * dp
+        for i in sorted(chunk, key=lambda i: -numels[i]):
+            s = min(range(dp), key=lambda s: cursors[s])
+            shards[s].append(i)
+            cursors[s] = pad64(cursors[s]) + numels[i]
+        shard = -(-max(cursors) // divisor) * divisor
+        start = buckets[-1][1] if buckets else 0
+        for s, members in enumerate(shards):
+            at = start + s * shard
+            for i in members:
+                at = pad64(at)
+                index[i] = (at, at + numels[i], len(buckets), s)
+                at += numels[i]
+        buckets.append((start, start + dp * shard))
+
+    chunk, held, largest = [], 0, 0
+    for i in reversed(range(len(numels))):
+        chunk.append(i)
+        held, largest = held + numels[i], max(largest, numels[i])
+        if bucket_size is not None:
+            if held >= max(bucket_size, int(dp * largest * LAYER_WISE_PADDING_FLOOR)):
+                emit(chunk)
+                chunk, held, largest = [], 0, 0
+    emit(chunk)
+    numel = buckets[-1][1] if buckets else 0
+    return {"index": index, "buckets": buckets, "numel": numel, "padding": numel - sum(numels)}
+
+
+def layer_wise(params: list[tuple], dp: int, bucket_size, model: NSCostModel) -> dict:
+    """Upstream's LayerWise Muon on this model, from its layout: the matrices (``info`` set; the
+    params ``is_managed_by_layer_wise_optimizer`` marks: 2-D, not embedding or output) in a
+    buffer of their own (``layer_wise_layout``), everything else in a DistOpt-style buffer
+    (``ddp_layout``). Each DP rank runs Newton-Schulz on the whole matrices of its shards
+    (``model.whole``: the TP mode's FLOPs per TP rank). Returns per-rank NS FLOPs, the owner of
+    each matrix, and both buffers' padded sizes (elements per TP rank)."""
+    muon = [i for i, (_, _, info) in enumerate(params) if info is not None]
+    rest = [i for i, (_, _, info) in enumerate(params) if info is None]
+    numel = lambda i: math.prod(params[i][1])  # noqa: E731
+    lw = layer_wise_layout([numel(i) for i in muon], dp, bucket_size)
+    flops = [0.0] * dp
+    owner = {}
+    for k, i in enumerate(muon):
+        rank = lw["index"][k][3]
+        owner[params[i][0]] = rank
+        flops[rank] += model.whole(params[i][2])
+    other = ddp_layout([numel(i) for i in rest], dp, bucket_size)
+    return {
+        "flops": flops,
+        "owner": owner,
+        "layout": lw,
+        "numel": lw["numel"] + (other[-1][1] if other else 0),
+        "matrix_numel": lw["numel"] - lw["padding"],
+    }
+
+
 def build_plan(params: list[tuple], dp: int, bucket_size, model: NSCostModel, window=None):
     """The optimizer's plan (rank 0's view; figures cover every rank) for this layout."""
     buckets, matrices = [], []
@@ -186,6 +262,13 @@ def project(model: str, dp: int, a) -> dict:
     floor = a.min_efficiency or None
     floored = floor and plan.rebuilt(model=dataclasses.replace(link_model, min_efficiency=floor))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
+    bucket = ddp_bucket_size(dp, not a.one_bucket)
+    lw = layer_wise(params, dp, bucket, link_model)
+    distopt_numel = ddp_layout([math.prod(shape) for _, shape, _ in params], dp, bucket)[-1][1]
+    # LayerWise's padded buffers, over DistOpt's one buffer, cost their grad reduce-scatter and
+    # param all-gather too: per direction (dp-1)/dp of the extra elements each (ring, duplex)
+    extra = lw["numel"] - distopt_numel
+    lw_comm = max(extra, 0) * (dp - 1) / dp * (a.grad_bytes + a.param_bytes) / link
     return {
         "model": model,
         "params": total,
@@ -212,6 +295,14 @@ def project(model: str, dp: int, a) -> dict:
         "unsplit_comm": exchange_seconds(unsplit, forward, back, link),
         "base_ns": sum(ns_cost(i, NS_STEPS) for i in infos) / rate,
         "base_comm": muon_bytes * (dp - 1) / dp / link,
+        "lw_ns": max(lw["flops"]) / rate,
+        "lw_efficiency": sum(lw["flops"]) / dp / max(lw["flops"]),
+        "lw_comm": lw_comm,
+        "lw_extra": extra,
+        "lw_buffer_ratio": lw["numel"] / distopt_numel,
+        "lw_buffer_gb": lw["numel"] * (a.grad_bytes + a.param_bytes) / 1e9,
+        "distopt_buffer_gb": distopt_numel * (a.grad_bytes + a.param_bytes) / 1e9,
+        "lw_idle": sum(1 for f in lw["flops"] if f == 0),
     }
 
 
@@ -241,6 +332,31 @@ def markdown(rows: list[dict]) -> str:
             f"| {_ms(r['unsplit_ns'])} + {_ms(r['unsplit_comm'])} ({r['unsplit_efficiency']:.2f}) "
             f"| {unsplit / r['step']:.1%} "
             f"| {_ms(r['base_ns'])} + {_ms(r['base_comm'])} | {base / r['step']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def layer_wise_markdown(rows: list[dict]) -> str:
+    """Ours beside upstream's LayerWise Muon (its layout rule: whole matrices bin-packed per
+    bucket, shards padded to the fullest), per row: Muon overhead per step and their ratio."""
+    lines = [
+        "| model | TP x DP (GPUs) | model step | ours: NS (+ gang) + exchange | ours overhead "
+        "| LayerWise: NS (efficiency, idle ranks) + padding RS/AG "
+        "| DDP buffers/GPU: LayerWise vs DistOpt | LayerWise overhead | ours / LayerWise "
+        "| LayerWise overhead, padding traffic hidden (NS only) | ours / that |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ours = (r["ns"] + r["comm"]) / r["step"]
+        lw = (r["lw_ns"] + r["lw_comm"]) / r["step"]
+        lines.append(
+            f"| {r['model']} | {r['tp']} x {r['dp']} ({r['gpus']}) | {_ms(r['step'])} "
+            f"| {_ms(r['ns_flops'])} (+ {_ms(r['ns'] - r['ns_flops'])}) + {_ms(r['comm'])} "
+            f"| {ours:.2%} "
+            f"| {_ms(r['lw_ns'])} ({r['lw_efficiency']:.3f}, {r['lw_idle']}) + {_ms(r['lw_comm'])} "
+            f"| {r['lw_buffer_gb']:.1f} vs {r['distopt_buffer_gb']:.1f} GB "
+            f"| {lw:.2%} | {ours / lw:.2f} "
+            f"| {r['lw_ns'] / r['step']:.2%} | {ours * r['step'] / r['lw_ns']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -315,6 +431,17 @@ def parse_args(argv=None):
         default=0.9,
         help="also plan with this --muon-plan-min-efficiency (0: no such column)",
     )
+    parser.add_argument(
+        "--grad-bytes",
+        type=int,
+        choices=[4, 2],
+        default=4,
+        help="DDP grad reduce-scatter dtype: 4 fp32 (Megatron-LM's default with bf16: "
+        "fp32 main grads), 2 bf16",
+    )
+    parser.add_argument(
+        "--param-bytes", type=int, choices=[4, 2], default=2, help="DDP param all-gather dtype"
+    )
     parser.add_argument("--dps", type=int, nargs="+", default=list(DPS))
     return parser.parse_args(argv)
 
@@ -331,6 +458,12 @@ def main(argv=None) -> list[dict]:
         + (f", {a.step_latency_us:g} us per gang ring step" if a.step_latency_us else "")
     )
     print(markdown(rows))
+    print(
+        "\nOurs vs upstream's LayerWise Muon (megatron-core 0.19.2's layout rule; padding traffic: "
+        f"the padded buffers' extra grad reduce-scatter ({a.grad_bytes} B) and param all-gather "
+        f"({a.param_bytes} B) over DistOpt's layout; buffers: params + grads per GPU)"
+    )
+    print(layer_wise_markdown(rows))
     return rows
 
 

@@ -105,10 +105,13 @@ def build_model(
     seed=0,
     invariant_init=True,
     ddp_extra=None,
+    layer_wise=False,
 ):
     """This rank's DDP-wrapped GPT chunks (one per virtual pipeline stage, else one),
     initialized layout-invariantly, with the schedule's callbacks set as Megatron-LM sets them.
-    ``ddp_extra``: further ``DistributedDataParallelConfig`` fields."""
+    ``ddp_extra``: further ``DistributedDataParallelConfig`` fields. ``layer_wise``: wrapped as
+    Megatron-LM wraps them for upstream's LayerWiseDistributedOptimizer (``--optimizer muon
+    --use-distributed-optimizer``, its param layout on: ``_wrap_layer_wise``)."""
     config = transformer_config(spec)
     vpp = config.virtual_pipeline_model_parallel_size
     ddp_config = DistributedDataParallelConfig(
@@ -126,13 +129,43 @@ def build_model(
             model = model.to(DTYPES[spec.dtype])
         if invariant_init:  # else Megatron's own init, which depends on the layout (control)
             layout_invariant_init(model, spec, seed)
+        if layer_wise:  # wrapped together below, as Megatron-LM's get_model does
+            chunks.append(model)
+            continue
         # Megatron-LM: only the first chunk uses buckets (later ones reduce at once)
         ddp = DistributedDataParallel(
             config=config, ddp_config=ddp_config, module=model, disable_bucketing=stage > 0
         )
         chunks.append(ddp)
+    if layer_wise:
+        chunks = _wrap_layer_wise(chunks, config, ddp_config)
     _hook_up_schedule(config, chunks, overlap_grad_reduce, overlap_param_gather)
     return chunks
+
+
+def _wrap_layer_wise(models: list, config, ddp_config) -> list:
+    """DDP chunks as Megatron-LM's ``get_model`` makes them for LayerWise (``--optimizer muon
+    --use-distributed-optimizer``, default ``--use-layer-wise-param-layout``): its bucket-size
+    rule, then ``wrap_model_chunks_with_ddp``, which tags the Muon matrices, gives them a buffer
+    of their own laid out by ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole
+    matrices bin-packed into DP shards) and the rest DistOpt's layout."""
+    from megatron.training.training import resolve_ddp_bucket_size, wrap_model_chunks_with_ddp
+
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    numel = sum(p.numel() for m in models for p in m.parameters())
+    overlap = ddp_config.overlap_grad_reduce
+    ddp_config.bucket_size = resolve_ddp_bucket_size(ddp_config, dp_cp, overlap, numel)
+    disable = [stage > 0 for stage in range(len(models))]
+    first = ps.get_pipeline_model_parallel_rank() == 0
+    sizes = [ddp_config.bucket_size if first and not off else None for off in disable]
+    return wrap_model_chunks_with_ddp(
+        models,
+        config,
+        ddp_config,
+        use_layer_wise_distributed_optimizer=True,
+        bucket_sizes=sizes,
+        disable_bucketing_per_chunk=disable,
+    )
 
 
 def _gpt(spec: TinyGPT, config: TransformerConfig, vp_stage) -> GPTModel:

@@ -144,3 +144,130 @@ def test_projection_layout_and_plan_are_the_real_ones():
             params, 2, LAYOUT_BUCKET, projection.cost_model(1, "duplicated")
         )
         assert len(real["buckets"]) > 2 and _plan_figures(plan) == real["plan"]
+
+
+# ------------------------------------------- upstream's LayerWise Muon beside ours (bf16, DP=2)
+
+
+def _three_way():
+    """AdamW+DistOpt, ours and upstream's LayerWise Muon as step_cost builds them (bf16, small
+    buckets), one step each with its collectives recorded; the counts and LayerWise's real
+    layout and assignment."""
+    from collectives import CollectiveRecorder
+    from tiny_gpt import global_batches, train_step
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.muon_megatron import muon_param_infos
+
+    spec, out = TinyGPT(), {}
+    (batch,) = global_batches(spec, 1)
+    for who in step_cost.THREE:
+        v = step_cost.BF16[(who, True)]
+        v = step_cost.Variant(v.overrides, bucket=BUCKET, dtype="bf16", layer_wise=v.layer_wise)
+        spec_v, model, optimizer = step_cost.build_variant(spec, v, distopt=True)
+        with CollectiveRecorder() as calls:
+            train_step(spec_v, model, optimizer, batch)
+        fig = step_cost.variant_counts(model, optimizer, calls)
+        fig["calls"] = [(c.op, c.numel, c.bytes) for c in calls]
+        fig["split"] = step_cost.muon_state_split(optimizer)
+        out[who] = fig
+        if who != "layerwise":
+            continue
+        named = list(model[0].module.named_parameters())
+        name = {p: n for n, p in named}
+        infos = muon_param_infos(OptimizerConfig(**MUON), model)
+        (lw,) = [o for o in distopts(optimizer) if type(o).__name__.startswith("LayerWise")]
+        (buffer,) = [b for b in model[0].buffers if b.params[0].is_managed_by_layer_wise_optimizer]
+        fig["params"] = [(n, tuple(p.shape), infos.get(p)) for n, p in named]
+        fig["index"] = {name[p]: v[:3] for p, v in buffer.param_index_map.items()}
+        fig["buckets"] = [tuple(b) for b in buffer.bucket_indices]
+        fig["padding"] = buffer.numel - sum(p.numel() for p in buffer.params)
+        fig["owners"] = [sorted(name[p] for p in ps) for ps in lw.dp_cp_params_list]
+        local = [
+            p
+            for leaf in step_cost.leaves(lw)
+            for g in leaf.optimizer.param_groups
+            for p in g["params"]
+        ]
+        fig["local_numel"] = sum(p.numel() for p in local)
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_way():
+    return run_distributed(_three_way, 2)
+
+
+def test_counted_bytes_of_the_whole_iteration_are_the_recorded_ones(three_way):
+    """Bytes per step counted from the DDP buffers (padding included) and our exchange are the
+    bytes of the collectives the step called, op by op; the rest is scalars (loss, grad norm)."""
+    for rank in three_way:
+        for who, fig in rank.items():
+            by_op = fig["recorded_by_op"]
+            assert by_op["reduce_scatter_tensor"] == fig["reduce_scatter"] > 0, who
+            assert by_op["all_gather_into_tensor"] == fig["all_gather"] > 0, who
+            exchange = by_op.get("all_to_all_single", 0) + by_op.get("batch_isend_irecv", 0)
+            assert exchange == fig["exchange"], who
+            assert (fig["exchange"] > 0) == (who == "ours"), who
+            # the rest moves bytes only as scalars (all-reduces over one-rank TP groups move none)
+            rest = ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
+            scalars = [c for c in fig["calls"] if c[0] not in rest and c[2] > 0]
+            assert all(op == "all_reduce" and numel <= 4 for op, numel, _ in scalars), scalars
+            assert fig["recorded"] - fig["total"] == sum(b for _, _, b in scalars)
+        # LayerWise pads its buffer: counting its params alone (negative control) misses bytes
+        lw, adamw = rank["layerwise"], rank["adamw"]
+        assert lw["padding"] > 0 and lw["reduce_scatter"] > adamw["reduce_scatter"]
+
+
+def test_layer_wise_ns_flops_and_state_are_its_owned_matrices(three_way):
+    """LayerWise's NS FLOPs per rank (from dp_cp_params_list) cover every matrix once and are the
+    matrices this rank's optimizer steps; its Muon state is one fp32 momentum per owned element."""
+    flops = three_way[0]["layerwise"]["ns_flops"]
+    ours = three_way[0]["ours"]["ns_flops"]
+    assert len(flops) == 2 and sum(flops) == pytest.approx(sum(ours))  # same matrices, same count
+    for rank in three_way:
+        lw = rank["layerwise"]
+        assert lw["ns_flops"] == flops
+        muon_bytes, muon_elems, _, _ = lw["split"]
+        assert muon_bytes == 4 * muon_elems == 4 * lw["local_numel"] > 0
+
+
+def test_layer_wise_model_is_the_real_assignment(three_way):
+    """``projection.layer_wise`` on the tiny GPT gives the real LayerWiseDistributedOptimizer's
+    layout (buckets, every matrix's place), owners, padding and NS FLOPs per rank."""
+    lw = three_way[0]["layerwise"]
+    params = lw["params"]
+    model = projection.layer_wise(params, 2, BUCKET, projection.cost_model(1, "duplicated"))
+    muon = [n for n, _, info in params if info is not None]
+    assert model["layout"]["buckets"] == lw["buckets"] and len(lw["buckets"]) > 1
+    assert {n: model["layout"]["index"][k][:2] for k, n in enumerate(muon)} == {
+        n: lw["index"][n][:2] for n in muon
+    }
+    assert model["layout"]["padding"] == lw["padding"]
+    assert [sorted(n for n, r in model["owner"].items() if r == rank) for rank in (0, 1)] == lw[
+        "owners"
+    ]
+    assert model["flops"] == pytest.approx(lw["ns_flops"])
+
+
+@pytest.mark.parametrize("size,dps", [("1B", (8, 64, 1024)), ("70B", (8, 1024))])
+def test_layer_wise_layout_rule_is_upstreams_at_scale(size, dps):
+    """``projection.layer_wise_layout`` = upstream's ``_compute_per_buffer_param_layout`` on the
+    projected models' matrices (meta tensors: shapes only), DDP's bucket size at each DP."""
+    import math
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    shapes = [s for _, s, info in projection.model_params(*projection.MODELS[size]) if info]
+    for dp in dps:
+        bucket = projection.ddp_bucket_size(dp)
+        metas = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+        real = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout(
+            metas, bucket, dp, DistributedDataParallelConfig()
+        )
+        mine = projection.layer_wise_layout([math.prod(s) for s in shapes], dp, bucket)
+        assert mine["buckets"] == [tuple(b) for b in real.bucket_indices]
+        assert [mine["index"][k][:3] for k in range(len(metas))] == [
+            real.param_index_map[p] for p in metas
+        ]
