@@ -1,32 +1,7 @@
-"""DistributedOptimizer checkpoints for an inner optimizer that declares its state (Muon).
-
-Upstream's DistOpt checkpoint code assumes Adam: every param carries ``exp_avg`` and
-``exp_avg_sq`` and one ``step`` shared by all params. Muon params carry ``momentum_buffer``,
-AdamW params ``exp_avg``, ``exp_avg_sq`` and a per-param ``step``. When the inner optimizer
-offers ``state_keys(p)``, ``scalar_state_keys(p)`` and ``init_state(p)``,
-``MuonDistributedOptimizer``'s checkpoint methods (``muon_distrib_optimizer.py``) call these.
-Every other optimizer (torch's Adam/AdamW, TE/Apex fused Adam) keeps upstream's code and
-format, so checkpoints written by plain megatron-core load as before (torch Adam's resume
-defects are repaired apart, in ``distopt_adam_checkpoint.py``). The layout (which rank holds
-which elements of which param) comes from ``distopt_layout.py``, shared with the Muon exchange.
-
-Formats (all keyed by model param name, so none depends on the DP size or bucket padding):
-
-* ``torch`` (``save_parameter_state``/``load_parameter_state``, and torch_dist
-  ``dp_zero_gather_scatter``): DP rank 0 holds ``{name: {key: flat fp32 tensor of the whole
-  param, ..., "scalars": {...}}}``, gathered/scattered per bucket.
-* ``fully_reshardable``: model-space ShardedTensors ``optimizer.state.{key}.{model key}`` shaped
-  like the param (DP reshardable; a TP or PP change is refused by ``check_compatible``, whose
-  meta holds TP-local shapes and stage-local names), built from the same gather; loading
-  requests only the params this rank holds and slices them.
-* ``dp_reshardable``: one flat ShardedTensor per param and key, each rank writing exactly its
-  piece (no communication for tensors); DP-reshardable as the pieces are param ranges.
-
-Per-param scalars (``step``) travel as one ShardedObject per model-parallel rank (torch_dist) or
-inside the dp-zero dict: a rank that holds no piece of a param still learns its step from them.
-This also fixes upstream's defects for our optimizer: no assert on a fresh optimizer, no
-``KeyError: 'step'``, no step tensor shared by all params, no slicing at padded offsets
-(NVIDIA/Megatron-LM#5077), and copies into fp32 param views under ``no_grad``.
+"""DistributedOptimizer checkpoints for an inner optimizer that declares its state (Muon): the
+``torch`` format and the common part. Every format is keyed by model param name, so none depends
+on the DP size or bucket padding; the formats and the upstream defects they avoid:
+docs/checkpoints.md.
 """
 
 import torch

@@ -1,9 +1,5 @@
-"""torch_dist (``megatron.core.dist_checkpointing``) formats for declared-state optimizers.
-
-See ``muon_checkpoint.py`` for the torch format, the common part and why; ``load_state_dict``
-lives here, since it dispatches to every format's loader. Both formats carry
-the per-param scalars (``step``) as one ShardedObject per model-parallel rank
-(``dp_group_idx`` is the model-parallel rank, unchanged by a DP resize), written by DP rank 0.
+"""torch_dist formats (``fully_reshardable``, ``dp_reshardable``) for declared-state optimizers,
+and ``load_state_dict``, which dispatches to every format's loader: docs/checkpoints.md.
 """
 
 from dataclasses import replace

@@ -1,66 +1,10 @@
 """Muon inside Megatron's DistributedOptimizer (ZeRO-1): exact, balanced, one exchange per step.
 
-The DistributedOptimizer cuts every grad bucket into ``dp`` equal contiguous pieces that ignore
-parameter boundaries, so a rank's Muon params are 1-D shards: a matrix may be spread over several
-ranks, and a rank may hold none of it. Newton-Schulz needs whole matrices. Per step:
-
-1. each rank updates momentum for its own shards (elementwise, in ``Muon``);
-2. every Muon matrix has one *owner* rank in its DP group, or, when its NS work exceeds a
-   per-rank target (DP past ~ the number of matrices), a *gang* of ranks that each own one
-   row or column block of it (``muon_split.py``); chosen once, deterministically, to balance the
-   Newton-Schulz FLOPs on the step's critical path (``muon_plan.py``);
-3. per *exchange* (all Muon buckets of one DP group; dense and expert params have different DP
-   groups) one ``all_to_all`` sends every piece of every matrix (block) to its owner;
-4. each rank runs its gang blocks, all in flight together (``_run_gangs``): their iterations
-   interleaved in rounds on the main thread, each block's collectives (the squared norm and one
-   Gram matrix per iteration summed over the gang, ``_gang_sum``, and where the gang splits its
-   polynomial the members' rows of it gathered, ``_gang_gather``) served one at a time by a
-   communication thread, so one block's sum overlaps the other blocks' matmuls; then its whole
-   matrices one after the other, all through the tensor-parallel orthogonalizer (which makes
-   them TP-global in exact TP modes: owners agree across TP ranks because bucket layouts do);
-   one ``all_to_all`` returns each rank exactly its pieces;
-5. each rank applies weight decay and the scaled update to its shards (in ``Muon``).
-
-Schedule. The exchanges are the only DP-wide synchronizations and gang collectives the only
-others, so the Newton-Schulz time on the critical path is ``plan.critical_path_flops()``
-(``muon_split.critical_path`` of the main and communication threads' schedule): with
-one exchange per DP group every rank works through all it owns whatever the DDP bucket size,
-and gangs keep the busiest rank near total / dp where one matrix alone would exceed it
-(``plan.efficiency()`` = ideal / critical path, ideal = total / dp). ``plan.with_window(1)`` is
-the former schedule (one owner per matrix, bucket by bucket), kept to show the difference.
-
-Precision. The forward exchange moves the dtype Newton-Schulz consumes when that is narrower than
-the configured exchange dtype: NS casts its input first, so rounding before or after the exchange
-is the same rounding (bf16 NS moves bf16, exactly). Owners assemble matrices (blocks) in the
-update dtype (fp32 main params). NS's output is values of its dtype: with bf16 NS the owners
-return it unscaled in bf16, exactly, and each holder applies the scale to its piece (the same
-fp32 product the owner would run, ``exchange_dtypes``); with fp32 NS the owners scale and the
-return moves the configured dtype (fp32: exact; bf16: rounds the update, as asked). Gangs sum
-their Gram partials in fp32, which only reorders fp32 sums.
-
-Memory, per rank and exchange (``plan.transient_bytes``): with S its own Muon shard elements and O
-the elements of the matrices (blocks) it owns, the exchange buffers hold at most ``S + O``
-elements at a time (the send buffer, which the communication library may hold until its work is
-released, and the receive buffer, reused for the results when both directions use one dtype; the
-return receive buffer replaces the forward one; held parts of split matrices are assembled into
-one more shard-sized copy), plus the working sets of its gang blocks (in flight together, each
-~``1/k`` of a matrix) or of ONE whole matrix while it is orthogonalized. Balanced owners make
-``O ~ S ~ M/dp`` (M = Muon elements of the DP group): ~``2 M/dp`` exchange elements + the larger
-of those working sets; tests measure the peak against this bound.
-
-Bytes. Only owners receive matrices (blocks): per step a rank moves (sends + receives, each
-direction) its own shard plus what it owns, ~``4 M/dp`` elements in all, against ``2 M`` for an
-all-gather plus reduce-scatter; gangs add ``steps`` fp32 Gram sums of ``g (g + 1) / 2`` (the
-upper triangle of ``g x g``, ``g`` the short side) per block, and as many gathers of the
-polynomial (NS dtype) where they split it
-(``plan.sum_bytes_per_step``). Nothing here does arithmetic on the matrices; ``Muon`` hands the
-math in as ``matrix_fn``; the only collectives are in ``_all_to_all``, ``_gang_sum`` and
-``_gang_gather`` (point to point inside the DP group: a gang needs no process group).
-
-Per-shard metadata (e.g. for QK-clip): ``muon.param_info[shard]`` is a ``ShardInfo``: ``matrix``
-indexes ``distopt.muon_plan.matrices`` (a ``MatrixSlot``: name, TP-local shape, TP-global info)
-and ``offset`` is the shard's first element within the flattened TP-local matrix;
-``shard_location(distopt, shard)`` returns both.
+DistOpt shards ignore param boundaries; Newton-Schulz needs whole matrices. Per step and DP group
+one ``all_to_all`` sends every shard piece of every Muon matrix to its owner (or to the members
+of its gang, ``muon_split.py``), owners orthogonalize, one ``all_to_all`` returns the pieces. The
+only collectives are in ``_all_to_all``, ``_gang_sum`` and ``_gang_gather``; the math comes in as
+``matrix_fn``. Schedule, precision, memory and bytes: docs/distopt_exchange.md.
 """
 
 import dataclasses

@@ -1,31 +1,6 @@
-"""Where the Newton-Schulz work of an exchange runs: whole matrices and gangs placed on DP ranks.
-
-Pure arithmetic (``muon_split`` holds the blocks, the cost model and the schedule's critical
-path). Two kinds of placement are candidates, per exchange, deterministic (same inputs -> same
-plan on every rank):
-
-* stacked gangs (``_assign``): for a few targets (multiples of total / dp) each matrix above the
-  target gets the smallest ``k`` whose busiest member's work is <= the target; gangs are placed
-  largest first on the least-loaded ranks, of one node where the nodes are known and it has
-  ``k`` (a rank may be in several: its load adds them up; they run interleaved, which ``span``
-  times), then whole matrices by longest-processing-time greedy;
-* disjoint gangs (``bundle_units``): the matrices in decreasing cost are cut into runs, each run
-  either whole on one rank or (at most ``n`` matrices) on a gang of its own ranks, every member an
-  equal block of each matrix of the run; the smallest per-rank bound (FLOPs plus link time) that
-  fits ``dp`` ranks is found by bisection and dynamic programming. No rank waits for a gang it is
-  not in. Where the nodes are known, gangs fit one node or fill whole nodes.
-
-Ties go to ranks that already hold most of a matrix (fewer bytes moved). Both kinds are shaped
-twice, with the model's link cost and with free links (``_shapers``). Each is timed (``span``:
-``muon_split.critical_path`` of the schedule the optimizer runs, gang units interleaved with
-their collectives in flight on a communication thread, every gang collective at the model's
-link cost, plus the all-to-all's busiest rank), "no splits" included; among those within
-``TIME_SLACK`` (2%) of the shortest, the one shortest in FLOPs wins (the link time is a model,
-the FLOPs are exact); a floor on the counted FLOP efficiency (``NSCostModel.min_efficiency``,
-``--muon-plan-min-efficiency``) first drops the candidates below it (all but the best balanced
-where none reaches it). The link cost is a planning assumption (``muon_split.PlanLinks``,
-H100-class unless set); it only chooses among exact plans, and a free link (0) gives the plan
-shortest in FLOPs.
+"""Where the Newton-Schulz work of an exchange runs: whole matrices and gangs placed on DP ranks
+(stacked or disjoint gangs, chosen for time at an assumed link, then for FLOPs). Pure arithmetic,
+deterministic on every rank; the candidates and the choice: docs/gangs.md.
 """
 
 import math

@@ -1,27 +1,7 @@
 """The DistOpt Muon exchange plan: who orthogonalizes which matrix (or gang block), what every
 rank sends where, and the counted figures of that schedule. Pure arithmetic on the layout (no
-collectives, no tensors): ``muon_distopt`` builds it from DistOpt's range maps and runs it,
-``bench/projection.py`` builds it from Megatron's bucket rule at any DP size.
-
-Order. Every piece is ``(matrix, holder, owner, lo, hi)``, ``[lo, hi)`` in the row-major order
-of the owner's unit (the whole matrix, or its gang block; ``muon_split.Block``): the part of the
-holder's shard that lies in the unit. All pieces of an exchange are sorted by one key,
-``Piece.key = (owner, holder, matrix)`` (one unit per owner and matrix, and a holder's part of a
-block is contiguous in the block's order, so the key is unique). A rank sends its held pieces in
-that order (grouped by destination, as ``all_to_all_single`` needs) and an owner receives its
-pieces in that order (grouped by source), so both sides of every link agree by construction.
-
-Counted figures. ``plan.trace(rank)`` lists what the rank's main thread does at each point where
-it meets communication, with the matmul FLOPs it runs before: per exchange the forward
-all-to-all, the posts of its gangs' sums and gathers to its communication thread and the waits
-for them (units interleaved in rounds, ``muon_split.pipelined``; a gather's size is a
-``muon_split.Gather``), then its whole matrices and the return all-to-all.
-``critical_path_flops()`` runs those traces (``muon_split.critical_path``: a gang collective
-starts when every member's communication thread is free for it, an all-to-all when its last
-member arrives); without gangs it is the sum over exchanges of the busiest rank.
-``sync_points()`` counts exchanges plus gang collectives; ``traffic`` the elements moved by the
-all-to-alls, ``sum_traffic`` the bytes of the gang collectives; ``transient_bytes`` bounds the
-exchange's memory.
+collectives, no tensors); the piece order both sides of a link agree on, and what each figure
+counts: docs/distopt_exchange.md.
 """
 
 import dataclasses

@@ -1,34 +1,6 @@
-"""Splitting one matrix's Newton-Schulz over a group of DP ranks: the plan side, pure arithmetic.
-
-Past DP ~ the number of Muon matrices, one owner per matrix leaves most ranks idle while the
-busiest orthogonalizes a whole fused fc1. A matrix whose NS work exceeds a rank's share is
-therefore cut into ``k`` blocks along its long side (rows of a tall matrix, columns of a wide one
-and of a fused QKV weight, whose Q/K/V blocks are wide or square), one block per member of a
-*gang* of ``k`` DP ranks. Each member iterates on its block; only the squared norm and one Gram
-matrix per step, ``g x g`` with ``g`` the short side, are summed over the gang, the Gram as its
-upper triangle (``g (g + 1) / 2`` elements, ``newton_schulz.pack_symmetric``)
-(``muon_functional.orthogonalize_sharded``, the math the ``distributed`` TP mode runs over TP).
-After the sum a member of ``r`` lines runs one of three forms (``_after_sum``):
-
-* split polynomial (``Unit.splits``): it computes ``ceil(g / k)`` rows of ``p(G) = b G + c G^2``
-  and the gang all-gathers them: ``steps * (4 g^2 r + 2 g^2 g / k)`` FLOPs, its exact share of
-  the whole matrix's, at one gather of ``g^2`` (NS dtype) more per step; chosen per gang where
-  it saves time (``NSCostModel.splits``: FLOPs saved against the gather's link time), which on
-  FLOPs alone is wherever ``g`` is shorter than the long side (``splits_polynomial``);
-* reassociated, where ``r < g``: ``a X + G (b X + c G X)``, ``steps * 6 g^2 r``;
-* else the whole polynomial: ``steps * (4 g^2 r + 2 g^3)``.
-
-Where units run (stacked or disjoint gangs, the plan chosen for time at an assumed link) is
-``muon_placement``; this module is the cost model they are weighed with.
-
-Schedule on every rank, between the two all-to-alls of an exchange: first its gang units, all in
-flight together (``pipelined``): in rounds, each unit computes up to its next collective and
-posts it to the rank's communication thread, which serves posts one at a time in one global
-order (round, the plan's gang order), so no two gangs wait on each other in a circle and one
-unit's collective overlaps the others' matmuls; then its whole matrices back to back.
-``critical_path`` runs that schedule: a posted collective starts when every member's
-communication thread is free for it; the step's NS critical path is when the return all-to-all
-can start.
+"""Splitting one matrix's Newton-Schulz over a gang of DP ranks: the blocks, their cost model and
+the schedule's critical path. Pure arithmetic; the three forms a member runs and the schedule:
+docs/gangs.md.
 """
 
 import dataclasses

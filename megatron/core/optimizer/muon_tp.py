@@ -1,29 +1,9 @@
-r"""Tensor-parallel orthogonalizers for Muon: every TP collective of Muon lives here.
+"""Tensor-parallel orthogonalizers for Muon (``muon_tp_mode``): every TP collective of Muon lives
+here.
 
-A TP-sharded weight W (m x n) is a slice along ``partition_dim`` d of Megatron's param: d = 0
-splits the rows (ColumnParallelLinear: QKV, fc1), d = 1 the columns (RowParallelLinear). Modes
-(``OptimizerConfig.muon_tp_mode``):
-
-* ``duplicated``: all-gather W's shards, orthogonalize the whole matrix, keep the own slice.
-  Exact: the gathered matrix is the TP=1 matrix up to a row permutation (SwiGLU's fc1 holds
-  ``[gate_r; up_r]`` per rank), and ``NS(P X) = P NS(X)`` for a permutation P, since
-  ``(P X)(P X)^T = P X X^T P^T``; QKV rows come in whole query groups in rank order, so the
-  gathered QKV *is* the TP=1 layout and its Q/K/V blocks split as at TP=1.
-* ``distributed``: each rank iterates on its own shard; only Gram matrices and the Frobenius
-  norm cross ranks. With ``p(G) = b G + c G^2`` the step ``X <- a X + p(X X^T) X`` equals
-  ``X <- a X + X p(X^T X)``. Row shards X_i (d = 0) take the right Gram
-  ``X^T X = sum_i X_i^T X_i`` (all-reduce of its upper triangle, n x n) and update
-  ``X_i <- a X_i + X_i p(X^T X)``;
-  column shards (d = 1) take ``X X^T = sum_j X_j X_j^T`` (m x m) and ``X_j <- a X_j + p(X X^T)
-  X_j``. Each rank computes ``ceil(g / tp)`` rows of ``p(G)`` (``g`` the Gram side) and one
-  all-gather assembles it (``gather_rows``), so no rank forms the whole ``2 g^3`` polynomial.
-  Exact up to rounding; costs one all-reduce and one all-gather per step per matrix (per Q/K/V
-  block).
-* ``blockwise``: orthogonalize each local shard as if it were the whole matrix (local shape for
-  the scale and the QKV groups); cheap, not TP-invariant.
-
-Reading the wrong ``partition_dim`` is not harmless: gathering rows as columns orthogonalizes
-another matrix (tests/distributed/test_muon_parity.py has that negative control).
+``duplicated`` (gather, orthogonalize, keep the own slice: exact), ``distributed`` (Gram matrices
+summed over TP inside the iteration: exact up to rounding), ``blockwise`` (each shard alone:
+cheap, not TP-invariant). Why each is exact: docs/tp_modes.md.
 """
 
 import functools
