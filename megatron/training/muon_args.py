@@ -71,8 +71,9 @@ KNOBS = (
         str,
         NS_FORMS,
         "Newton-Schulz's form: standard (upstream's steps) or auto (the same polynomial in its "
-        "Gram form, m x m steps in fp32, on matrices orthogonalized whole where it does fewer "
-        "FLOPs; sharded ones stay standard).",
+        "Gram form where that saves >= 1/4 of the FLOPs, on matrices orthogonalized whole; "
+        "sharded ones stay standard). Its m x m steps run in fp32: faster in time with "
+        "--muon-fp32-matmul-prec highest, slower where bf16 matmuls outrun fp32 (tensor cores).",
     ),
     (
         ("--muon-exchange-dtype", "--muon-distopt-exchange-dtype"),

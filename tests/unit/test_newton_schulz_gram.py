@@ -223,3 +223,48 @@ def test_muon_step_runs_the_gram_form():
         # products differently, a few fp32 ulps on entries ~1 (measured 4.3e-6)
         got = params[2].data.view(2, 24, 128)[:, lo:hi]
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_8b_layer_counts_half_the_flops():
+    """bench/README.md's table: a Llama-3-8B layer's NS FLOPs, standard vs 'auto' (<= 0.7)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from bench_newton_schulz import LLAMA_8B
+
+    from megatron.core.optimizer.muon_plan import ns_cost
+
+    std = sum(ns_cost(info, 5) for info in LLAMA_8B.values())
+    auto = sum(ns_cost(info, 5, "auto") for info in LLAMA_8B.values())
+    h, f = 4096, 28672  # fc1: 2 x 14336 rows (SwiGLU), one matrix
+    assert ns_cost(LLAMA_8B["fc1"], 5) == 5 * (4 * h * h * f + 2 * h**3)
+    assert ns_cost(LLAMA_8B["fc1"], 5, "auto") == 3.5 * h * h * f + 17 * 1.5 * h**3
+    assert round(auto / std, 3) == 0.509
+
+
+class _MatmulFlops(torch.overrides.TorchFunctionMode):
+    """Counts 2 m k n per matmul (fused ``addmm``/``baddbmm`` by their product)."""
+
+    OPS = {torch.matmul, torch.mm, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__}
+    FMA = {torch.addmm, torch.baddbmm, torch.Tensor.addmm, torch.Tensor.baddbmm}
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS or func in self.FMA:
+            a, b = args[1:3] if func in self.FMA else args[:2]
+            self.flops += 2 * a.shape[:-1].numel() * a.shape[-1] * b.shape[-1]
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16), (15, 41), (3, 9, 20), (24, 24)])
+def test_flop_counts_are_what_runs(shape, steps):
+    batch = shape[0] if len(shape) == 3 else 1
+    for form, count in (("standard", standard_flops), ("gram", gram_flops)):
+        with _MatmulFlops() as counter:
+            newton_schulz(torch.randn(shape), steps, "quintic", "highest", form=form)
+        assert counter.flops == batch * count(*shape[-2:], steps), form

@@ -266,7 +266,16 @@ GRAM_MAX_SHARE = 0.75
 def standard_flops(m: int, n: int, steps: int) -> float:
     """Matmul FLOPs of the standard form on an ``m x n`` matrix: per step ``X X^T``
     (``2 s^2 l``), ``A A`` (``2 s^3``) and ``B X`` (``2 s^2 l``), ``s = min(m, n)``,
-    ``l = max(m, n)``; elementwise work left out."""
+    ``l = max(m, n)``; elementwise work left out.
+
+    Args:
+        m: rows.
+        n: columns.
+        steps: iterations k.
+
+    Returns:
+        ``k (4 s^2 l + 2 s^3)``.
+    """
     s, l_ = min(m, n), max(m, n)
     return float(steps * (4 * s * s * l_ + 2 * s**3))
 
@@ -274,10 +283,26 @@ def standard_flops(m: int, n: int, steps: int) -> float:
 def gram_flops(m: int, n: int, steps: int) -> float:
     """Matmul FLOPs of the Gram form (``_gram_iterate``): ``A_0`` as a symmetric product
     (``1.5 s^2 l``), ``4k - 3`` symmetric ``s x s`` products (``1.5 s^3`` each; the first step
-    needs no ``P Q``, the last no ``A_{t+1}``: 1 for k = 1) and ``Q_k X_0`` (``2 s^2 l``)."""
+    needs no ``P Q``, the last no ``A_{t+1}``: 1 for k = 1) and ``Q_k X_0`` (``2 s^2 l``).
+
+    Args:
+        m: rows.
+        n: columns.
+        steps: iterations k.
+
+    Returns:
+        ``3.5 s^2 l + (4k - 3) 1.5 s^3`` (``3.5 s^2 l + 1.5 s^3`` for k = 1) for an even
+        ``s``; an odd one's halves are a little uneven (``_sym_mm_flops``).
+    """
     s, l_ = min(m, n), max(m, n)
     products = 4 * steps - 3 if steps > 1 else 1
-    return float(3.5 * s * s * l_ + products * 1.5 * s**3)
+    return float(_sym_mm_flops(s, l_) + products * _sym_mm_flops(s, s) + 2 * s * s * l_)
+
+
+def _sym_mm_flops(g: int, k: int) -> int:
+    """Matmul FLOPs of ``_sym_mm`` on (g, k) by (k, g): ``1.5 g^2 k`` for an even ``g``."""
+    h = g // 2
+    return 2 * h * k * g + 2 * (g - h) ** 2 * k
 
 
 def uses_gram(m: int, n: int, steps: int, form: str) -> bool:
