@@ -72,8 +72,8 @@ KNOBS = (
         NS_FORMS,
         "Newton-Schulz's form: standard (upstream's steps) or auto (the same polynomial in its "
         "Gram form where that saves >= 1/4 of the FLOPs, on matrices orthogonalized whole; "
-        "sharded ones stay standard). Its m x m steps run in fp32: faster in time with "
-        "--muon-fp32-matmul-prec highest, slower where bf16 matmuls outrun fp32 (tensor cores).",
+        "sharded ones stay standard). Its m x m steps run in full fp32: faster in time where "
+        "the standard form's are fp32 too, slower where they run in bf16 or TF32 (GPUs).",
     ),
     (
         ("--muon-exchange-dtype", "--muon-distopt-exchange-dtype"),
