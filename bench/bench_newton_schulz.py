@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_newton_schulz.py            # GPT shapes, fp32 and bf16
     .venv/bin/python bench/bench_newton_schulz.py --quick    # shapes / 4, a few seconds
+    .venv/bin/python bench/bench_newton_schulz.py --gram     # Gram form: 8B FLOP table, timing
 
 ``torch``: ``torch.optim._muon._zeropower_via_newtonschulz``, which only takes 2-D input and
 always computes in bf16. So its bf16 rows call it as is (looped over a batch, as a caller of it
@@ -12,6 +13,7 @@ into preallocated outputs: what NS would cost with free elementwise work. Median
 """
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -19,7 +21,9 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
-from megatron.core.optimizer.newton_schulz import newton_schulz
+from megatron.core.optimizer.muon_functional import MuonParamInfo
+from megatron.core.optimizer.muon_plan import ns_cost
+from megatron.core.optimizer.newton_schulz import newton_schulz, uses_gram
 
 STEPS = 5
 ABC = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
@@ -81,6 +85,60 @@ def bench_row(shape, precision, repeats, warmup, stat):
     return {name: reduce(t) for name, t in times.items()}
 
 
+# Llama-3-8B's Muon matrices of one layer (hidden 4096, SwiGLU ffn 14336, GQA 32/8 heads of 128):
+# the fused QKV weight (8 groups of Q 512, K 128, V 128 rows) as muon_functional splits it.
+LLAMA_8B = {
+    "qkv": MuonParamInfo((6144, 4096), qkv_split=(512, 128, 128)),
+    "proj": MuonParamInfo((4096, 4096)),
+    "fc1": MuonParamInfo((2 * 14336, 4096)),
+    "fc2": MuonParamInfo((4096, 14336)),
+}
+# The blocks Newton-Schulz sees (Q, K, V of QKV), for timing.
+LLAMA_8B_BLOCKS = {
+    "Q": (4096, 4096),
+    "K": (1024, 4096),
+    "V": (1024, 4096),
+    "proj": (4096, 4096),
+    "fc1": (28672, 4096),
+    "fc2": (4096, 14336),
+}
+
+
+def gram_table(scale: int, repeats: int, precision: str) -> None:
+    """Counted NS FLOPs of an 8B layer, standard vs ``form='auto'`` (``muon_plan.ns_cost``, what
+    the DistOpt planner counts), and CPU time of one orthogonalization per block at 1/scale."""
+    print(f"Newton-Schulz FLOPs per Muon step, one Llama-3-8B layer, {STEPS} steps (counted)")
+    print(f"{'matrix':>6} {'shape':>11} {'standard GF':>12} {'auto GF':>9} {'auto/std':>8}")
+    total = [0.0, 0.0]
+    for name, info in LLAMA_8B.items():
+        std, auto = ns_cost(info, STEPS), ns_cost(info, STEPS, "auto")
+        total = [total[0] + std, total[1] + auto]
+        shape = "x".join(map(str, info.shape))
+        print(f"{name:>6} {shape:>11} {std / 1e9:12.1f} {auto / 1e9:9.1f} {auto / std:8.3f}")
+    print(f"{'layer':>6} {'':>11} {total[0] / 1e9:12.1f} {total[1] / 1e9:9.1f}", end=" ")
+    print(f"{total[1] / total[0]:8.3f}")
+    print(
+        f"\nCPU time of one orthogonalization, blocks / {scale}, {precision}, "
+        f"{torch.get_num_threads()} thread(s), median of {repeats} (interleaved)"
+    )
+    print(f"{'block':>6} {'shape':>10} {'form':>8} {'standard ms':>12} {'auto ms':>9} {'ratio':>6}")
+    for name, (m, n) in LLAMA_8B_BLOCKS.items():
+        x = torch.randn(m // scale, n // scale)
+        fns = {f: functools.partial(newton_schulz, x, STEPS, "quintic", precision, form=f)
+               for f in ("standard", "auto")}  # fmt: skip
+        times = {f: [] for f in fns}
+        for i in range(repeats + 1):
+            for f, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                if i:
+                    times[f].append(time.perf_counter() - start)
+        std, auto = (statistics.median(times[f]) * 1e3 for f in fns)
+        form = "gram" if uses_gram(*x.shape, STEPS, "auto") else "standard"
+        shape = f"{x.shape[0]}x{x.shape[1]}"
+        print(f"{name:>6} {shape:>10} {form:>8} {std:12.1f} {auto:9.1f} {auto / std:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shapes divided by 4")
@@ -92,8 +150,16 @@ def main() -> None:
     # min estimates the uncontended time: use it when other processes share the cores.
     parser.add_argument("--stat", choices=["median", "min"], default="median")
     parser.add_argument("--precisions", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument(
+        "--gram", action="store_true", help="the Gram form: 8B FLOP table and CPU timing"
+    )
+    parser.add_argument("--gram-scale", type=int, default=8, help="--gram: time blocks / this")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gram:
+        for precision in args.precisions:
+            gram_table(args.gram_scale, args.repeats, precision)
+        return
     shapes = [s[:-2] + (s[-2] // 4, s[-1] // 4) for s in SHAPES] if args.quick else SHAPES
     print(
         f"Newton-Schulz, {STEPS} steps, torch {torch.__version__}, {args.threads} thread(s), "

@@ -34,6 +34,7 @@ import re
 from megatron.core.optimizer.muon_config import (
     EXCHANGE_DTYPES,
     MUON_IMPLS,
+    NS_FORMS,
     is_megatron_muon,
     validate_muon_config,
 )
@@ -63,6 +64,16 @@ KNOBS = (
         None,
         "Scale Muon's updates to this AdamW-like RMS, r * sqrt(max(m, n)) (Moonlight: 0.2), "
         "instead of --muon-scale-mode/--muon-extra-scale-factor; none: off.",
+    ),
+    (
+        ("--muon-ns-form",),
+        "muon_ns_form",
+        str,
+        NS_FORMS,
+        "Newton-Schulz's form: standard (upstream's steps) or auto (the same polynomial in its "
+        "Gram form where that saves >= 1/4 of the FLOPs, on matrices orthogonalized whole; "
+        "sharded ones stay standard). Its m x m steps run in full fp32: faster in time where "
+        "the standard form's are fp32 too, slower where they run in bf16 or TF32 (GPUs).",
     ),
     (
         ("--muon-exchange-dtype", "--muon-distopt-exchange-dtype"),
@@ -114,7 +125,9 @@ KNOBS = (
     ),
 )
 # Settings of the DistributedOptimizer's Muon exchange and plan: without DistOpt they do nothing.
-DISTOPT_ONLY = tuple(dest for _, dest, *_ in KNOBS if dest != "muon_matched_adamw_rms")
+DISTOPT_ONLY = tuple(
+    dest for _, dest, *_ in KNOBS if dest not in ("muon_matched_adamw_rms", "muon_ns_form")
+)
 # Where inf is a value (a free link); every other float knob must be finite.
 INFINITE_OK = ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps")
 

@@ -105,6 +105,26 @@ def test_distopt_muon_fp32_matches_one_process(layout):
     assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
 
 
+# The Gram form's fp32 rounding is ~100x the standard form's relative to the float64 iteration
+# (its m x m steps square the condition number: 2e-4 relative on decaying spectra against 2e-6,
+# bench/README.md), so two layouts' ulp-different gradients end further apart: measured 6.2e-5
+# (DistOpt vs one process) and 5.1e-5 (Gram vs standard) under ATEN_CPU_CAPABILITY default,
+# avx2 and native; 5e-4 keeps 8x margin and sits far below a broken exchange (~1).
+GRAM_TOL = 5e-4
+
+
+def test_distopt_muon_gram_form_matches_one_process():
+    """``muon_ns_form='auto'``: DistOpt owners (TP ``duplicated``: whole matrices) run the Gram
+    form as one process does; it did run (not bit-equal to the standard form, but close)."""
+    kwargs = dict(MUON, muon_ns_form="auto")
+    ref = run_distributed(train, 1, args=(TinyGPT(dtype="fp32"), STEPS), kwargs=kwargs)[0]
+    got = run_layout("fp32", **LAYOUTS["tp2_dp2"], muon_ns_form="auto")
+    assert_close_runs(ref, got, tol=GRAM_TOL, loss_rtol=LOSS_RTOL["fp32"])
+    initial, standard, _ = reference("fp32")
+    errors = update_rel_error(initial, standard, ref[1])
+    assert 0 < within(errors, GRAM_TOL)[1] <= GRAM_TOL  # the same polynomial, other roundings
+
+
 @pytest.mark.parametrize("layout", ["dp4", "tp2_pp2_dp2"])
 def test_distopt_muon_bf16_matches_one_process(layout):
     got = run_layout("bf16", **LAYOUTS[layout])
@@ -288,12 +308,13 @@ def count_optimizer_step(optimizer, counter: MatmulFlops) -> None:
     optimizer.step = counted_step
 
 
-def _counted_step(window):
+def _counted_step(window, form="standard"):
     """One real DP step: matmul FLOPs this rank runs between consecutive Muon collectives."""
     model = build_model(
         COUNT_SPEC, distopt=True, bucket_size=COUNT_BUCKET, overlap_grad_reduce=True
     )
-    optimizer = build_optimizer(COUNT_SPEC, model, use_distributed_optimizer=True, **MUON)
+    muon = dict(MUON, muon_ns_form=form)
+    optimizer = build_optimizer(COUNT_SPEC, model, use_distributed_optimizer=True, **muon)
     (distopt,) = distopts(optimizer)
     ortho = distopt.optimizer.orthogonalizer
     ortho.plan = distopt.muon_plan = distopt.muon_plan.with_window(window)
@@ -321,8 +342,8 @@ def _counted_step(window):
 
 
 @functools.cache
-def counted_runs(window):
-    return run_distributed(_counted_step, 4, args=(window,))
+def counted_runs(window, form="standard"):
+    return run_distributed(_counted_step, 4, args=(window, form))
 
 
 def _counted_critical_path(ranks) -> float:
@@ -332,11 +353,13 @@ def _counted_critical_path(ranks) -> float:
     return sum(max(column) for column in zip(*segments))
 
 
-@pytest.mark.parametrize("window", [None, 1])
-def test_counted_critical_path_matches_the_plan(window):
+@pytest.mark.parametrize("window,form", [(None, "standard"), (1, "standard"), (None, "auto")])
+def test_counted_critical_path_matches_the_plan(window, form):
     """The plan's figures are what the step executes: per rank and segment the matmul FLOPs
-    counted in a real DP=4 step equal the plan's, so its critical path is the counted one."""
-    ranks = counted_runs(window)
+    counted in a real DP=4 step equal the plan's, so its critical path is the counted one.
+    ``muon_ns_form='auto'``: the Gram form on the wide matrices (fc1 192 x 64, K and V 32 x
+    64), fewer FLOPs, counted as they run."""
+    ranks = counted_runs(window, form)
     plan = ranks[0]
     assert plan["buckets"] >= 8
     assert plan["sync_points"] == (1 if window is None else plan["buckets"])
@@ -345,6 +368,9 @@ def test_counted_critical_path_matches_the_plan(window):
         assert counted["segments"][0::2] == [0.0] * (plan["sync_points"] + 1)
         assert ns == [flops[rank] for flops in plan["plan_per_exchange"]]
     assert _counted_critical_path(ranks) == plan["critical"]
+    if form != "standard":  # fewer matmul FLOPs ran: 0.79x of the standard form's here
+        ran = [sum(sum(r["segments"]) for r in runs) for runs in (ranks, counted_runs(window))]
+        assert ran[0] < 0.85 * ran[1]
 
 
 def test_one_exchange_keeps_every_rank_busy_whatever_the_bucket_size():

@@ -35,6 +35,7 @@ OURS = MUON + ["--muon-impl", "megatron_muon"]
 DISTOPT = ["--use-distributed-optimizer"]
 KNOBS = {  # flag: (value given, the OptimizerConfig field and the value it must hold)
     "--muon-matched-adamw-rms": ("0.2", "muon_matched_adamw_rms", 0.2),
+    "--muon-ns-form": ("auto", "muon_ns_form", "auto"),
     "--muon-exchange-dtype": ("bf16", "muon_distopt_exchange_dtype", "bf16"),
     "--muon-plan-tflops": ("123.5", "muon_plan_tflops", 123.5),
     "--muon-plan-dp-link-gbps": ("inf", "muon_plan_dp_link_gbps", math.inf),
@@ -60,6 +61,9 @@ CASES = {
     + ["--muon-momentum", "0.8", "--muon-nesterov", "--muon-tp-mode", "duplicated"]
     + ["--muon-coefficient-type", "simple", "--muon-num-ns-steps", "6"],
     "bad-impl": MUON + ["--muon-impl", "mine"],
+    "bad-ns-form": OURS + ["--muon-ns-form", "gram"],  # 'gram' is newton_schulz's, not a flag's
+    "ns-form-without-impl": MUON + ["--muon-ns-form", "auto"],
+    "ours-ns-form-without-distopt": OURS + ["--muon-ns-form", "auto"],
     "bad-exchange-dtype": OURS + DISTOPT + ["--muon-exchange-dtype", "fp16"],
     "bad-plan-tflops": OURS + DISTOPT + ["--muon-plan-tflops", "0"],
     "bad-plan-domain": OURS + DISTOPT + ["--muon-plan-nvlink-domain", "0"],
@@ -235,6 +239,8 @@ def test_ours_with_distopt_is_not_rewritten_to_layer_wise(outcome):
         assert args["use_layer_wise_distributed_optimizer"] is False, name
     _, config = _ok(outcome, "ours")
     assert config["use_distributed_optimizer"] is False
+    _, config = _ok(outcome, "ours-ns-form-without-distopt")  # not a DistOpt-only knob
+    assert config["muon_ns_form"] == "auto" and config["use_distributed_optimizer"] is False
     assert config["use_layer_wise_distributed_optimizer"] is False
 
 
@@ -255,6 +261,7 @@ def test_bad_values_are_refused_naming_the_flag(outcome):
     message = _error(outcome, "bad-impl", "--muon-impl", "emerging", "megatron_muon")
     assert outcome["bad-impl"]["error"] == "SystemExit"
     assert "mine" in message
+    _error(outcome, "bad-ns-form", "--muon-ns-form", "standard", "auto")
     _error(outcome, "bad-exchange-dtype", "--muon-exchange-dtype", "fp16", "fp32", "bf16")
     _error(outcome, "bad-plan-tflops", "--muon-plan-tflops", "(0, 1e+06]")
     _error(outcome, "bad-plan-domain", "--muon-plan-nvlink-domain", ">= 1")
@@ -273,6 +280,7 @@ def test_our_knobs_need_muon_impl_megatron_muon(outcome):
         ("knob-without-impl", "--muon-matched-adamw-rms"),
         ("knob-at-default-without-impl", "--muon-exchange-dtype"),  # given at its default
         ("knobs-with-emerging-given", "--muon-plan-tflops"),
+        ("ns-form-without-impl", "--muon-ns-form"),
     ):
         _error(outcome, name, flag, "--muon-impl megatron_muon")
     _error(outcome, "ours-with-adam", "--muon-impl megatron_muon", "--optimizer muon", "'adam'")

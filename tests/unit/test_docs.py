@@ -64,7 +64,8 @@ TOOL_FLAGS = {
     "--qk-clip-lr": "bench/convergence.py",
     "--min-efficiency": "bench/projection.py",
     "--step-latency-us": "bench/projection.py",
-    "--repeats": "bench/step_cost.py",
+    "--repeats": "bench/step_cost.py",  # bench_newton_schulz.py has it too
+    "--gram": "bench/bench_newton_schulz.py",
 }
 # Placeholders in commands of our scripts -> a value of their kind
 PLACEHOLDERS = {"TAU": "5", "F": "0.9", "CHECKOUT": "/nonexistent/Megatron-LM", "...": "x"}

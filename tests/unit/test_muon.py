@@ -344,6 +344,7 @@ BAD_SETTINGS = [
     (_muon, dict(ns_eps=0.0), "ns_eps must be a finite number > 0, got 0.0"),
     (_muon, dict(ns_coefficients="cubic"), "unknown Newton-Schulz coefficient set 'cubic'"),
     (_muon, dict(ns_precision="fp8"), "unknown Newton-Schulz precision 'fp8'"),
+    (_muon, dict(ns_form="fast"), r"ns_form must be one of \['standard', 'auto'\], got 'fast'"),
     (_muon, dict(scale_mode="rms"), "unknown scale_mode 'rms'"),
     (_muon, dict(matched_adamw_rms=-0.2), r"matched_adamw_rms must be a finite .* got -0.2"),
     (_muon, dict(extra_scale_factor=0.0), "extra_scale_factor must be a finite number > 0, got 0"),

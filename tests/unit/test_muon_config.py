@@ -32,6 +32,7 @@ OURS_OFF = {
     "muon_impl": "emerging",  # optimizer='muon' builds upstream's emerging_optimizers Muon
     "muon_matched_adamw_rms": None,
     "muon_distopt_exchange_dtype": "fp32",
+    "muon_ns_form": "standard",  # upstream's Newton-Schulz steps everywhere
     "muon_plan_tflops": None,  # None: the planner's built-in (H100-class) machine
     "muon_plan_dp_link_gbps": None,
     "muon_plan_nvlink_gbps": None,
@@ -79,13 +80,16 @@ def test_one_home_muon_and_newton_schulz_take_the_config_defaults():
     assert sig["matched_adamw_rms"].default is config.muon_matched_adamw_rms is None
     assert sig["scale_mode"].default == config.muon_scale_mode
     assert sig["extra_scale_factor"].default == config.muon_extra_scale_factor
+    assert sig["ns_form"].default == config.muon_ns_form == "standard"
     ns = inspect.signature(newton_schulz.newton_schulz).parameters
     assert ns["steps"].default == config.muon_num_ns_steps
     assert ns["coefficients"].default == config.muon_coefficient_type
     assert ns["precision"].default == config.muon_fp32_matmul_prec
+    assert ns["form"].default == config.muon_ns_form
     # the vocabularies name exactly what the math implements
     assert tuple(newton_schulz.COEFFICIENT_SETS) == muon_config.COEFFICIENT_TYPES
     assert set(newton_schulz.PRECISIONS) == set(muon_config.MATMUL_PRECISIONS)
+    assert set(muon_config.NS_FORMS) <= set(newton_schulz.FORMS)  # 'gram': tests and bench only
 
 
 def test_muon_checks_do_not_run_for_other_optimizers():
@@ -123,6 +127,7 @@ BAD = [
     (dict(muon_matched_adamw_rms=-1.0), ["muon_matched_adamw_rms", "None or a float > 0"]),
     (dict(muon_nesterov="yes"), ["muon_nesterov", "bool"]),
     (dict(muon_impl="mine"), ["muon_impl", "'mine'", "megatron_muon"]),
+    (dict(muon_ns_form="gram"), ["muon_ns_form", "'gram'", "'standard', 'auto'"]),
     (dict(muon_split_qkv=1), ["muon_split_qkv", "bool"]),
     (dict(muon_plan_tflops=0.0), ["muon_plan_tflops", "a number in (0, 1e+06]"]),
     (dict(muon_plan_tflops=math.inf), ["muon_plan_tflops", "(0, 1e+06]"]),
@@ -168,6 +173,7 @@ GOOD = [
     dict(muon_distopt_exchange_dtype="bf16", muon_momentum=0.0, muon_num_ns_steps=1),
     dict(muon_plan_tflops=800.0, muon_plan_dp_link_gbps=math.inf, muon_plan_nvlink_domain=72),
     dict(muon_plan_min_efficiency=1.0),
+    dict(muon_ns_form="auto"),
 ]
 
 

@@ -23,6 +23,9 @@ CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol", "
 # torch.set_float32_matmul_precision's names, as upstream: fp32, TF32 allowed on CUDA, bf16.
 MatmulPrecision = Literal["highest", "high", "medium"]
 ExchangeDtype = Literal["fp32", "bf16"]
+# OptimizerConfig.muon_ns_form (ours): Newton-Schulz's standard steps (upstream's), or the Gram
+# form where it does fewer FLOPs (newton_schulz.uses_gram; same polynomial, m x m part in fp32).
+NSForm = Literal["standard", "auto"]
 # OptimizerConfig.muon_impl (megatron-core >= 0.17 only): which Muon optimizer='muon' builds.
 MuonImpl = Literal["emerging", "megatron_muon"]
 
@@ -32,6 +35,7 @@ COEFFICIENT_TYPES: tuple[str, ...] = get_args(CoefficientType)
 MATMUL_PRECISIONS: tuple[str, ...] = get_args(MatmulPrecision)
 EXCHANGE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 MUON_IMPLS: tuple[str, ...] = ("emerging", "megatron_muon")
+NS_FORMS: tuple[str, ...] = get_args(NSForm)
 
 # Upstream's OptimizerConfig defaults (same values, same meanings).
 DEFAULT_MOMENTUM = 0.95
@@ -53,6 +57,8 @@ DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
 DEFAULT_PLAN_FIGURE = None
 # Ours, off: the DistOpt Muon planner picks the fastest plan, however balanced in FLOPs.
 DEFAULT_PLAN_MIN_EFFICIENCY = None
+# Ours, off: upstream's Newton-Schulz steps on every matrix.
+DEFAULT_NS_FORM: NSForm = "standard"
 DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / max(||X||_F, eps), as upstream
 
 
@@ -127,6 +133,8 @@ def validate_muon_config(config) -> None:
         _require(value in allowed, name, value, f"be one of {list(allowed)}")
     impl = config.muon_impl
     _require(impl in MUON_IMPLS, "muon_impl", impl, f"be one of {list(MUON_IMPLS)}")
+    form = config.muon_ns_form  # ours (patch 0001)
+    _require(form in NS_FORMS, "muon_ns_form", form, f"be one of {list(NS_FORMS)}")
     for name in ("muon_split_qkv", "muon_nesterov"):
         _require(isinstance(getattr(config, name), bool), name, getattr(config, name), "be a bool")
     mu = config.muon_momentum

@@ -763,7 +763,9 @@ def _tp_groups(inner, infos: list) -> list:
     return [groups[expert] for expert in sorted(groups)]
 
 
-def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8):
+def cost_model(
+    inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8, form: str = "standard"
+):
     """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
 
     Args:
@@ -771,20 +773,22 @@ def cost_model(inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int 
         steps: Newton-Schulz iterations.
         ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
         exchange_itemsizes: bytes per element of the forward plus the return exchange.
+        form: Newton-Schulz's form (``OrthoSpec.form``): counted where a matrix is
+            orthogonalized whole; gang blocks run (and are counted as) the standard steps.
 
     Returns:
         The ``NSCostModel`` the planner splits matrices with.
     """
     sizes = dict(ns_itemsize=ns_itemsize, exchange_itemsizes=exchange_itemsizes)
     if not isinstance(inner, TPOrthogonalizer):
-        whole = lambda info: ns_cost(info, steps)  # noqa: E731
+        whole = lambda info: ns_cost(info, steps, form)  # noqa: E731
         return NSCostModel(steps, whole, lambda info: 1, **sizes)
 
     def tp_of(info) -> int:
         group = inner._group(info)
         return group.size() if group is not None else 1
 
-    whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info))  # noqa: E731
+    whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info), form)  # noqa: E731
     return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
 
 
@@ -817,13 +821,14 @@ def attach(
             f"and scale settings (one owner runs each matrix); got {len(specs)} different ones"
         )
     steps = specs[0].steps if specs else 0
+    form = specs[0].form if specs else "standard"
     ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
     muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
     dtype = exchange_dtype if exchange_dtype in DTYPES else "fp32"  # unknown: refused below
     forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
     sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
     model = dataclasses.replace(
-        cost_model(muon.orthogonalizer, steps, *sizes),
+        cost_model(muon.orthogonalizer, steps, *sizes, form=form),
         **links.link_costs(),
         min_efficiency=links.min_efficiency or 0.0,
     )

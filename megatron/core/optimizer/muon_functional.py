@@ -106,6 +106,10 @@ class OrthoSpec:
     eps: float
     scale_mode: str
     scale_factor: float
+    # Newton-Schulz's form (``newton_schulz.FORMS``) where a matrix is orthogonalized whole on
+    # one place (``newton_schulz``); the sharded forms (gangs, the distributed TP mode) always
+    # run the standard steps (``sharded_newton_schulz``).
+    form: str = "standard"
     # False: ``orthogonalize`` returns NS_k(U) unscaled, for a caller that scales it elsewhere
     # (``scale_flat_``: the DistOpt exchange returns bf16 NS output, exact, and holders scale).
     apply_scale: bool = True
@@ -396,7 +400,7 @@ def orthogonalize_sharded_steps(
 
 
 def _local_ns(x: Tensor, spec: OrthoSpec) -> Tensor:
-    return newton_schulz(x, spec.steps, spec.coefficients, spec.precision, spec.eps)
+    return newton_schulz(x, spec.steps, spec.coefficients, spec.precision, spec.eps, spec.form)
 
 
 def _local_ns_blocks(blocks: list[Tensor], spec: OrthoSpec) -> list[Tensor]:

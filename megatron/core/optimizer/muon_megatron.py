@@ -316,6 +316,7 @@ def muon_kwargs(config) -> dict:
         ns_steps=config.muon_num_ns_steps,
         ns_coefficients=config.muon_coefficient_type,
         ns_precision=config.muon_fp32_matmul_prec,
+        ns_form=config.muon_ns_form,
         matched_adamw_rms=config.muon_matched_adamw_rms,
         scale_mode=config.muon_scale_mode,
         extra_scale_factor=config.muon_extra_scale_factor,

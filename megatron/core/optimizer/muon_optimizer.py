@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from . import muon_config as defaults
-from .muon_config import SCALE_MODES, resolve_scale
+from .muon_config import NS_FORMS, SCALE_MODES, resolve_scale
 from .muon_functional import (
     LocalOrthogonalizer,
     MuonParamInfo,
@@ -41,6 +41,7 @@ RULE_SETTINGS = (
     "ns_coefficients",
     "ns_precision",
     "ns_eps",
+    "ns_form",
     "matched_adamw_rms",
     "scale_mode",
     "extra_scale_factor",
@@ -64,8 +65,9 @@ class Muon(Optimizer):
         W = W - lr O
 
     ``NS_k``: ``X = U / max(||U||_F, eps)``, transposed if m > n, then k steps of
-    ``A = X X^T; X = a X + (b A + c A A) X`` (see ``newton_schulz.py``). Scale ``s``:
-    ``scale_mode`` {modes} times ``extra_scale_factor`` (default: ``{mode}`` x {factor}, as
+    ``A = X X^T; X = a X + (b A + c A A) X`` (see ``newton_schulz.py``; ``ns_form='auto'``: the
+    same polynomial in its Gram form where that saves FLOPs; default ``'standard'``). Scale
+    ``s``: ``scale_mode`` {modes} times ``extra_scale_factor`` (default: ``{mode}`` x {factor}, as
     upstream), or, with ``matched_adamw_rms=r`` (default {rms}: off), ``r * sqrt(max(m, n))``
     (Moonlight's rule: the update RMS matches AdamW's, so AdamW's lr and wd carry over; the
     same as ``('spectral', r)``). Defaults: ``muon_config.py``, shared with
@@ -98,6 +100,7 @@ class Muon(Optimizer):
         ns_coefficients: str | Sequence[Triple] = defaults.DEFAULT_COEFFICIENTS,
         ns_precision: str = defaults.DEFAULT_PRECISION,
         ns_eps: float = defaults.DEFAULT_EPS,
+        ns_form: str = defaults.DEFAULT_NS_FORM,
         matched_adamw_rms: Optional[float] = defaults.DEFAULT_MATCHED_ADAMW_RMS,
         scale_mode: str = defaults.DEFAULT_SCALE_MODE,
         extra_scale_factor: float = defaults.DEFAULT_EXTRA_SCALE_FACTOR,
@@ -132,6 +135,7 @@ class Muon(Optimizer):
             ns_coefficients=ns_coefficients,
             ns_precision=ns_precision,
             ns_eps=ns_eps,
+            ns_form=ns_form,
             matched_adamw_rms=matched_adamw_rms,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
@@ -355,6 +359,10 @@ def _validate_group(group: dict[str, Any]) -> None:
     _finite(group, "extra_scale_factor", "> 0", lambda v: v > 0)
     coefficient_set(group["ns_coefficients"])
     compute_dtype(group["ns_precision"])
+    _require(
+        group["ns_form"] in NS_FORMS,
+        f"ns_form must be one of {list(NS_FORMS)}, got {group['ns_form']!r}",
+    )
     resolve_scale(group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"])
 
 
@@ -388,6 +396,7 @@ def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:
         coefficients=group["ns_coefficients"],
         precision=group["ns_precision"],
         eps=group["ns_eps"],
+        form=group["ns_form"],
         scale_mode=mode,
         scale_factor=factor,
     )

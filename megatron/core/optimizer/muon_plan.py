@@ -19,7 +19,7 @@ from .muon_split import (
     exchange_schedule,
     member_events,
 )
-from .newton_schulz import splits_polynomial
+from .newton_schulz import ns_flops, splits_polynomial
 
 
 @dataclass
@@ -111,20 +111,22 @@ class Exchange:
         return send, recv
 
 
-def ns_cost(info: MuonParamInfo, steps: int) -> float:
-    """Newton-Schulz matmul FLOPs for one matrix (per QKV block when split).
+def ns_cost(info: MuonParamInfo, steps: int, form: str = "standard") -> float:
+    """Newton-Schulz matmul FLOPs for one whole matrix (per QKV block when split).
 
-    Per step ``X X^T`` (2 s^2 l), ``A A`` (2 s^3) and ``B X`` (2 s^2 l), s = min(m, n),
-    l = max(m, n); elementwise work is left out.
+    ``newton_schulz.ns_flops``: standard steps ``X X^T`` (2 s^2 l), ``A A`` (2 s^3) and
+    ``B X`` (2 s^2 l) each, s = min(m, n), l = max(m, n), or the Gram form's count where
+    ``form`` runs it; elementwise work is left out.
 
     Args:
         info: the matrix's global shape and QKV split.
         steps: Newton-Schulz iterations.
+        form: Newton-Schulz's form (``OrthoSpec.form``) for a matrix orthogonalized whole.
 
     Returns:
         Matmul FLOPs of all steps.
     """
-    return float(sum(steps * (4 * min(b) ** 2 * max(b) + 2 * min(b) ** 3) for b in _blocks(info)))
+    return float(sum(ns_flops(*b, steps, form) for b in _blocks(info)))
 
 
 def _blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
@@ -135,7 +137,9 @@ def _blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
     return [(groups * r, cols) for r in info.qkv_split]
 
 
-def tp_ns_cost(info: MuonParamInfo, steps: int, mode: str, tp: int) -> float:
+def tp_ns_cost(
+    info: MuonParamInfo, steps: int, mode: str, tp: int, form: str = "standard"
+) -> float:
     """NS FLOPs each TP rank of the owner executes, per TP mode (``muon_tp.py``).
 
     duplicated: the whole matrix on every TP rank; blockwise: the TP-local slice; distributed:
@@ -148,17 +152,19 @@ def tp_ns_cost(info: MuonParamInfo, steps: int, mode: str, tp: int) -> float:
         steps: Newton-Schulz iterations.
         mode: the TP mode, "duplicated", "blockwise" or "distributed".
         tp: the tensor-parallel size.
+        form: Newton-Schulz's form where a rank orthogonalizes a whole matrix (duplicated,
+            blockwise); the distributed mode's sharded steps are the standard ones.
 
     Returns:
         Matmul FLOPs of all steps on one TP rank.
     """
     dim = getattr(info, "partition_dim", None)
     if tp == 1 or dim is None or mode == "duplicated":
-        return ns_cost(info, steps)
+        return ns_cost(info, steps, form)
     if mode == "blockwise":
         shape = list(info.shape)
         shape[dim] //= tp
-        return ns_cost(MuonParamInfo(tuple(shape), info.qkv_split), steps)
+        return ns_cost(MuonParamInfo(tuple(shape), info.qkv_split), steps, form)
     total = 0.0
     for rows, cols in _blocks(info):
         split, whole = (rows // tp, cols) if dim == 0 else (cols // tp, rows)

@@ -17,6 +17,23 @@ The names (coefficient sets, precisions) and their numbers are upstream megatron
 (``emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz``, 0.3): the same
 triples, the same order past a set's end, the same normalization and matmul precision, so a
 setting both name computes the same numbers (``tests/e2e_next/test_ns_matches_upstream.py``).
+
+Ours, opt-in (``form``, ``OptimizerConfig.muon_ns_form``): the *Gram form* of the same
+iteration, for wide matrices cheaper. Every ``X_t = Q_t X_0`` with ``Q_t`` a polynomial in
+``A_0 = X_0 X_0^T``, so the steps can run on ``m x m`` matrices only:
+
+    A_0 = X_0 X_0^T,   P_t = a_t I + b_t A_t + c_t A_t^2,
+    Q_{t+1} = P_t Q_t  (Q_1 = P_0),   A_{t+1} = P_t A_t P_t = P_t (P_t A_t),   X_k = Q_k X_0
+
+``A_t, P_t, Q_t`` are polynomials in ``A_0``: symmetric and commuting, so each product among
+them is symmetric and only its upper half is computed (``_sym_mm``: 3/4 of the FLOPs). Cost
+``gram_flops``: ``3.5 m^2 n + (4k - 3) 1.5 m^3`` against ``k (4 m^2 n + 2 m^3)``;
+``form='auto'`` takes it where that saves a quarter or more (``uses_gram``: from ``n >= ~1.6 m``
+at k = 5). The ``m x m`` part always runs in fp32 (full fp32 on CUDA, no TF32), also for bf16
+Newton-Schulz: its errors compound through the steps, and with ``A_0`` rounded to bf16 (or
+TF32, emulated) a decaying spectrum's result is off by far more than the standard form's
+(``tests/unit/test_newton_schulz_gram.py``, bench/README.md).
+Only ``X_k = Q_k X_0`` runs in the compute dtype.
 """
 
 import contextlib
@@ -27,7 +44,13 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from .muon_config import DEFAULT_COEFFICIENTS, DEFAULT_EPS, DEFAULT_PRECISION, DEFAULT_STEPS
+from .muon_config import (
+    DEFAULT_COEFFICIENTS,
+    DEFAULT_EPS,
+    DEFAULT_NS_FORM,
+    DEFAULT_PRECISION,
+    DEFAULT_STEPS,
+)
 
 Triple = tuple[float, float, float]
 
@@ -196,6 +219,7 @@ def newton_schulz(
     coefficients: str | CoefficientSet | Sequence[Triple] = DEFAULT_COEFFICIENTS,
     precision: str = DEFAULT_PRECISION,
     eps: float = DEFAULT_EPS,
+    form: str = DEFAULT_NS_FORM,
 ) -> Tensor:
     """Orthogonalize ``x`` of shape (..., m, n); returns ``NS_k(x)`` in x's dtype (a new tensor).
 
@@ -207,6 +231,8 @@ def newton_schulz(
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
         precision: a name in ``PRECISIONS``: the matmuls' precision.
         eps: the Frobenius norm's floor (X / max(||X||_F, eps), upstream's F.normalize).
+        form: ``'standard'`` (upstream's steps), ``'gram'`` (the Gram form) or ``'auto'`` (the
+            Gram form where it does fewer FLOPs, ``uses_gram``).
 
     Returns:
         ``NS_k(x)``, same shape and dtype as ``x``.
@@ -219,9 +245,142 @@ def newton_schulz(
     dtype = compute_dtype(precision)
     m, n = x.shape[-2:]
     flat = x.reshape(-1, m, n) if x.ndim > 2 else x
+    gram = uses_gram(m, n, steps, form)
     with matmul_precision(precision, x.device):
-        out = _iterate(_normalized(flat, dtype, eps), schedule, tall=m > n)
+        iterate = _gram_iterate if gram else _iterate
+        out = iterate(_normalized(flat, dtype, eps), schedule, tall=m > n)
     return out.reshape(x.shape).to(x.dtype)
+
+
+# ``form``'s values: ``muon_config.NS_FORMS`` plus ``'gram'`` (always the Gram form).
+FORMS = ("standard", "gram", "auto")
+# ``'auto'`` takes the Gram form where it does at most this share of the standard form's FLOPs.
+# By FLOPs alone it always wins (k = 5: ``3.5 r + 25.5`` against ``20 r + 10`` in units of m^3,
+# r = n / m >= 1; 29 against 30 on a square), but its m x m products run in fp32, where the
+# standard form's run in bf16 ('medium'), at a lower rate on tensor-core GPUs: a near-tie is a
+# loss in time. With 3/4, k = 5 takes it from n >= ~1.6 m: the MLP and K/V blocks of an 8B
+# layer (3.5x, 7x, 4x), not its square Q and output projections.
+GRAM_MAX_SHARE = 0.75
+
+
+def standard_flops(m: int, n: int, steps: int) -> float:
+    """Matmul FLOPs of the standard form on an ``m x n`` matrix: per step ``X X^T``
+    (``2 s^2 l``), ``A A`` (``2 s^3``) and ``B X`` (``2 s^2 l``), ``s = min(m, n)``,
+    ``l = max(m, n)``; elementwise work left out.
+
+    Args:
+        m: rows.
+        n: columns.
+        steps: iterations k.
+
+    Returns:
+        ``k (4 s^2 l + 2 s^3)``.
+    """
+    s, l_ = min(m, n), max(m, n)
+    return float(steps * (4 * s * s * l_ + 2 * s**3))
+
+
+def gram_flops(m: int, n: int, steps: int) -> float:
+    """Matmul FLOPs of the Gram form (``_gram_iterate``): ``A_0`` as a symmetric product
+    (``1.5 s^2 l``), ``4k - 3`` symmetric ``s x s`` products (``1.5 s^3`` each; the first step
+    needs no ``P Q``, the last no ``A_{t+1}``: 1 for k = 1) and ``Q_k X_0`` (``2 s^2 l``).
+
+    Args:
+        m: rows.
+        n: columns.
+        steps: iterations k.
+
+    Returns:
+        ``3.5 s^2 l + (4k - 3) 1.5 s^3`` (``3.5 s^2 l + 1.5 s^3`` for k = 1) for an even
+        ``s``; an odd one's halves are a little uneven (``_sym_mm_flops``).
+    """
+    s, l_ = min(m, n), max(m, n)
+    products = 4 * steps - 3 if steps > 1 else 1
+    return float(_sym_mm_flops(s, l_) + products * _sym_mm_flops(s, s) + 2 * s * s * l_)
+
+
+def _sym_mm_flops(g: int, k: int) -> int:
+    """Matmul FLOPs of ``_sym_mm`` on (g, k) by (k, g): ``1.5 g^2 k`` for an even ``g``."""
+    h = g // 2
+    return 2 * h * k * g + 2 * (g - h) ** 2 * k
+
+
+def uses_gram(m: int, n: int, steps: int, form: str) -> bool:
+    """Whether ``newton_schulz(form=form)`` runs an ``m x n`` matrix in the Gram form.
+
+    Args:
+        m: rows.
+        n: columns.
+        steps: iterations k.
+        form: one of ``FORMS``.
+
+    Returns:
+        True for ``'gram'``, and for ``'auto'`` where ``gram_flops`` is at most
+        ``GRAM_MAX_SHARE`` of ``standard_flops``.
+    """
+    if form not in FORMS:
+        raise ValueError(
+            f"unknown Newton-Schulz form {form!r}; allowed: {list(FORMS)} ('standard': "
+            "upstream's steps, 'auto': the Gram form where it does fewer FLOPs)"
+        )
+    if form == "auto":
+        return gram_flops(m, n, steps) <= GRAM_MAX_SHARE * standard_flops(m, n, steps)
+    return form == "gram"
+
+
+def ns_flops(m: int, n: int, steps: int, form: str = DEFAULT_NS_FORM) -> float:
+    """Matmul FLOPs ``newton_schulz(form=form)`` runs on an ``m x n`` matrix (what the DistOpt
+    planner counts, ``muon_plan.ns_cost``).
+
+    Args:
+        m: rows.
+        n: columns.
+        steps: iterations k.
+        form: one of ``FORMS``.
+
+    Returns:
+        ``gram_flops`` where ``uses_gram``, else ``standard_flops``.
+    """
+    return gram_flops(m, n, steps) if uses_gram(m, n, steps, form) else standard_flops(m, n, steps)
+
+
+def _gram_iterate(
+    x: Tensor, schedule: list[Triple], tall: bool, inner: torch.dtype = torch.float32
+) -> Tensor:
+    """The Gram form of ``_iterate`` (the module docstring): ``A_0`` and the ``g x g``
+    polynomials in ``inner`` (fp32; full fp32 on CUDA: ``matmul_precision('highest')``; a test
+    passes bf16 to show why), ``Q_k X_0`` in ``x``'s dtype."""
+    x0 = x.mT if tall else x  # the wide view: (..., g, l)
+    with matmul_precision("highest", x.device):
+        wide = x0.to(inner)  # bf16 is exact in fp32: bf16 products summed in fp32
+        a_t = _sym_mm(wide, wide.mT)
+        del wide
+        q = None
+        for t, (a, b, c) in enumerate(schedule):
+            a2 = _sym_mm(a_t, a_t)
+            poly = torch.mul(a2, c).add_(a_t, alpha=b)  # P = a I + b A + c A^2
+            poly.diagonal(dim1=-2, dim2=-1).add_(a)
+            q = poly if q is None else _sym_mm(poly, q)
+            if t < len(schedule) - 1:
+                pa = _sym_mm(a2, a_t).mul_(c).add_(a2, alpha=b).add_(a_t, alpha=a)  # P A
+                a_t = _sym_mm(poly, pa)  # P A P = P (P A)
+            del a2, poly
+    q = q.to(x.dtype)
+    return x @ q if tall else q @ x  # (Q X0^T)^T = X0 Q for the tall view
+
+
+def _sym_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for a product known to be symmetric (``a``: (..., g, k), ``b``: (..., k, g)):
+    rows ``[0, h)`` whole and the trailing ``(g - h)``-square block, ``h = g // 2``, the rest
+    mirrored (3/4 of the FLOPs; the result exactly symmetric)."""
+    g = a.shape[-2]
+    h = g // 2
+    out = torch.empty((*a.shape[:-1], g), dtype=a.dtype, device=a.device)
+    top = out[..., :h, :]
+    top.copy_(a[..., :h, :] @ b)
+    out[..., h:, h:] = a[..., h:, :] @ b[..., :, h:]
+    out[..., h:, :h] = top[..., :, h:].mT
+    return out
 
 
 def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
