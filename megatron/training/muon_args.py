@@ -55,7 +55,7 @@ def _float_or_none(text: str):
 
 
 # Our knobs: (option strings, dest = OptimizerConfig field, type, choices, help). Read only by
-# --muon-impl megatron_muon; the first name is the one our 0.16.1 command line has.
+# --muon-impl megatron_muon; one name each, the field's.
 KNOBS = (
     (
         ("--muon-matched-adamw-rms",),
@@ -76,7 +76,7 @@ KNOBS = (
         "the standard form's are fp32 too, slower where they run in bf16 or TF32 (GPUs).",
     ),
     (
-        ("--muon-exchange-dtype", "--muon-distopt-exchange-dtype"),
+        ("--muon-distopt-exchange-dtype",),
         "muon_distopt_exchange_dtype",
         str,
         EXCHANGE_DTYPES,

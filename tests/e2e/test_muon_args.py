@@ -36,7 +36,7 @@ DISTOPT = ["--use-distributed-optimizer"]
 KNOBS = {  # flag: (value given, the OptimizerConfig field and the value it must hold)
     "--muon-matched-adamw-rms": ("0.2", "muon_matched_adamw_rms", 0.2),
     "--muon-ns-form": ("auto", "muon_ns_form", "auto"),
-    "--muon-exchange-dtype": ("bf16", "muon_distopt_exchange_dtype", "bf16"),
+    "--muon-distopt-exchange-dtype": ("bf16", "muon_distopt_exchange_dtype", "bf16"),
     "--muon-plan-tflops": ("123.5", "muon_plan_tflops", 123.5),
     "--muon-plan-dp-link-gbps": ("inf", "muon_plan_dp_link_gbps", math.inf),
     "--muon-plan-nvlink-gbps": ("900", "muon_plan_nvlink_gbps", 900.0),
@@ -56,7 +56,6 @@ CASES = {
     "ours-distopt": OURS + DISTOPT,
     "ours-distopt-knobs": OURS + DISTOPT + ALL_KNOBS,
     "ours-dist-muon": ["--optimizer", "dist_muon", "--muon-impl", "megatron_muon"],
-    "ours-alias": OURS + DISTOPT + ["--muon-distopt-exchange-dtype", "bf16"],
     "ours-upstream-muon-flags": OURS
     + ["--muon-momentum", "0.8", "--muon-nesterov", "--muon-tp-mode", "duplicated"]
     + ["--muon-coefficient-type", "simple", "--muon-num-ns-steps", "6"],
@@ -64,7 +63,7 @@ CASES = {
     "bad-ns-form": OURS + ["--muon-ns-form", "gram"],  # 'gram' is newton_schulz's, not a flag's
     "ns-form-without-impl": MUON + ["--muon-ns-form", "auto"],
     "ours-ns-form-without-distopt": OURS + ["--muon-ns-form", "auto"],
-    "bad-exchange-dtype": OURS + DISTOPT + ["--muon-exchange-dtype", "fp16"],
+    "bad-exchange-dtype": OURS + DISTOPT + ["--muon-distopt-exchange-dtype", "fp16"],
     "bad-plan-tflops": OURS + DISTOPT + ["--muon-plan-tflops", "0"],
     "bad-plan-domain": OURS + DISTOPT + ["--muon-plan-nvlink-domain", "0"],
     "bad-plan-efficiency": OURS + DISTOPT + ["--muon-plan-min-efficiency", "1.5"],
@@ -78,7 +77,7 @@ CASES = {
     "ours-scalar-lion": OURS + ["--muon-scalar-optimizer", "lion"],
     "ours-precision-aware": OURS + DISTOPT + ["--use-precision-aware-optimizer"],
     "knob-without-impl": MUON + ["--muon-matched-adamw-rms", "0.2"],
-    "knob-at-default-without-impl": MUON + DISTOPT + ["--muon-exchange-dtype", "fp32"],
+    "knob-at-default-without-impl": MUON + DISTOPT + ["--muon-distopt-exchange-dtype", "fp32"],
     "knobs-with-emerging-given": MUON + ["--muon-impl", "emerging", "--muon-plan-tflops", "9"],
     "ours-with-adam": ["--muon-impl", "megatron_muon"],
     "ours-distopt-knob-without-distopt": OURS + ["--muon-plan-tflops", "100"],
@@ -249,8 +248,6 @@ def test_each_knob_reaches_optimizer_config(outcome):
     for flag, (_, field, expected) in KNOBS.items():
         got = config[field]
         assert (float(got) if expected == math.inf else got) == expected, flag
-    _, config = _ok(outcome, "ours-alias")
-    assert config["muon_distopt_exchange_dtype"] == "bf16"
     _, config = _ok(outcome, "ours-upstream-muon-flags")  # upstream's flags reach ours too
     assert config["muon_momentum"] == 0.8 and config["muon_nesterov"] is True
     assert config["muon_tp_mode"] == "duplicated" and config["muon_num_ns_steps"] == 6
@@ -262,7 +259,7 @@ def test_bad_values_are_refused_naming_the_flag(outcome):
     assert outcome["bad-impl"]["error"] == "SystemExit"
     assert "mine" in message
     _error(outcome, "bad-ns-form", "--muon-ns-form", "standard", "auto")
-    _error(outcome, "bad-exchange-dtype", "--muon-exchange-dtype", "fp16", "fp32", "bf16")
+    _error(outcome, "bad-exchange-dtype", "--muon-distopt-exchange-dtype", "fp16", "fp32", "bf16")
     _error(outcome, "bad-plan-tflops", "--muon-plan-tflops", "(0, 1e+06]")
     _error(outcome, "bad-plan-domain", "--muon-plan-nvlink-domain", ">= 1")
     _error(outcome, "bad-plan-efficiency", "--muon-plan-min-efficiency", "(0, 1]")
@@ -278,7 +275,7 @@ def test_bad_values_are_refused_naming_the_flag(outcome):
 def test_our_knobs_need_muon_impl_megatron_muon(outcome):
     for name, flag in (
         ("knob-without-impl", "--muon-matched-adamw-rms"),
-        ("knob-at-default-without-impl", "--muon-exchange-dtype"),  # given at its default
+        ("knob-at-default-without-impl", "--muon-distopt-exchange-dtype"),  # at its default
         ("knobs-with-emerging-given", "--muon-plan-tflops"),
         ("ns-form-without-impl", "--muon-ns-form"),
     ):
@@ -314,7 +311,7 @@ def test_help_shows_our_flags_with_their_defaults(outcome):
     text = " ".join(outcome["_meta"]["help"].split())
     assert "megatron-muon:" in text
     assert "--muon-impl {emerging,megatron_muon}" in text and "Default: emerging." in text
-    for flag in [*KNOBS, "--muon-distopt-exchange-dtype"]:
+    for flag in KNOBS:
         assert flag in text, flag
     assert "Default: fp32." in text and "Default: None." in text
 

@@ -44,6 +44,7 @@ RETIRED = {
     "--muon-use-nesterov": "--muon-nesterov",
     "--muon-coefficient-set": "--muon-coefficient-type",
     "--muon-ns-steps": "--muon-num-ns-steps",
+    "--muon-exchange-dtype": "--muon-distopt-exchange-dtype",
 }
 # Uses of 0.16.1 that README names as gone: they must not parse
 RETIRED_USES = {"--tokenizer-type ByteLevelTokenizer"}
