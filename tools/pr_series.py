@@ -147,6 +147,16 @@ SERIES = [
         ["0032-checkpoint-writer-queue-survives-sigterm.patch"],
     ),
     (
+        "dist_checkpointing: the persistent async checkpoint worker runs without CUDA",
+        "--async-save --use-persistent-ckpt-worker (upstream's MoE Muon recipes) hands each\n"
+        "save to a worker process started fresh (forkserver), which called\n"
+        "torch.cuda.set_device(rank % device_count()) (ZeroDivisionError without CUDA) and,\n"
+        "preloading, torch.cuda.synchronize() (no driver): the worker died and every rank\n"
+        "waited on it for ever. Both are skipped where CUDA is unavailable; GPUs as before.",
+        [],
+        ["0033-async-checkpoint-worker-without-cuda.patch"],
+    ),
+    (
         "emerging_optimizers: adaptive_muon and soap on emerging-optimizers 0.3.0",
         "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0:\n"
         "TensorParallelAdaptiveMuon sets scale_mode/extra_scale_factor (as upstream main does),\n"
