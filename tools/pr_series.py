@@ -183,6 +183,17 @@ SERIES = [
         ["0042-torch-adam-step-kept.patch"],
     ),
     (
+        "optimizer: a Float16 optimizer's empty param group survives a torch_dist resume",
+        "dist_checkpointing keeps an empty list in the common state but drops the places of\n"
+        "fully sharded lists, so fp32_from_fp16_params with an empty group (megatron_muon's\n"
+        "Muon/AdamW halves: no Muon biases or norms) raised 'Cannot merge two lists with\n"
+        "different lengths' at load (bf16 without --use-distributed-optimizer). Keyed by group\n"
+        "index, as LayerWise already keys its own (which now takes either form); the sharded\n"
+        "tensors and their keys are unchanged.",
+        [],
+        ["0043-float16-optimizer-empty-groups-torch-dist.patch"],
+    ),
+    (
         "argument_utils: a '%' in a config docstring no longer breaks --help",
         "ArgumentGroupFactory hands each field's docstring to argparse as its help, and argparse\n"
         "formats help with %: TransformerConfig.moe_paged_stash_buffer_size_factor_cuda's\n"
