@@ -17,6 +17,9 @@ auxiliary loss, grad and params norms, zeros in grads, learning rate, loss scale
 uninterrupted run's bit for bit (upstream compares both with golden values instead).
 
     .venv/bin/python -m pytest -q tests/e2e/test_upstream_muon_recipes.py
+
+Measured: the resume test 45 s (2 cores shared, load ~4; 78 s at load ~14), 3 of 3 runs passed;
+most of it is the two launches' imports, each rank's persistent checkpoint worker included.
 """
 
 import math
