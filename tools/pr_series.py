@@ -142,6 +142,16 @@ SERIES = [
         ["0032-checkpoint-writer-queue-survives-sigterm.patch"],
     ),
     (
+        "dist_checkpointing: the persistent async checkpoint worker runs without CUDA",
+        "--async-save --use-persistent-ckpt-worker (upstream's MoE Muon recipes) hands each\n"
+        "save to a worker process started fresh (forkserver), which called\n"
+        "torch.cuda.set_device(rank % device_count()) (ZeroDivisionError without CUDA) and,\n"
+        "preloading, torch.cuda.synchronize() (no driver): the worker died and every rank\n"
+        "waited on it for ever. Both are skipped where CUDA is unavailable; GPUs as before.",
+        [],
+        ["0033-async-checkpoint-worker-without-cuda.patch"],
+    ),
+    (
         "emerging_optimizers: adaptive_muon and soap on emerging-optimizers 0.3.0",
         "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0:\n"
         "TensorParallelAdaptiveMuon sets scale_mode/extra_scale_factor (as upstream main does),\n"
@@ -168,6 +178,17 @@ SERIES = [
         "(torch_adam_step.py, torch's Adam only) and a step of 0 is saved.",
         [OPT + "torch_adam_step.py"],
         ["0042-torch-adam-step-kept.patch"],
+    ),
+    (
+        "optimizer: a Float16 optimizer's empty param group survives a torch_dist resume",
+        "dist_checkpointing keeps an empty list in the common state but drops the places of\n"
+        "fully sharded lists, so fp32_from_fp16_params with an empty group (megatron_muon's\n"
+        "Muon/AdamW halves: no Muon biases or norms) raised 'Cannot merge two lists with\n"
+        "different lengths' at load (bf16 without --use-distributed-optimizer). Keyed by group\n"
+        "index, as LayerWise already keys its own (which now takes either form); the sharded\n"
+        "tensors and their keys are unchanged.",
+        [],
+        ["0043-float16-optimizer-empty-groups-torch-dist.patch"],
     ),
     (
         "argument_utils: a '%' in a config docstring no longer breaks --help",

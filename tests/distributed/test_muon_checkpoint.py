@@ -118,6 +118,64 @@ def test_non_distopt_resume_keeps_muon_groups_and_is_bit_exact(dtype):
         assert torch.equal(resumed[name], tensor), f"{name} differs after resume"
 
 
+def _upstream_list_form(optimizer) -> None:
+    """Make ``optimizer.sharded_state_dict`` list the main params per group as pristine
+    upstream does (the negative control of patch 0043)."""
+
+    def as_lists(original):
+        def sharded_state_dict(*args, **kwargs):
+            out = original(*args, **kwargs)
+            groups = out["fp32_from_fp16_params"]
+            out["fp32_from_fp16_params"] = [groups[i] for i in range(len(groups))]
+            return out
+
+        return sharded_state_dict
+
+    for sub in distopts(optimizer):  # each Float16 optimizer of a ChainedOptimizer
+        sub.sharded_state_dict = as_lists(sub.sharded_state_dict)
+
+
+def plain_torch_dist_round_trip(spec, directory, as_list=False):
+    """Without DistOpt, bf16 (Float16OptimizerWithFloat16Params over Muon's Muon/AdamW halves,
+    one of them empty): a torch_dist save and load (patch 0043). ``as_list``: the main params
+    in upstream's list form; the load's error is returned."""
+    batches = global_batches(spec, BEFORE + AFTER)
+    model = build_model(spec)
+    optimizer = build_optimizer(spec, model, **MUON)
+    if as_list:
+        _upstream_list_form(optimizer)
+    steps(spec, model, optimizer, batches[:BEFORE])
+    save("fully_reshardable", directory, model, optimizer)
+    uninterrupted = steps(spec, model, optimizer, batches[BEFORE:])
+    model2 = build_model(spec, seed=1)
+    optimizer2 = build_optimizer(spec, model2, **MUON)
+    if as_list:
+        _upstream_list_form(optimizer2)
+    empty = [len(g["params"]) == 0 for o in distopts(optimizer2) for g in o.optimizer.param_groups]
+    try:
+        load("fully_reshardable", directory, model2, optimizer2)
+    except ValueError as err:
+        return None, None, empty, str(err)
+    return uninterrupted, steps(spec, model2, optimizer2, batches[BEFORE:]), empty, None
+
+
+def test_non_distopt_bf16_torch_dist_resume_is_bit_exact(tmp_path):
+    ((uninterrupted, resumed, empty, error),) = run_distributed(
+        plain_torch_dist_round_trip, 1, args=(TinyGPT(dtype="bf16"), str(tmp_path))
+    )
+    assert error is None and any(empty) and not all(empty)  # the case: an empty group
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), f"{name} differs after resume"
+
+
+def test_upstream_list_form_fails_with_an_empty_group(tmp_path):
+    """Negative control: the main params as pristine upstream lists them fail at load."""
+    ((_, _, empty, error),) = run_distributed(
+        plain_torch_dist_round_trip, 1, args=(TinyGPT(dtype="bf16"), str(tmp_path), True)
+    )
+    assert any(empty) and error is not None and "Cannot merge two lists" in error
+
+
 # ------------------------------------------------------------------- another DP size on resume
 
 
