@@ -24,7 +24,10 @@ import them). Where CUDA is absent the ranks run on the CPU with gloo (``cpu_loo
 
 import sys
 
-from megatron.training import cpu_loop, gpt_entry
-
 if __name__ == "__main__":
+    # imported here, not at the top: a process started with multiprocessing's "spawn" (the
+    # torch_dist writer's results-queue manager, among others) runs this file again as
+    # __mp_main__, and importing Megatron-LM's loop costs it seconds
+    from megatron.training import cpu_loop, gpt_entry
+
     sys.exit(cpu_loop.exit_status(gpt_entry.main))

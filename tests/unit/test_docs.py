@@ -67,6 +67,9 @@ TOOL_FLAGS = {
     "--step-latency-us": "bench/projection.py",
     "--repeats": "bench/step_cost.py",  # bench_newton_schulz.py has it too
     "--gram": "bench/bench_newton_schulz.py",
+    "--ref": "tools/upstream_muon_recipes.py",  # tools/upstream_muon_tests.py has it too
+    "--recipe": "tools/upstream_muon_recipes.py",
+    "--impl": "tools/upstream_muon_recipes.py",
 }
 # Placeholders in commands of our scripts -> a value of their kind
 PLACEHOLDERS = {"TAU": "5", "F": "0.9", "CHECKOUT": "/nonexistent/Megatron-LM", "...": "x"}
@@ -233,7 +236,8 @@ def child_cases(found: dict) -> dict:
                     cases[name] = {"tool": str(ROOT / details[0]), "argv": details[1]}
     for tool in sorted(set(TOOL_FLAGS.values())):
         if tool.endswith(".py"):
-            cases[f"options:{tool}"] = {"tool": str(ROOT / tool), "argv": []}
+            # its options only: argv is not parsed (a required positional would exit)
+            cases[f"options:{tool}"] = {"tool": str(ROOT / tool), "argv": [], "options_only": True}
     return cases
 
 

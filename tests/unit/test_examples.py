@@ -109,7 +109,8 @@ DRIVER = textwrap.dedent(
             Parser.parse_args, Parser.parse_known_args = parse, parse_known
         if not found:
             return {"error": "no argparse", "message": case["tool"] + " parsed nothing"}
-        parse(found[0], case["argv"])
+        if not case.get("options_only"):
+            parse(found[0], case["argv"])
         return {"options": sorted(found[0]._option_string_actions)}
 
     results = {}
