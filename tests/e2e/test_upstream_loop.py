@@ -24,14 +24,14 @@ pytestmark = [
 DISTOPT = ["--use-distributed-optimizer"]
 OURS = "--optimizer muon --muon-impl megatron_muon".split()
 TORCH = ["--ckpt-format", "torch"]  # upstream's default is torch_dist
+# Upstream's LayerWise Muon resumes bit for bit in tests/e2e/test_upstream_muon_recipes.py (its
+# own MoE recipe, torch_dist, async saves), its TensorParallelMuon in tools/upstream_muon_recipes.py
+# (the muon recipes), AdamW + DistOpt's torch_dist formats in tests/distributed/
+# test_adam_checkpoint.py. Here, through the CLI: AdamW + DistOpt (torch) and ours (both formats).
 SETUPS = {
-    "adamw": [],
     "adamw-distopt-torch": DISTOPT + TORCH,
-    "muon": ["--optimizer", "muon"],
-    # upstream's LayerWiseDistributedOptimizer (Muon) chained with a DistributedOptimizer (AdamW)
-    "muon-layerwise-bf16": "--optimizer muon --use-distributed-optimizer --bf16".split()
-    + ["--no-masked-softmax-fusion"],
-    # ours: Muon inside upstream's DistributedOptimizer (patches 0009-0012, 0016, 0030, 0031)
+    # ours: Muon inside upstream's DistributedOptimizer (patches 0002, 0009, 0011, 0012, 0016,
+    # 0030, 0031)
     "ours-distopt": OURS + DISTOPT,
     "ours-distopt-torch": OURS + DISTOPT + TORCH,
 }
