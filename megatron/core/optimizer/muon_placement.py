@@ -26,6 +26,12 @@ TARGETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, math.inf)
 TIME_SLACK = 0.02
 # Disjoint gangs tried: at most this many matrices share one gang's members (``bundle_units``).
 BUNDLES = (1, 2, 3)
+# Where every matrix lies whole on one rank (the shard-aligned layout, muon_layout.py), those
+# holders own them, so the exchange moves nothing, while the busiest one's NS FLOPs stay within
+# this fraction of the mean: a few % of NS time against the whole exchange (~4 M/dp elements
+# per rank and step); past it a few matrices move (``holder_owners``, which also chooses the
+# layout).
+HOLDER_SLACK = 0.05
 
 
 @dataclass
@@ -63,6 +69,9 @@ def assign_units(
     Returns:
         (units, gangs): per matrix its ``Unit`` list, and the split matrices' indices in order.
     """
+    held = holder_units(works, world, model.min_efficiency if model is not None else 0.0)
+    if held is not None:
+        return held
     if model is None:
         targets, bundles = (math.inf,), ()
     total = sum(w.cost for w in works)
@@ -79,6 +88,58 @@ def assign_units(
     near = [c for length, c in timed if length <= fastest * (1 + TIME_SLACK)]
     flops = [span(works, *c, world, model, link=False) for c in near]
     return near[flops.index(min(flops))]  # the first of the best balanced
+
+
+def holder_units(works: list[Work], world: int, min_efficiency: float = 0.0):
+    """Every matrix whole on the rank holding it, a few moved where that balances
+    (``holder_owners``).
+
+    Args:
+        works: the Muon matrices of one exchange.
+        world: the DP group's size.
+        min_efficiency: the planner's efficiency floor (0: none).
+
+    Returns:
+        (units, gangs) as ``assign_units``, or None where a matrix lies on several ranks or
+        moving whole matrices cannot balance.
+    """
+    if any(len(w.held) != 1 for w in works):
+        return None
+    holders = [next(iter(w.held)) for w in works]
+    owners = holder_owners([w.cost for w in works], holders, world, min_efficiency)
+    if owners is None:
+        return None
+    return [[whole_unit(w, owner)] for w, owner in zip(works, owners)], []
+
+
+def holder_owners(costs: list[float], holders: list[int], world: int, min_efficiency=0.0):
+    """Owners of whole matrices: each its holder (nothing to exchange) while the busiest rank's
+    NS load stays within ``HOLDER_SLACK`` of the mean (and the efficiency, mean / busiest, at
+    least ``min_efficiency``); else, one at a time, the busiest rank's matrix whose move to the
+    least-loaded rank best evens those two moves there (few moves: few bytes).
+
+    Args:
+        costs: NS cost of each matrix (FLOPs, or anything proportional to them).
+        holders: the DP rank holding each matrix whole.
+        world: the DP group's size.
+        min_efficiency: the planner's efficiency floor (``--muon-plan-min-efficiency``; 0: none).
+
+    Returns:
+        The owner of each matrix, or None where no move helps before the loads balance.
+    """
+    owners, loads = list(holders), [0.0] * world
+    for cost, owner in zip(costs, owners):
+        loads[owner] += cost
+    limit = sum(loads) / max(world, 1) * min(1 + HOLDER_SLACK, 1 / max(min_efficiency, 1e-9))
+    while max(loads, default=0.0) > limit:  # each move lowers the sum of squared loads: it ends
+        busy, idle = loads.index(max(loads)), loads.index(min(loads))
+        gap = loads[busy] - loads[idle]
+        movable = [i for i, o in enumerate(owners) if o == busy and 0 < costs[i] < gap]
+        if not movable:
+            return None
+        i = min(movable, key=lambda i: (abs(costs[i] - gap / 2), i))
+        owners[i], loads[busy], loads[idle] = idle, loads[busy] - costs[i], loads[idle] + costs[i]
+    return owners
 
 
 def _balanced_enough(timed: list, works: list[Work], world: int, model, ideal: float) -> list:
