@@ -106,12 +106,16 @@ def build_model(
     invariant_init=True,
     ddp_extra=None,
     layer_wise=False,
+    muon_layout=False,
 ):
     """This rank's DDP-wrapped GPT chunks (one per virtual pipeline stage, else one),
     initialized layout-invariantly, with the schedule's callbacks set as Megatron-LM sets them.
     ``ddp_extra``: further ``DistributedDataParallelConfig`` fields. ``layer_wise``: wrapped as
     Megatron-LM wraps them for upstream's LayerWiseDistributedOptimizer (``--optimizer muon
-    --use-distributed-optimizer``, its param layout on: ``_wrap_layer_wise``)."""
+    --use-distributed-optimizer``, its param layout on: ``_wrap_layer_wise``). ``muon_layout``:
+    as Megatron-LM wraps them for our Muon's DistOpt (``--muon-impl megatron_muon``: its
+    ``compute_full_param_layout``, shard-aligned where that balances); else DDP's own DistOpt
+    layout (byte-level)."""
     config = transformer_config(spec)
     vpp = config.virtual_pipeline_model_parallel_size
     ddp_config = DistributedDataParallelConfig(
@@ -129,7 +133,7 @@ def build_model(
             model = model.to(DTYPES[spec.dtype])
         if invariant_init:  # else Megatron's own init, which depends on the layout (control)
             layout_invariant_init(model, spec, seed)
-        if layer_wise:  # wrapped together below, as Megatron-LM's get_model does
+        if layer_wise or muon_layout:  # wrapped together below, as Megatron-LM's get_model does
             chunks.append(model)
             continue
         # Megatron-LM: only the first chunk uses buckets (later ones reduce at once)
@@ -139,16 +143,22 @@ def build_model(
         chunks.append(ddp)
     if layer_wise:
         chunks = _wrap_layer_wise(chunks, config, ddp_config)
+    elif muon_layout:
+        from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
+
+        wrap = dict(distributed_optimizer_class=MuonDistributedOptimizer)
+        chunks = _wrap_layer_wise(chunks, config, ddp_config, **wrap)
     _hook_up_schedule(config, chunks, overlap_grad_reduce, overlap_param_gather)
     return chunks
 
 
-def _wrap_layer_wise(models: list, config, ddp_config) -> list:
+def _wrap_layer_wise(models: list, config, ddp_config, **wrap) -> list:
     """DDP chunks as Megatron-LM's ``get_model`` makes them for LayerWise (``--optimizer muon
     --use-distributed-optimizer``, default ``--use-layer-wise-param-layout``): its bucket-size
     rule, then ``wrap_model_chunks_with_ddp``, which tags the Muon matrices, gives them a buffer
     of their own laid out by ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole
-    matrices bin-packed into DP shards) and the rest DistOpt's layout."""
+    matrices bin-packed into DP shards) and the rest DistOpt's layout. With ``wrap`` (our Muon's
+    ``distributed_optimizer_class``): as ``get_model`` makes them for that DistOpt."""
     from megatron.training.training import resolve_ddp_bucket_size, wrap_model_chunks_with_ddp
 
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
@@ -162,9 +172,10 @@ def _wrap_layer_wise(models: list, config, ddp_config) -> list:
         models,
         config,
         ddp_config,
-        use_layer_wise_distributed_optimizer=True,
+        use_layer_wise_distributed_optimizer=not wrap,
         bucket_sizes=sizes,
         disable_bucketing_per_chunk=disable,
+        **wrap,
     )
 
 
@@ -402,6 +413,7 @@ def train(
     invariant_init=True,
     optimizer_hook=None,
     ddp_extra=None,
+    muon_layout=False,
     **optimizer_overrides,
 ):
     """Train ``steps`` steps on the shared data; return (initial params, final params, losses).
@@ -418,6 +430,7 @@ def train(
         seed=seed,
         invariant_init=invariant_init,
         ddp_extra=ddp_extra,
+        muon_layout=muon_layout,
     )
     initial = gather_all_params(model, spec)
     optimizer = build_optimizer(

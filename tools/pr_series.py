@@ -257,6 +257,17 @@ SERIES = [
         [],
         ["0062-training-full-validation-one-set.patch"],
     ),
+    (
+        "distrib_optimizer: Muon matrices shard-aligned where that balances (no exchange)",
+        "MuonDistributedOptimizer.compute_full_param_layout gives DDP upstream's LayerWise layout\n"
+        "for the Muon matrices (each whole in one DP shard) where the holders' Newton-Schulz\n"
+        "loads balance within 5% of the mean; the planner then lets each holder own its\n"
+        "matrices and the exchange moves nothing. Elsewhere DistOpt's layout and the exchange.\n"
+        "get_model asks our Muon's class for the layout (wrap_model_chunks_with_ddp's new\n"
+        "distributed_optimizer_class, upstream's DistributedOptimizer by default).",
+        [OPT + "muon_layout.py"],
+        ["0063-training-ddp-layout-megatron-muon.patch"],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)

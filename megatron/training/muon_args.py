@@ -19,6 +19,10 @@ config field, so patch ``0013``'s ``TransformerConfig.qk_clip_per_head`` (our pe
 rule, off by default) gets ``--qk-clip-per-head``, which ``core_transformer_config_from_args``
 copies back by name.
 
+Patch ``0063-training-ddp-layout-megatron-muon`` asks ``distributed_optimizer_class(args)``
+which DistributedOptimizer lays out DDP's buffers in ``get_model`` (ours: shard-aligned Muon
+matrices where that balances, ``muon_layout.py``).
+
 Patch ``0031-checkpoint-args-muon-impl`` calls ``check_checkpoint_muon_impl`` from
 upstream's ``check_checkpoint_args``: the two Muons' optimizer states are not interchangeable.
 
@@ -31,6 +35,8 @@ import dataclasses
 import math
 import re
 
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
 from megatron.core.optimizer.muon_config import (
     EXCHANGE_DTYPES,
     MUON_IMPLS,
@@ -38,16 +44,25 @@ from megatron.core.optimizer.muon_config import (
     is_megatron_muon,
     validate_muon_config,
 )
+from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
 
 __all__ = [
     "add_megatron_muon_args",
     "check_checkpoint_muon_impl",
+    "distributed_optimizer_class",
     "is_megatron_muon",
     "validate_megatron_muon_args",
 ]
 
 # args attribute: {dest: the option string given}, filled while parsing, read (and removed) once
 GIVEN = "_megatron_muon_given"
+
+
+def distributed_optimizer_class(args):
+    """The ``DistributedOptimizer`` class the optimizer factory will build for ``args``, whose
+    ``compute_full_param_layout`` lays out DDP's buffers: ours for ``--muon-impl megatron_muon``,
+    else upstream's."""
+    return MuonDistributedOptimizer if is_megatron_muon(args) else DistributedOptimizer
 
 
 def _float_or_none(text: str):

@@ -7,6 +7,7 @@ straddle DP shard boundaries and some ranks hold none of a matrix. Reproduce a c
     .venv/bin/python -m pytest tests/distributed/test_muon_distopt.py -k dp4 -q
 """
 
+import dataclasses
 import functools
 import weakref
 
@@ -18,6 +19,7 @@ from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, trai
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron.core.optimizer.muon_layout import is_shard_aligned
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -168,6 +170,65 @@ def test_negative_control_broken_gather_misses_the_reference():
     got = run_layout("fp32", **LAYOUTS["dp4"], hook=_lose_gathered_pieces, steps=CONTROL_STEPS)
     errors = update_rel_error(initial, ref, got[0][1])
     assert misses(errors, 100 * TOL["fp32"])
+
+
+# ------------------------------------------------------------------ the shard-aligned layout
+
+
+def _muon_distopt(optimizer):
+    (distopt,) = [d for d in distopts(optimizer) if hasattr(d, "muon_plan")]
+    return distopt
+
+
+def _layout_figures(spec, muon_layout: bool, bucket=None) -> tuple:
+    """(shard-aligned per DDP buffer, planned exchange bytes per step) of a freshly built
+    DistOpt Muon (no step)."""
+    overlap = bucket is not None
+    model = build_model(
+        spec, distopt=True, bucket_size=bucket, overlap_grad_reduce=overlap, muon_layout=muon_layout
+    )
+    distopt = _muon_distopt(build_optimizer(spec, model, use_distributed_optimizer=True, **MUON))
+    return [is_shard_aligned(b) for b in distopt.buffers], distopt.muon_plan.bytes_per_step(4, 4)
+
+
+def _aligned_run(spec: TinyGPT, steps: int):
+    """Train at DP=2 with our Muon's layout (as get_model builds it, one bucket: the param
+    all-gather goes through ``start_param_sync_for_bucket_group_subset``), counting each step's
+    exchange bytes; then the controls, built without a step: DDP's byte-level layout (small
+    buckets: matrices straddle shards, so it moves bytes) and a one-layer model, whose four whole
+    matrices cannot balance over two ranks."""
+    moved = []
+
+    def count(optimizer):
+        distopt, step = _muon_distopt(optimizer), optimizer.step
+        assert [is_shard_aligned(b) for b in distopt.buffers] == [False, True]
+
+        def counted():
+            out = step()
+            moved.append(distopt.optimizer.orthogonalizer.bytes_moved)
+            return out
+
+        optimizer.step = counted
+
+    run = train(spec, steps, distopt=True, muon_layout=True, optimizer_hook=count, **MUON)
+    controls = {
+        "byte-level": _layout_figures(spec, muon_layout=False, bucket=BUCKET),
+        "one layer": _layout_figures(dataclasses.replace(spec, num_layers=1), muon_layout=True),
+    }
+    return run, moved, controls
+
+
+def test_shard_aligned_layout_matches_one_process_and_exchanges_nothing():
+    """Where whole matrices balance (DP=2), each stays on its holder: exact Muon, 0 bytes
+    exchanged in every step; the byte-level layout of the same model moves bytes, and where
+    whole matrices cannot balance the byte-level layout is kept (the exchange balances)."""
+    results = run_distributed(_aligned_run, 2, args=(TinyGPT(), STEPS))
+    runs = [run for run, _, _ in results]
+    assert_close_runs(reference("fp32"), runs, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+    for _, moved, controls in results:
+        assert moved == [0] * STEPS
+        assert controls["byte-level"][0] == [False] and controls["byte-level"][1] > 0
+        assert controls["one layer"][0] == [False] and controls["one layer"][1] > 0
 
 
 # ------------------------------------------------------------------ bf16 and the exchange dtype

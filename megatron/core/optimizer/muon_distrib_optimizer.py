@@ -7,6 +7,9 @@ the params and steps the inner optimizer; this one adds what Muon needs on top:
 * the exchange: after upstream's ``__init__`` replaced the inner optimizer's params by 1-D shard
   main params, ``muon_distopt.attach`` plans one owner per matrix and routes whole matrices
   there (docs/muon_in_megatron.md, "DistributedOptimizer");
+* the layout: ``compute_full_param_layout`` gives DDP's buffers upstream's LayerWise layout
+  (every Muon matrix whole in one DP shard) where that balances the Newton-Schulz work, so each
+  holder owns its matrices and the exchange moves nothing; else DistOpt's (``muon_layout.py``);
 * checkpoints: the inner optimizer declares its state (``state_keys``), so every DistOpt format
   (``torch``, ``torch_dist`` fully/dp-reshardable) saves and loads it by name
   (``muon_checkpoint.py``, ``muon_checkpoint_sharded.py``).
@@ -14,6 +17,7 @@ the params and steps the inner optimizer; this one adds what Muon needs on top:
 
 from . import muon_checkpoint as checkpoint
 from . import muon_checkpoint_sharded as sharded
+from . import muon_layout
 from .distrib_optimizer import DistributedOptimizer
 from .muon_distopt import attach
 
@@ -29,6 +33,43 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         super().__init__(*args, **kwargs)
         muon = self.optimizer
         attach(self, muon, muon.distopt_exchange_dtype, links=muon.distopt_plan_links)
+
+    @staticmethod
+    def compute_full_param_layout(
+        params,
+        bucket_size,
+        data_parallel_world_size,
+        ddp_config,
+        expert_data_parallel_world_size=None,
+    ):
+        """DDP's buffer layout for this optimizer: the Muon matrices shard-aligned where their
+        holders' Newton-Schulz loads balance, else DistOpt's (``muon_layout.py``).
+
+        Args:
+            params: every param to lay out.
+            bucket_size: approximate elements per bucket (None: one bucket).
+            data_parallel_world_size: the dense params' DP size.
+            ddp_config: DDP's config.
+            expert_data_parallel_world_size: the expert params' DP size (None: the dense one).
+
+        Returns:
+            upstream's ``FullParamLayout``.
+        """
+        return muon_layout.compute_full_param_layout(
+            params,
+            bucket_size,
+            data_parallel_world_size,
+            ddp_config,
+            expert_data_parallel_world_size,
+        )
+
+    def start_param_sync_for_bucket_group_subset(self) -> None:
+        """Start the param all-gather of every bucket group: the shard-aligned Muon buffers
+        are this optimizer's too (upstream's skips them, leaving them to a LayerWise sibling)."""
+        for chunk in self.model_chunks:
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                if group.buckets:
+                    chunk._start_bucket_group_param_sync(group, force_sync=False)
 
     def state_dict(self):
         """The common state: param groups, grad scaler and the format marker.

@@ -1,0 +1,103 @@
+"""The DDP buffer layout of our Muon's DistributedOptimizer: shard-aligned where that balances.
+
+Upstream's LayerWise layout (``LayerWiseDistributedOptimizer.compute_full_param_layout``) puts
+the Muon matrices in buffers of their own, bin-packed so that every matrix lies whole inside one
+DP shard; the rest keeps DistOpt's byte-level layout. Where that keeps the Newton-Schulz work
+balanced, our planner lets each matrix's holder own it and the exchange moves nothing, or moves
+the few matrices that even the load (``muon_placement.holder_owners``); where whole matrices
+cannot balance (DP near the matrix count, a few dominant matrices), DistOpt's byte-level layout
+is kept and the exchange (and gangs) balance the work.
+Exact either way; checkpoints name params, so both layouts load each other's.
+"""
+
+from .layer_wise_optimizer import LayerWiseDistributedOptimizer, is_managed_by_layer_wise_optimizer
+from .muon_placement import holder_owners
+
+# Upstream's buffer routing attribute: DDP's group_params_for_buffers gives the params carrying
+# it a buffer of their own (BufferKey.is_managed_by_layer_wise_optimizer).
+TAG = "is_managed_by_layer_wise_optimizer"
+
+
+def compute_full_param_layout(
+    params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None
+):
+    """The layout DDP builds its buffers from (``DistributedOptimizer.compute_full_param_layout``'s
+    signature): per (dtype, expert) group, the Muon matrices shard-aligned where their holders'
+    NS loads balance, else every param byte-level. Tags the matrices so laid out (``TAG``); DDP
+    must be built from the same params.
+
+    Args:
+        params: every param to lay out (a model chunk's, requires_grad).
+        bucket_size: approximate elements per bucket (None: one bucket).
+        data_parallel_world_size: the dense params' DP size.
+        ddp_config: DDP's config.
+        expert_data_parallel_world_size: the expert params' DP size (None: the dense one).
+
+    Returns:
+        upstream's ``FullParamLayout``.
+    """
+    sizes = (data_parallel_world_size, expert_data_parallel_world_size)
+
+    def layout():  # per buffer: tagged matrices shard-aligned, the rest DistOpt's
+        return LayerWiseDistributedOptimizer.compute_full_param_layout(
+            params, bucket_size, sizes[0], ddp_config, sizes[1]
+        )
+
+    candidates = [p for p in params if is_managed_by_layer_wise_optimizer(p)]
+    for p in candidates:
+        setattr(p, TAG, True)
+    aligned = layout()
+    apart = [key for key, per in aligned.layouts.items() if _apart(key, per, sizes)]
+    if not apart:
+        return aligned
+    for p in candidates:  # those groups stay in (or go back to) DistOpt's byte-level buffers
+        if any(_in_group(p, key) for key in apart):
+            delattr(p, TAG)
+    return layout()
+
+
+def _apart(key, per_buffer, sizes) -> bool:
+    """A shard-aligned buffer to give up: one DP rank, or whole matrices that cannot balance."""
+    if not key.is_managed_by_layer_wise_optimizer:
+        return False
+    dp = sizes[1] if key.is_expert_parallel and sizes[1] is not None else sizes[0]
+    return dp <= 1 or holder_owners(*holder_costs(per_buffer, dp), dp) is None
+
+
+def _in_group(param, key) -> bool:
+    return key.is_expert_parallel == (not getattr(param, "allreduce", True)) and (
+        key.param_dtype == param.dtype
+    )
+
+
+def holder_costs(per_buffer, dp: int) -> tuple[list[float], list[int]]:
+    """(NS cost, holding DP rank) of each matrix of a shard-aligned buffer. The cost is
+    ``m n min(m, n)`` of its TP-local shape (one Newton-Schulz step's FLOPs up to a constant);
+    the planner's costs split Q/K/V and see TP, so it may still move a few more matrices.
+
+    Args:
+        per_buffer: upstream's ``PerBufferParamLayout`` (every param whole in one shard).
+        dp: its DP size.
+
+    Returns:
+        (costs, holders), one entry per matrix.
+    """
+    costs, holders = [], []
+    for param, (start, _, bucket_id) in per_buffer.param_index_map.items():
+        lo, hi = per_buffer.bucket_indices[bucket_id]
+        m, n = param.shape
+        costs.append(float(m * n * min(m, n)))
+        holders.append((start - lo) // ((hi - lo) // dp))
+    return costs, holders
+
+
+def is_shard_aligned(buffer) -> bool:
+    """Whether a DDP buffer holds matrices laid out shard-aligned by ``compute_full_param_layout``.
+
+    Args:
+        buffer: a DDP ``_ParamAndGradBuffer``.
+
+    Returns:
+        True for the Muon matrices' own buffer.
+    """
+    return bool(buffer.params) and getattr(buffer.params[0], TAG, False)
