@@ -7,9 +7,11 @@ A real Megatron GPTModel (tests/tiny_gpt.py: local spec, GQA, SwiGLU) in DDP, bu
 variant on every rank; the variants' steps interleave (A, B, C, A, B, C, ...) so that load from
 other processes hits all alike. Times: one training iteration (forward, backward, grad sync,
 optimizer step) and the optimizer step alone, each the max over ranks, median over repeats.
-DP=4 variants: AdamW+DistOpt, Muon+DistOpt (ours: one owner per matrix) with DDP's default (one
-bucket here) and with small buckets (``--overlap-grad-reduce``, one or two matrices per bucket,
-as at scale), and Muon+DistOpt with the gather-everything baseline (bench/gather_everything.py:
+DP=4 variants: AdamW+DistOpt, Muon+DistOpt (ours: one owner per matrix, DDP wrapped as
+``get_model`` does for it: Muon matrices shard-aligned where whole matrices balance, so owners
+are mostly their holders) with DDP's default (one bucket here) and with small buckets
+(``--overlap-grad-reduce``, one or two matrices per bucket, as at scale), and Muon+DistOpt
+with the gather-everything baseline (bench/gather_everything.py:
 every rank gathers every Muon bucket and orthogonalizes every matrix). In bf16 (upstream's
 LayerWise refuses fp16 and fails in fp32), default and small buckets: AdamW+DistOpt, ours and
 upstream's Muon under its LayerWiseDistributedOptimizer (``UPSTREAM_MUON``; the seed recipe's
@@ -85,24 +87,25 @@ class Variant:
     bucket: int | None = None  # DDP bucket size (with --overlap-grad-reduce); None: one bucket
     dtype: str = "fp32"
     layer_wise: bool = False  # DDP wrapped for upstream's LayerWiseDistributedOptimizer
+    muon_layout: bool = False  # DDP wrapped as get_model does for ours (shard-aligned if balanced)
 
 
 SINGLE = {"adamw": Variant(ADAM), "muon": Variant(MUON)}
 DP4 = {
     "adamw+distopt": Variant(ADAM),
-    "muon+distopt": Variant(MUON),
+    "muon+distopt": Variant(MUON, muon_layout=True),
     "adamw+distopt small buckets": Variant(ADAM, bucket=SMALL_BUCKET),
-    "muon+distopt small buckets": Variant(MUON, bucket=SMALL_BUCKET),
+    "muon+distopt small buckets": Variant(MUON, bucket=SMALL_BUCKET, muon_layout=True),
     "muon+gather-everything": Variant(MUON, hook=use_gather_everything),
 }
 # The three-way comparison: AdamW+DistOpt, ours, upstream's LayerWise Muon, all bf16.
 THREE = ("adamw", "ours", "layerwise")
 BF16 = {
     ("adamw", False): Variant(ADAM, dtype="bf16"),
-    ("ours", False): Variant(MUON, dtype="bf16"),
+    ("ours", False): Variant(MUON, dtype="bf16", muon_layout=True),
     ("layerwise", False): Variant(UPSTREAM_MUON, dtype="bf16", layer_wise=True),
     ("adamw", True): Variant(ADAM, bucket=SMALL_BUCKET, dtype="bf16"),
-    ("ours", True): Variant(MUON, bucket=SMALL_BUCKET, dtype="bf16"),
+    ("ours", True): Variant(MUON, bucket=SMALL_BUCKET, dtype="bf16", muon_layout=True),
     ("layerwise", True): Variant(UPSTREAM_MUON, bucket=SMALL_BUCKET, dtype="bf16", layer_wise=True),
 }
 
@@ -154,6 +157,7 @@ def build_variant(spec: TinyGPT, v: Variant, distopt: bool):
         bucket_size=v.bucket,
         overlap_grad_reduce=overlap,
         layer_wise=v.layer_wise,
+        muon_layout=v.muon_layout and distopt,
     )
     # LayerWise: Megatron-LM turns --use-distributed-optimizer off in the config (DDP keeps it)
     kwargs = {"use_distributed_optimizer": distopt and not v.layer_wise, **v.overrides}
