@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron.core.optimizer import muon_placement, muon_split
-from megatron.core.optimizer.muon_distopt import CommStreams
+from megatron.core.optimizer.muon_gangs import CommStreams
 from megatron.core.optimizer.muon_split import ALL, POST, WAIT, Block, block_views, critical_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -290,7 +290,7 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
 def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer():
     """On an accelerator the communication thread works on a stream of its own: it waits for an
     event recorded on the compute stream at the post, and the compute stream waits for an event
-    recorded after the collective (``muon_distopt.CommStreams``; no GPU here, so fake streams
+    recorded after the collective (muon_gangs.py, ``CommStreams``; no GPU here, so fake streams
     check the protocol). On CPU every step is a no-op."""
     log: list = []
     streams = CommStreams(_FakeStream("compute", log), _FakeStream("comm", log))

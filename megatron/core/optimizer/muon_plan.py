@@ -464,7 +464,7 @@ class MuonExchangePlan:
         """Upper bound of the exchange's transient memory on ``rank`` (module docstring):
         the largest phase of one exchange, plus the working sets (``working_set(slot, unit)``:
         bytes NS holds while orthogonalizing a unit) of all its gang blocks together (they are
-        in flight at once, ``muon_distopt._run_gangs``) or of its largest whole matrix.
+        in flight at once, muon_gangs.py) or of its largest whole matrix.
 
         Args:
             forward_itemsize: bytes per element of the forward exchange.
