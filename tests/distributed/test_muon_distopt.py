@@ -18,6 +18,7 @@ from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, trai
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron.core.optimizer import muon_plan_figures as plan_figures
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -317,7 +318,7 @@ def _counted_step(window, form="standard"):
     optimizer = build_optimizer(COUNT_SPEC, model, use_distributed_optimizer=True, **muon)
     (distopt,) = distopts(optimizer)
     ortho = distopt.optimizer.orthogonalizer
-    ortho.plan = distopt.muon_plan = distopt.muon_plan.with_window(window)
+    ortho.plan = distopt.muon_plan = plan_figures.with_window(distopt.muon_plan, window)
     counter, segments = MatmulFlops(), []
     exchange = ortho._all_to_all
 
@@ -332,12 +333,12 @@ def _counted_step(window, form="standard"):
     plan = distopt.muon_plan
     return {
         "segments": segments + [counter.flops],
-        "plan_per_exchange": [plan.ns_flops(ex) for ex in plan.exchanges],
-        "critical": plan.critical_path_flops(),
-        "efficiency": plan.efficiency(),
-        "sync_points": plan.sync_points(),
+        "plan_per_exchange": [plan_figures.exchange_ns_flops(plan, ex) for ex in plan.exchanges],
+        "critical": plan_figures.critical_path_flops(plan),
+        "efficiency": plan_figures.efficiency(plan),
+        "sync_points": plan_figures.sync_points(plan),
         "buckets": sum(1 for b in plan.buckets if b.matrices),  # holding Muon matrices
-        "per_rank": plan.ns_flops_per_rank(),
+        "per_rank": plan_figures.ns_flops_per_rank(plan),
     }
 
 
@@ -448,7 +449,7 @@ def _address(x) -> int:
 
 
 def _measured_transient():
-    from megatron.core.optimizer.muon_plan import working_set_bytes
+    from megatron.core.optimizer.muon_plan_figures import working_set_bytes
 
     model = build_model(
         COUNT_SPEC, distopt=True, bucket_size=COUNT_BUCKET, overlap_grad_reduce=True
@@ -461,7 +462,9 @@ def _measured_transient():
     muon_bytes = 4 * sum(m.end - m.start for m in plan.matrices)
     return {
         "measured": max(peaks),
-        "bound": plan.transient_bytes(4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)),
+        "bound": plan_figures.transient_bytes(
+            plan, 4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)
+        ),
         "largest": max(4 * (m.end - m.start) for m in plan.matrices if m.owner == plan.rank),
         "muon_bytes": muon_bytes,
     }

@@ -46,7 +46,8 @@ from tiny_gpt import (
 )
 
 from megatron.core.optimizer import muon_gangs, muon_split
-from megatron.core.optimizer.muon_plan import working_set_bytes
+from megatron.core.optimizer import muon_plan_figures as plan_figures
+from megatron.core.optimizer.muon_plan_figures import working_set_bytes
 from megatron.core.optimizer.muon_split import ALL, POST, WAIT, critical_path
 
 # x total/dp: every matrix splits: fc1 (row blocks) over 4 ranks, proj (row blocks), QKV and fc2
@@ -167,16 +168,18 @@ def _counted_split_step(nodes=(), disjoint=False):
     return {
         "trace": trace,
         "after": counter.flops,
-        "plan_trace": plan.trace(plan.rank),
-        "critical": plan.critical_path_flops(),
-        "sync_points": plan.sync_points(),
+        "plan_trace": plan_figures.trace(plan, plan.rank),
+        "critical": plan_figures.critical_path_flops(plan),
+        "sync_points": plan_figures.sync_points(plan),
         "sizes": _gang_sizes(plan),
         "forms": {u.splits for m in plan.matrices for u in m.units if u.gang},
         "layouts": {plan.model.layout(u.members) for m in plan.matrices for u in m.units[:1]},
-        "bytes": (ortho.bytes_moved, plan.bytes_per_step(4, 4)),
-        "sum_bytes": (ortho.sum_bytes, plan.sum_bytes_per_step()),
+        "bytes": (ortho.bytes_moved, plan_figures.bytes_per_step(plan, 4, 4)),
+        "sum_bytes": (ortho.sum_bytes, plan_figures.sum_bytes_per_step(plan)),
         "peak": max(peaks),
-        "bound": plan.transient_bytes(4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)),
+        "bound": plan_figures.transient_bytes(
+            plan, 4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)
+        ),
     }
 
 

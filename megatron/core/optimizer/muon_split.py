@@ -527,7 +527,8 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
     """What every rank's main thread runs between the two all-to-alls of one exchange, as a
     trace of ``(matmul FLOPs before it, op, members, elements)``: its gang units interleaved
     (``pipelined``), then its whole matrices and the return all-to-all ``(FLOPs, ALL,
-    everyone, 0)``. The one source of the plan's ``trace`` and of the planner's ``span``.
+    everyone, 0)``. The one source of muon_plan_figures.py's ``trace`` and of the planner's
+    ``span``.
 
     Args:
         infos: each matrix's TP-global ``MuonParamInfo``.
