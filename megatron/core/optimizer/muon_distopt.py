@@ -210,12 +210,10 @@ class DistributedMuonOrthogonalizer:
 def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: torch.dtype):
     """The dtypes the exchange moves: (forward, return, whether holders apply the scale).
 
-    Forward: the narrower of ``exchange_dtype`` and the NS dtype (NS casts its input first, so
-    a narrower NS dtype rounds the same values, only earlier). Return: where NS computes in a
-    dtype narrower than the update's (bf16 NS, fp32 main params) its unscaled output is exactly
-    that dtype's values, so owners return it unscaled in the NS dtype and holders apply the
-    scale (``muon_functional.scale_flat_``: the owner's product, bit-identical); else the
-    scaled update in ``exchange_dtype``.
+    Forward: the narrower of ``exchange_dtype`` and the NS dtype (NS casts its input first: the
+    same rounding, earlier). Return: with NS narrower than the update, its unscaled output in the
+    NS dtype, scaled by the holders (bit-identical); else the scaled update in
+    ``exchange_dtype`` (docs/distopt_exchange.md, "Precision").
 
     Args:
         exchange_dtype: ``muon_distopt_exchange_dtype`` ("fp32" or "bf16").

@@ -80,13 +80,9 @@ class GangRunner:
         return gang_fn(blocks, infos)
 
     def _interleave(self, steps: list, serve: list[dict], members: list[tuple]) -> list[Tensor]:
-        """Run the generators ``steps`` (gang order) in rounds: in each, every unit still
-        running waits for its last request to be served, computes up to its next request and
-        posts it to a communication thread, which serves posts one at a time in post order
-        (``muon_split.pipelined`` is this schedule; ``critical_path`` its time). Every member of
-        a gang posts its requests in the same global order (round, gang order), so the rings of
-        different gangs never wait on each other in a circle; the thread lives for this call
-        only (none is left when a process forks)."""
+        """Run the generators ``steps`` (gang order) in rounds, each posting its next request to
+        a communication thread that serves posts in post order (``muon_split.pipelined``): one
+        global order on every member, so no two gangs' rings wait in a circle (docs/gangs.md)."""
         out: list = [None] * len(steps)
         pending: list = [None] * len(steps)
         live = list(range(len(steps)))
@@ -130,12 +126,9 @@ class GangRunner:
         return None
 
     def _gang_sum(self, ex: Exchange, members: tuple[int, ...], tp, t: Tensor) -> None:
-        """A gang's sum: ``t`` summed in place over its members by rings of point-to-point
-        messages inside the DP group (``node_all_reduce``: hierarchical where the gang has as
-        many members on each of several nodes), so a gang needs no process group of its own
-        (making one is a collective over the whole world). TP ranks holding the same block
-        (``tp``) each sum one slice over DP and all-gather the slices over TP, so a rank's DP
-        link carries ``1 / tp`` of the tensor."""
+        """A gang's sum: ``t`` summed in place over its members by point-to-point rings inside
+        the DP group (``node_all_reduce``); TP ranks sharing the block (``tp``) each sum one slice
+        and all-gather the slices over TP (docs/gangs.md)."""
         flat = t.view(-1)
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
         nodes = self.plan.model.nodes
@@ -173,10 +166,9 @@ class GangRunner:
 
 def node_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group, nodes) -> None:
     """``ring_all_reduce``, hierarchical where ``members`` are ``m > 1`` ranks on each of
-    ``n > 1`` nodes (``nodes[r]``: DP rank r's node): a ring reduce-scatter among a node's
-    members (``m`` chunks), a ring all-reduce of each chunk over the nodes among the members
-    holding it, and a ring all-gather within the node. The slow links then carry ``1 / m`` of
-    the tensor. Every chunk is summed in one fixed order: all members end with the same bits.
+    ``n > 1`` nodes: reduce-scatter within a node, all-reduce each chunk over the nodes, all-gather
+    within the node, so the slow links carry ``1 / m`` of the tensor. One summation order: all
+    members end with the same bits.
 
     Args:
         flat: the 1-D tensor to sum, same size on every member; summed in place.
@@ -204,11 +196,8 @@ def node_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group, no
 
 def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) -> None:
     """Sum ``flat`` in place over ``members`` (ranks of ``group``, sorted) with a ring: k - 1
-    steps of reduce-scatter, then k - 1 of all-gather, each a send to the next member and a
-    receive from the previous one. Every chunk is summed once, on one member, in ring order, and
-    copied to the others: all members end with the same bits. Only the members take part (torch
-    allows point-to-point within a subset of a group once the group has run a collective: the
-    DP group has, the all-to-all just before).
+    reduce-scatter steps, then k - 1 all-gather steps; each chunk summed once, so all members
+    end with the same bits. Only the members take part (docs/gangs.md: why torch allows it).
 
     Args:
         flat: the 1-D fp32 tensor to sum, same size on every member; summed in place.
@@ -282,10 +271,8 @@ def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
 
 class CommThread:
     """The communication thread of one ``_interleave`` call: serves submitted calls one at a
-    time in submission order. A daemon thread: a rank whose main thread failed while a posted
-    collective waits for peers that never come must still exit with its error (Python joins
-    other threads at exit, a ``ThreadPoolExecutor``'s worker included, and torchrun would see
-    a hang instead of a failure)."""
+    time in submission order. A daemon, so a rank whose main thread failed exits with its error
+    while a posted collective still waits for peers (docs/gangs.md)."""
 
     def __init__(self, initializer: Callable[[], None]):
         self._posts: queue.SimpleQueue = queue.SimpleQueue()
@@ -341,15 +328,9 @@ class Posted:
 
 
 class CommStreams:
-    """How the communication thread's work is ordered against the main thread's matmuls on an
-    accelerator: it runs on a stream of its own (so its transfers and ring adds do not queue
-    behind matmuls posted later, as ``muon_split.critical_path`` assumes), after an event the
-    main thread records on its compute stream when it posts a tensor, and the main thread's
-    stream waits for an event recorded after the collective before it uses the tensor again.
-    A tensor is only touched by the other side between those events, and is freed by the main
-    thread after its wait, so the caching allocator cannot hand its memory to the other stream
-    early. On CPU (``compute`` None) every method is a no-op: gloo's collectives are done when
-    they return."""
+    """The communication thread's own stream on an accelerator, ordered against the main
+    thread's by an event at each post and one after each collective (docs/gangs.md, "Streams").
+    On CPU (``compute`` None) every method is a no-op: gloo's collectives are done on return."""
 
     def __init__(self, compute=None, comm=None):
         self.compute, self.comm = compute, comm
