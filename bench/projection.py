@@ -10,11 +10,11 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   iterated in reverse), starts padded to 64 elements, buckets closed once they reach DDP's
   ``bucket_size = max(40M, 1M * dp)`` (``--overlap-grad-reduce``; one bucket without it) and
   padded to ``lcm(dp, 128)``; TP-local shapes (QKV, fc1 split by rows, proj, fc2 by columns);
-* the plan: ``muon_distopt.MuonExchangePlan`` on those buckets, costs from
-  ``muon_distopt.tp_ns_cost`` for the TP mode (owners, exchanges, pieces as on a real run; a test
-  ties this layout to a real DDP buffer and the plan to the optimizer's);
-* Newton-Schulz time = every rank's trace (``plan.trace``: its gang blocks interleaved, their
-  collectives posted to a communication thread, then its whole matrices) run by
+* the plan: muon_plan.py's ``MuonExchangePlan`` on those buckets, costs from its
+  ``tp_ns_cost`` for the TP mode (owners, exchanges, pieces as on a real run; a test ties this
+  layout to a real DDP buffer and the plan to the optimizer's);
+* Newton-Schulz time = every rank's trace (muon_plan_figures.py's ``trace``: its gang blocks
+  interleaved, their collectives posted to a communication thread, then its whole matrices) run by
   ``muon_split.critical_path`` (``ns_seconds``): matmuls at peak * mfu, gang collectives at the
   links' bandwidth (plus ``--step-latency-us`` per ring step); exchange time = per exchange and
   direction, the busiest rank's max(sent, received) bytes / link (full duplex), forward in the NS
@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from megatron.core.optimizer import muon_plan_figures as plan_figures
 from megatron.core.optimizer.muon_distopt import exchange_dtypes
 from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
 from megatron.core.optimizer.muon_plan import (
@@ -209,7 +210,7 @@ def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: i
     """Per exchange and direction, the busiest rank's max(sent, received) over a duplex link."""
     total = 0.0
     for ex in plan.exchanges:
-        sent, received = plan.traffic(ex)
+        sent, received = plan_figures.traffic(plan, ex)
         busiest = max(max(s, r) for s, r in zip(sent, received))
         total += busiest * (forward_bytes + return_bytes) / link
     return total
@@ -223,7 +224,7 @@ def ns_seconds(
     tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype; ``1 / tp`` of it
     per TP rank where TP ranks share the block, then an all-gather over TP at ``tp_link``),
     plus ``latency`` seconds per dependent ring step (``NSCostModel.ring_steps``)."""
-    traces = [plan.trace(r) for r in range(plan.world)]
+    traces = [plan_figures.trace(plan, r) for r in range(plan.world)]
 
     def ring(members: tuple, elements: int) -> float:
         if not elements:
@@ -278,20 +279,20 @@ def project(model: str, dp: int, a) -> dict:
         "buckets": len(plan.buckets),
         "step": 6 * total * a.tokens / (dp * tp * rate),
         "ns": ns_seconds(plan, rate, link, tp_link, latency),
-        "ns_flops": plan.critical_path_flops() / rate,
-        "efficiency": plan.efficiency(),
+        "ns_flops": plan_figures.critical_path_flops(plan) / rate,
+        "efficiency": plan_figures.efficiency(plan),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
         "comm": exchange_seconds(plan, forward, back, link),
         "flop_ns": ns_seconds(flop_only, rate, link, tp_link, latency),
-        "flop_ns_flops": flop_only.critical_path_flops() / rate,
-        "flop_efficiency": flop_only.efficiency(),
+        "flop_ns_flops": plan_figures.critical_path_flops(flop_only) / rate,
+        "flop_efficiency": plan_figures.efficiency(flop_only),
         "floor": floor,
         "floor_ns": floored and ns_seconds(floored, rate, link, tp_link, latency),
-        "floor_ns_flops": floored and floored.critical_path_flops() / rate,
-        "floor_efficiency": floored and floored.efficiency(),
+        "floor_ns_flops": floored and plan_figures.critical_path_flops(floored) / rate,
+        "floor_efficiency": floored and plan_figures.efficiency(floored),
         "floor_comm": floored and exchange_seconds(floored, forward, back, link),
-        "unsplit_ns": unsplit.critical_path_flops() / rate,
-        "unsplit_efficiency": unsplit.efficiency(),
+        "unsplit_ns": plan_figures.critical_path_flops(unsplit) / rate,
+        "unsplit_efficiency": plan_figures.efficiency(unsplit),
         "unsplit_comm": exchange_seconds(unsplit, forward, back, link),
         "base_ns": sum(ns_cost(i, NS_STEPS) for i in infos) / rate,
         "base_comm": muon_bytes * (dp - 1) / dp / link,

@@ -52,6 +52,7 @@ from harness import run_distributed  # noqa: E402
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step  # noqa: E402
 
 from megatron.core.optimizer import OptimizerConfig  # noqa: E402
+from megatron.core.optimizer import muon_plan_figures as plan_figures  # noqa: E402
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
@@ -297,7 +298,7 @@ def ns_flops_per_rank(optimizer, model) -> list:
 
     for d in distopts(optimizer):
         if getattr(d, "muon_plan", None) is not None:
-            return d.muon_plan.ns_flops_per_rank()
+            return plan_figures.ns_flops_per_rank(d.muon_plan)
         if type(d).__name__ == "LayerWiseDistributedOptimizer":
             infos = muon_param_infos(OptimizerConfig(**MUON), model)
             steps = UPSTREAM_MUON.get("muon_num_ns_steps", 5)
@@ -339,16 +340,18 @@ def exchange_figures(built: dict) -> dict:
     (small,) = [d for d in distopts(built["muon+distopt small buckets"][2])]
     return {
         "efficiency": {
-            "one bucket": plan.efficiency(),
-            "small buckets": small.muon_plan.efficiency(),
-            "small buckets, bucket by bucket": small.muon_plan.with_window(1).efficiency(),
+            "one bucket": plan_figures.efficiency(plan),
+            "small buckets": plan_figures.efficiency(small.muon_plan),
+            "small buckets, bucket by bucket": plan_figures.efficiency(
+                plan_figures.with_window(small.muon_plan, 1)
+            ),
         },
-        "sync_points": small.muon_plan.sync_points(),
-        "ns_flops_per_rank": plan.ns_flops_per_rank(),
+        "sync_points": plan_figures.sync_points(small.muon_plan),
+        "ns_flops_per_rank": plan_figures.ns_flops_per_rank(plan),
         "ns_flops_total": sum(m.cost for m in plan.matrices),
         "matrices": len(plan.matrices),
         "bytes_ours": ours.optimizer.orthogonalizer.bytes_moved,
-        "bytes_ours_planned": plan.bytes_per_step(4, 4),
+        "bytes_ours_planned": plan_figures.bytes_per_step(plan, 4, 4),
         "bytes_baseline": base.optimizer.orthogonalizer.bytes_moved,
         "muon_bytes": sum((m.end - m.start) * 4 for m in plan.matrices),
     }
@@ -363,7 +366,7 @@ def small_bucket_bytes(spec: TinyGPT) -> dict:
     base = GatherEverythingOrthogonalizer(distopt.muon_plan, None)
     return {
         "buckets": len(distopt.muon_plan.buckets),
-        "ours": distopt.muon_plan.bytes_per_step(4, 4),
+        "ours": plan_figures.bytes_per_step(distopt.muon_plan, 4, 4),
         "baseline": base.bytes_per_step(4),
     }
 

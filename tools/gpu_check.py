@@ -75,12 +75,12 @@ def check_packed_gram(device: str) -> str:
 
 
 def check_comm_streams(device: str) -> str:
-    """The gang communication thread's stream protocol (``muon_distopt.CommStreams``) on the
+    """The gang communication thread's stream protocol (muon_gangs.py, ``CommStreams``) on the
     device: a tensor produced by a long matmul chain on the compute stream is changed in place on
     the communication thread's own stream, and the compute stream reads it after the wait. A
     missing event would read a stale or half-written tensor (the chain is long enough to still
     be running when the thread starts)."""
-    from megatron.core.optimizer.muon_distopt import CommStreams, CommThread
+    from megatron.core.optimizer.muon_gangs import CommStreams, CommThread
 
     streams = CommStreams.of(torch.device(device))
     x = torch.randn(2048, 2048, device=device) / 2048**0.5

@@ -62,6 +62,8 @@ SERIES = [
             OPT + "muon_split.py",
             OPT + "muon_placement.py",
             OPT + "muon_plan.py",
+            OPT + "muon_plan_figures.py",
+            OPT + "muon_gangs.py",
             OPT + "muon_distopt.py",
             OPT + "group_matching.py",
             OPT + "muon_checkpoint.py",

@@ -19,6 +19,7 @@ from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, trai
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron.core.optimizer import muon_plan_figures as plan_figures
 from megatron.core.optimizer.muon_layout import is_shard_aligned
 from megatron.training.muon_recipe import SEED_RECIPE
 
@@ -188,7 +189,9 @@ def _layout_figures(spec, muon_layout: bool, bucket=None) -> tuple:
         spec, distopt=True, bucket_size=bucket, overlap_grad_reduce=overlap, muon_layout=muon_layout
     )
     distopt = _muon_distopt(build_optimizer(spec, model, use_distributed_optimizer=True, **MUON))
-    return [is_shard_aligned(b) for b in distopt.buffers], distopt.muon_plan.bytes_per_step(4, 4)
+    return [is_shard_aligned(b) for b in distopt.buffers], plan_figures.bytes_per_step(
+        distopt.muon_plan, 4, 4
+    )
 
 
 def _aligned_run(spec: TinyGPT, steps: int):
@@ -378,7 +381,7 @@ def _counted_step(window, form="standard"):
     optimizer = build_optimizer(COUNT_SPEC, model, use_distributed_optimizer=True, **muon)
     (distopt,) = distopts(optimizer)
     ortho = distopt.optimizer.orthogonalizer
-    ortho.plan = distopt.muon_plan = distopt.muon_plan.with_window(window)
+    ortho.plan = distopt.muon_plan = plan_figures.with_window(distopt.muon_plan, window)
     counter, segments = MatmulFlops(), []
     exchange = ortho._all_to_all
 
@@ -393,12 +396,12 @@ def _counted_step(window, form="standard"):
     plan = distopt.muon_plan
     return {
         "segments": segments + [counter.flops],
-        "plan_per_exchange": [plan.ns_flops(ex) for ex in plan.exchanges],
-        "critical": plan.critical_path_flops(),
-        "efficiency": plan.efficiency(),
-        "sync_points": plan.sync_points(),
+        "plan_per_exchange": [plan_figures.exchange_ns_flops(plan, ex) for ex in plan.exchanges],
+        "critical": plan_figures.critical_path_flops(plan),
+        "efficiency": plan_figures.efficiency(plan),
+        "sync_points": plan_figures.sync_points(plan),
         "buckets": sum(1 for b in plan.buckets if b.matrices),  # holding Muon matrices
-        "per_rank": plan.ns_flops_per_rank(),
+        "per_rank": plan_figures.ns_flops_per_rank(plan),
     }
 
 
@@ -509,7 +512,7 @@ def _address(x) -> int:
 
 
 def _measured_transient():
-    from megatron.core.optimizer.muon_plan import working_set_bytes
+    from megatron.core.optimizer.muon_plan_figures import working_set_bytes
 
     model = build_model(
         COUNT_SPEC, distopt=True, bucket_size=COUNT_BUCKET, overlap_grad_reduce=True
@@ -522,7 +525,9 @@ def _measured_transient():
     muon_bytes = 4 * sum(m.end - m.start for m in plan.matrices)
     return {
         "measured": max(peaks),
-        "bound": plan.transient_bytes(4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)),
+        "bound": plan_figures.transient_bytes(
+            plan, 4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)
+        ),
         "largest": max(4 * (m.end - m.start) for m in plan.matrices if m.owner == plan.rank),
         "muon_bytes": muon_bytes,
     }

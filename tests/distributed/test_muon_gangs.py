@@ -45,8 +45,9 @@ from tiny_gpt import (
     train_step,
 )
 
-from megatron.core.optimizer import muon_distopt, muon_split
-from megatron.core.optimizer.muon_plan import working_set_bytes
+from megatron.core.optimizer import muon_gangs, muon_split
+from megatron.core.optimizer import muon_plan_figures as plan_figures
+from megatron.core.optimizer.muon_plan_figures import working_set_bytes
 from megatron.core.optimizer.muon_split import ALL, POST, WAIT, critical_path
 
 # x total/dp: every matrix splits: fc1 (row blocks) over 4 ranks, proj (row blocks), QKV and fc2
@@ -82,14 +83,14 @@ def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False, no
         assert {2, plan.world} <= sizes, sizes  # same plan on every rank: all or none
         assert any(u.splits for m in plan.matrices for u in m.units), "no split polynomial"
         if broken_sum:
-            ortho._gang_sum = functools.partial(_norm_sum_only, ortho._gang_sum)
+            ortho.gangs._gang_sum = functools.partial(_norm_sum_only, ortho.gangs._gang_sum)
         if broken_gather:
-            ortho._gang_gather = functools.partial(_own_rows_only, plan.rank)
+            ortho.gangs._gang_gather = functools.partial(_own_rows_only, plan.rank)
         if broken_tp:
-            muon_distopt.all_gather_ranges = lambda flat, bounds, p, group: None
+            muon_gangs.all_gather_ranges = lambda flat, bounds, p, group: None
         if kw.pop("broken_nodes", False):  # rings between the pretended nodes do nothing
-            ring = muon_distopt.ring_all_reduce
-            muon_distopt.ring_all_reduce = functools.partial(_within_nodes, ring, nodes)
+            ring = muon_gangs.ring_all_reduce
+            muon_gangs.ring_all_reduce = functools.partial(_within_nodes, ring, nodes)
     assert not kw, kw
 
 
@@ -121,7 +122,7 @@ def test_gangs_at_dp4_match_one_process():
 def test_gangs_over_tp_duplicated_match_one_process():
     """TP=2 x DP=2 (``duplicated``): gang blocks are TP-gathered before the iteration; the two
     TP ranks of a member each sum (gather) half of every Gram (polynomial) over DP and
-    all-gather the halves over TP (``muon_distopt._gang_sum``). Negative control: without that
+    all-gather the halves over TP (muon_gangs.py, ``_gang_sum``). Negative control: without that
     all-gather the result misses."""
     got = run_layout("fp32", 4, tp=2, hook=_split)
     assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
@@ -159,24 +160,26 @@ def _counted_split_step(nodes=(), disjoint=False):
     counter, trace = MatmulFlops(), []
     everyone = tuple(range(plan.world))
     _mark(ortho, "_all_to_all", lambda *a, **k: (ALL, everyone, 0), counter, trace)
-    _mark(ortho, "_post", lambda pool, serve, t, m: (POST, m, t.numel()), counter, trace)
-    _mark(ortho, "_wait", lambda p: (WAIT, p.members, p.tensor.numel()), counter, trace)
+    _mark(ortho.gangs, "_post", lambda pool, serve, t, m: (POST, m, t.numel()), counter, trace)
+    _mark(ortho.gangs, "_wait", lambda p: (WAIT, p.members, p.tensor.numel()), counter, trace)
     peaks = record_peaks(ortho)
     count_optimizer_step(optimizer, counter)
     train_step(spec, model, optimizer, global_batches(spec, 1)[0])
     return {
         "trace": trace,
         "after": counter.flops,
-        "plan_trace": plan.trace(plan.rank),
-        "critical": plan.critical_path_flops(),
-        "sync_points": plan.sync_points(),
+        "plan_trace": plan_figures.trace(plan, plan.rank),
+        "critical": plan_figures.critical_path_flops(plan),
+        "sync_points": plan_figures.sync_points(plan),
         "sizes": _gang_sizes(plan),
         "forms": {u.splits for m in plan.matrices for u in m.units if u.gang},
         "layouts": {plan.model.layout(u.members) for m in plan.matrices for u in m.units[:1]},
-        "bytes": (ortho.bytes_moved, plan.bytes_per_step(4, 4)),
-        "sum_bytes": (ortho.sum_bytes, plan.sum_bytes_per_step()),
+        "bytes": (ortho.bytes_moved, plan_figures.bytes_per_step(plan, 4, 4)),
+        "sum_bytes": (ortho.sum_bytes, plan_figures.sum_bytes_per_step(plan)),
         "peak": max(peaks),
-        "bound": plan.transient_bytes(4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)),
+        "bound": plan_figures.transient_bytes(
+            plan, 4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)
+        ),
     }
 
 
@@ -215,7 +218,7 @@ def counted_split_runs(tp: int = 1, nodes: tuple = (), disjoint: bool = False):
 
 
 # DP ranks 0, 1 on one pretended node and 2, 3 on another: the gang of 4 runs its collectives
-# hierarchically (2 per node, ``muon_distopt.node_all_reduce``).
+# hierarchically (2 per node, muon_gangs.py's ``node_all_reduce``).
 NODES = (0, 0, 1, 1)
 
 

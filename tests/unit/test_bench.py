@@ -19,6 +19,7 @@ import projection  # noqa: E402
 import step_cost  # noqa: E402
 from gather_everything import distopts, use_gather_everything  # noqa: E402
 
+from megatron.core.optimizer import muon_plan_figures as plan_figures  # noqa: E402
 from megatron.core.optimizer.muon_functional import MuonParamInfo  # noqa: E402
 from megatron.core.optimizer.muon_plan import ns_cost  # noqa: E402
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
@@ -42,7 +43,7 @@ def _run(hook):
     plan, ortho = distopt.muon_plan, distopt.optimizer.orthogonalizer
     return final, {
         "bytes": ortho.bytes_moved,
-        "planned": plan.bytes_per_step(4, 4),
+        "planned": plan_figures.bytes_per_step(plan, 4, 4),
         "pads": [max(sum(ortho._sizes(b, r)) for r in range(2)) for b in plan.buckets]
         if hook
         else None,
@@ -124,7 +125,7 @@ def _plan_figures(plan):
     return {
         "matrices": [(m.bucket, m.start, m.end, m.cost, m.units) for m in plan.matrices],
         "pieces": [p.key + (p.lo, p.hi) for ex in plan.exchanges for p in ex.pieces],
-        "critical": plan.critical_path_flops(),
+        "critical": plan_figures.critical_path_flops(plan),
     }
 
 

@@ -1,4 +1,4 @@
-"""The gang blocks' interleaving (``DistributedMuonOrthogonalizer._interleave``) without ranks:
+"""The gang blocks' interleaving (muon_gangs.py, ``GangRunner._interleave``) without ranks:
 the order the communication thread serves requests in, and errors that surface at once."""
 
 import subprocess
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from megatron.core.optimizer.muon_distopt import DistributedMuonOrthogonalizer
+from megatron.core.optimizer.muon_gangs import GangRunner
 from megatron.core.optimizer.newton_schulz import SUM
 
 
@@ -21,8 +21,8 @@ def _unit(name: str, requests: int, log: list):
     return name
 
 
-def _orthogonalizer() -> DistributedMuonOrthogonalizer:
-    return DistributedMuonOrthogonalizer(None, None, "fp32", device=torch.device("cpu"))
+def _orthogonalizer() -> GangRunner:
+    return GangRunner(None, device=torch.device("cpu"))
 
 
 def test_units_run_in_rounds_and_requests_are_served_in_one_order():
@@ -84,7 +84,7 @@ import subprocess
 import sys
 import threading
 import torch
-from megatron.core.optimizer.muon_distopt import DistributedMuonOrthogonalizer
+from megatron.core.optimizer.muon_gangs import GangRunner
 from megatron.core.optimizer.newton_schulz import SUM
 
 def unit():
@@ -95,7 +95,7 @@ def failing():
     yield
 
 peers = threading.Event()  # the peers of the posted sum never come
-ortho = DistributedMuonOrthogonalizer(None, None, "fp32", device=torch.device("cpu"))
+ortho = GangRunner(None, device=torch.device("cpu"))
 try:
     ortho._interleave([unit(), failing()], [{SUM: lambda t: peers.wait()}, {}], [(0, 1), (0, 2)])
 finally:

@@ -41,6 +41,7 @@ from typing import Optional
 import pytest
 import torch
 
+from megatron.core.optimizer import muon_plan_figures as plan_figures
 from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
 from megatron.core.optimizer.muon_placement import (
     BUNDLES,
@@ -299,9 +300,11 @@ def check_times(plan: MuonExchangePlan, unsplit: Optional[MuonExchangePlan]) -> 
     """3: no circular wait; no slower than ``unsplit`` (if given) at the link model; FLOP
     critical path bounds and efficiency."""
     model = plan.model
-    path = plan.critical_path_flops()  # asserts on a circular wait
+    path = plan_figures.critical_path_flops(plan)  # asserts on a circular wait
     if model is not None:
-        critical_path([plan.trace(r) for r in range(plan.world)], sync=model.sync_flops)
+        critical_path(
+            [plan_figures.trace(plan, r) for r in range(plan.world)], sync=model.sync_flops
+        )
     spans = 0.0  # what the planner weighed: each exchange's FLOP span, between two all-to-alls
     for ex in plan.exchanges:
         spans += span(works_of(plan, ex), *assignment(plan, ex), plan.world, model, link=False)
@@ -309,9 +312,11 @@ def check_times(plan: MuonExchangePlan, unsplit: Optional[MuonExchangePlan]) -> 
     if unsplit is not None:
         _check_no_slower(plan, unsplit)
     ideal = sum(m.cost for m in plan.matrices) / plan.world
-    busiest = max(plan.ns_flops_per_rank())
+    busiest = max(plan_figures.ns_flops_per_rank(plan))
     assert path >= max(ideal, busiest) * (1 - REL), f"path {path} < {max(ideal, busiest)}"
-    assert 0 < plan.efficiency() <= 1 + REL, f"efficiency {plan.efficiency()}"
+    assert 0 < plan_figures.efficiency(plan) <= 1 + REL, (
+        f"efficiency {plan_figures.efficiency(plan)}"
+    )
 
 
 def _check_no_slower(plan: MuonExchangePlan, unsplit: MuonExchangePlan) -> None:
@@ -329,19 +334,21 @@ def _check_no_slower(plan: MuonExchangePlan, unsplit: MuonExchangePlan) -> None:
 def check_counts(plan: MuonExchangePlan) -> None:
     """4: traffic and gang collectives agree with each other and with the traces; per-rank
     FLOPs with the unit costs and with the traces the critical path runs."""
-    traces = [plan.trace(r) for r in range(plan.world)]
+    traces = [plan_figures.trace(plan, r) for r in range(plan.world)]
     want: Counter = Counter()
     for ex in plan.exchanges:
         _check_traffic(plan, ex)
         _check_gang_events(plan, ex)
-        for members, n in plan.gang_sums(ex):
+        for members, n in plan_figures.gang_sums(plan, ex):
             want[members, int(n), type(n)] += len(members)
     posted = Counter((e[2], int(e[3]), type(e[3])) for t in traces for e in t if e[1] == POST)
     assert posted == want, "posted collectives are not the gangs' sums, once per member"
     _check_matched(traces)
-    count = len(plan.exchanges) + sum(len(plan.gang_sums(ex)) for ex in plan.exchanges)
-    assert plan.sync_points() == count
-    per_rank = plan.ns_flops_per_rank()
+    count = len(plan.exchanges) + sum(
+        len(plan_figures.gang_sums(plan, ex)) for ex in plan.exchanges
+    )
+    assert plan_figures.sync_points(plan) == count
+    per_rank = plan_figures.ns_flops_per_rank(plan)
     units = sum(u.cost for m in plan.matrices for u in m.units)
     assert math.isclose(sum(per_rank), units, rel_tol=REL), f"{sum(per_rank)} != {units}"
     for r, trace in enumerate(traces):
@@ -365,7 +372,7 @@ def _check_matched(traces: list) -> None:
 
 
 def _check_traffic(plan: MuonExchangePlan, ex) -> None:
-    sent, received = plan.traffic(ex)
+    sent, received = plan.__dict__.get("_traffic", plan_figures.traffic)(plan, ex)
     assert sum(sent) == sum(received), f"sent {sum(sent)} != received {sum(received)}"
     units = [plan.matrices[i].units for i in ex.matrices]
     counted = exchange_elements(works_of(plan, ex), units, plan.world)
@@ -378,7 +385,7 @@ def _check_traffic(plan: MuonExchangePlan, ex) -> None:
 
 def _check_gang_events(plan: MuonExchangePlan, ex) -> None:
     """Every member of a gang runs the same collectives, of the sizes ``gang_sums`` counts."""
-    counted = Counter(plan.gang_sums(ex))
+    counted = Counter(plan_figures.gang_sums(plan, ex))
     for i in ex.gangs:
         slot = plan.matrices[i]
         runs = set()
@@ -495,8 +502,10 @@ def _reversed_on(plan, rank: int) -> None:
     reverse = copy.copy(plan)
     reverse.exchanges = [dataclasses.replace(ex, gangs=ex.gangs[::-1]) for ex in plan.exchanges]
     reverse.__dict__.pop("_schedule_cache", None)
-    trace = plan.trace
-    plan.trace = lambda r: reverse.trace(r) if r == rank else trace(r)
+    for ex, rex in zip(plan.exchanges, reverse.exchanges):  # its rows of the cached schedule
+        rows = list(plan_figures._schedule(plan, ex))
+        rows[rank] = plan_figures._schedule(reverse, rex)[rank]
+        plan._schedule_cache[id(ex)] = rows
 
 
 def _circle(plan) -> None:
@@ -512,18 +521,18 @@ def _circle(plan) -> None:
 
 
 def _traffic_with_self_copies(plan) -> None:
-    def traffic(ex):
+    def traffic(plan, ex):
         sent, received = [0] * plan.world, [0] * plan.world
         for p in ex.pieces:
             sent[p.holder] += p.size
             received[p.owner] += p.size
         return sent, received
 
-    plan.traffic = traffic
+    plan._traffic = traffic  # read by _check_traffic in place of the counted figure
 
 
 def _stale(plan) -> None:
-    plan.critical_path_flops()
+    plan_figures.critical_path_flops(plan)
     _all_on_rank_0(plan)
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron.core.optimizer import muon_placement, muon_split
-from megatron.core.optimizer.muon_distopt import CommStreams
+from megatron.core.optimizer import muon_plan_figures as plan_figures
+from megatron.core.optimizer.muon_gangs import CommStreams
 from megatron.core.optimizer.muon_split import ALL, POST, WAIT, Block, block_views, critical_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -127,16 +128,21 @@ def test_gangs_shorten_the_critical_path_and_the_plan_is_deterministic(plan_1b_d
     efficiency, duplicated TP mode); building the plan again gives the same plan."""
     plan = plan_1b_dp256
     unsplit = plan.rebuilt(model=None)
-    assert plan.critical_path_flops() < unsplit.critical_path_flops() / 4
-    assert unsplit.efficiency() < 0.2 < 0.6 < plan.efficiency() <= 1.0
+    assert plan_figures.critical_path_flops(plan) < plan_figures.critical_path_flops(unsplit) / 4
+    assert plan_figures.efficiency(unsplit) < 0.2 < 0.6 < plan_figures.efficiency(plan) <= 1.0
     again = _plan("1B", 256)
     assert [p.key + (p.lo, p.hi) for p in again.exchanges[0].pieces] == [
         p.key + (p.lo, p.hi) for p in plan.exchanges[0].pieces
     ]
-    assert plan.sync_points() > plan.rebuilt(model=None).sync_points() == len(plan.exchanges)
+    assert (
+        plan_figures.sync_points(plan)
+        > plan_figures.sync_points(plan.rebuilt(model=None))
+        == len(plan.exchanges)
+    )
     split = sum(len(m.units) > 1 for m in plan.matrices)
     line = f"64 matrices, 256 DP ranks, 1 exchange(s), {split} split over gangs of "
-    assert line in plan.summary() and f"efficiency {plan.efficiency():.3f}," in plan.summary()
+    text = plan_figures.summary(plan)
+    assert line in text and f"efficiency {plan_figures.efficiency(plan):.3f}," in text
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +159,7 @@ def test_flops_only_plan_balances_with_disjoint_split_gangs(flops_only_1b_dp256)
     (``NSCostModel.splits``) keep the busiest rank within 10% of total / dp; no rank is in two
     gangs."""
     plan = flops_only_1b_dp256
-    assert plan.efficiency() >= 0.9
+    assert plan_figures.efficiency(plan) >= 0.9
     sets = {u.members for m in plan.matrices for u in m.units if u.gang}
     ranks = [r for s in sets for r in s]
     assert sets and len(ranks) == len(set(ranks))
@@ -179,7 +185,7 @@ def test_the_chosen_plan_is_the_fastest_at_the_planning_link(plan_1b_dp256, flop
 
     chosen, flops_only = plan_1b_dp256, flops_only_1b_dp256
     assert _seconds(chosen) <= _seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
-    assert flops_only.critical_path_flops() <= chosen.critical_path_flops()
+    assert plan_figures.critical_path_flops(flops_only) <= plan_figures.critical_path_flops(chosen)
 
 
 def test_an_efficiency_floor_picks_the_fastest_plan_that_reaches_it(
@@ -195,16 +201,18 @@ def test_an_efficiency_floor_picks_the_fastest_plan_that_reaches_it(
         return plan_1b_dp256.rebuilt(model=model)
 
     fastest, flops_only, floor = plan_1b_dp256, flops_only_1b_dp256, floored(0.9)
-    assert fastest.efficiency() < 0.9 <= floor.efficiency()
+    assert plan_figures.efficiency(fastest) < 0.9 <= plan_figures.efficiency(floor)
     assert (
         _seconds(fastest)
         < _seconds(floor)
         <= _seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
     )
     best = floored(1.0)
-    assert best.efficiency() < 1.0 and best.critical_path_flops() <= floor.critical_path_flops()
-    assert "(below the floor 1, which no plan reaches: the best balanced)" in best.summary()
-    assert "below the floor" not in floor.summary()
+    critical = plan_figures.critical_path_flops
+    assert plan_figures.efficiency(best) < 1.0 and critical(best) <= critical(floor)
+    below = "(below the floor 1, which no plan reaches: the best balanced)"
+    assert below in plan_figures.summary(best)
+    assert "below the floor" not in plan_figures.summary(floor)
 
 
 def test_a_gang_splits_its_polynomial_where_it_saves_time():
@@ -239,7 +247,7 @@ def test_stacked_gangs_stay_on_one_node():
 
     assert crossing(model) == []
     assert crossing(dataclasses.replace(model, nodes=())) != []
-    assert plan.efficiency() >= 0.9
+    assert plan_figures.efficiency(plan) >= 0.9
 
 
 class _FakeStream:
@@ -284,13 +292,15 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
     assert owners == set(range(dp)) and len(idle_owners) < dp
     assert efficiency >= 0.55 > 0.4 > idle_efficiency
     assert time <= idle_time
-    assert plan.efficiency() >= 0.55  # the plan chosen (one exchange: these are its matrices)
+    assert (
+        plan_figures.efficiency(plan) >= 0.55
+    )  # the plan chosen (one exchange: these are its matrices)
 
 
 def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer():
     """On an accelerator the communication thread works on a stream of its own: it waits for an
     event recorded on the compute stream at the post, and the compute stream waits for an event
-    recorded after the collective (``muon_distopt.CommStreams``; no GPU here, so fake streams
+    recorded after the collective (muon_gangs.py, ``CommStreams``; no GPU here, so fake streams
     check the protocol). On CPU every step is a no-op."""
     log: list = []
     streams = CommStreams(_FakeStream("compute", log), _FakeStream("comm", log))
@@ -321,7 +331,7 @@ def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
     ns = projection.cost_model(cfg[-1], mode)
     plan = projection.build_plan(params, 256, projection.ddp_bucket_size(256), ns)
     note = f"TP-sharded cannot split in the {mode} TP mode; --muon-tp-mode duplicated can)"
-    assert (note in plan.summary()) == (mode != "duplicated")
+    assert (note in plan_figures.summary(plan)) == (mode != "duplicated")
     if mode != "duplicated":
         assert all(len(m.units) == 1 for m in plan.matrices)
-        assert f"({len(plan.matrices)} TP-sharded" in plan.summary()
+        assert f"({len(plan.matrices)} TP-sharded" in plan_figures.summary(plan)

@@ -1,27 +1,9 @@
 """torch Adam/AdamW under the DistributedOptimizer: upstream's checkpoint format, resumable.
 
-Without Transformer Engine or Apex, Megatron's Adam is torch's ``Adam``/``AdamW``, and plain
-megatron-core (0.16.1, 0.19.2) cannot resume it from any DistOpt checkpoint. Patch
-``0009-distopt-torch-adam-checkpoint-repairs.patch`` calls the repairs below from
-``distrib_optimizer.py``; the checkpoint *format* stays upstream's, so a checkpoint written by
-plain megatron-core loads here and one written here loads wherever upstream can load:
-
-1. ``state_dict()`` asserts that all params share one ``step``; a fresh optimizer has none, and
-   ``sharded_state_dict(is_loading=True)`` calls it before anything is loaded
-   (``common_step``: 0, the step torch starts from).
-2. ``_set_main_param_and_optimizer_states`` copies every key of the destination state, so the
-   per-param ``step`` is a ``KeyError`` (``torch``, ``fully_reshardable``) or the loading
-   optimizer's own step (``dp_reshardable``); the step comes from the param groups instead. The
-   copy into fp32 main params (views of the model params) also needs ``no_grad``
-   (``copy_state``).
-3. ``load_state_dict`` gives every param one shared ``step`` tensor, which torch's Adam then
-   increments once per param per step: wrong bias correction after resume (``unshare_steps``).
-4. ``fully_reshardable`` slices the dp-zero gather (buckets' unpadded parts, concatenated) at
-   ``param_index_map`` offsets that count the padding ending each bucket: every param after the
-   first bucket was saved shifted (on 0.16.1; NVIDIA/Megatron-LM#5077) or is loaded shifted.
-   ``distopt_layout.unpadded_index_map`` gives the offsets the gathered tensors have. A
-   ``fully_reshardable`` checkpoint that plain 0.16.1 wrote with several buckets per buffer
-   (``overlap_grad_reduce``) holds that shifted state; no loader can restore it.
+Without Transformer Engine or Apex plain megatron-core cannot resume torch's Adam from any DistOpt
+checkpoint (a fresh state_dict asserts, a per-param ``step`` is lost or shared, fully_reshardable
+slices at padded offsets: NVIDIA/Megatron-LM#5077). Patch 0009 calls these repairs from
+``distrib_optimizer.py``; the format stays upstream's. The four defects: docs/checkpoints.md.
 """
 
 import torch

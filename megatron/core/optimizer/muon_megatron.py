@@ -1,21 +1,9 @@
 """Muon inside Megatron: which params take Muon, their groups, and the optimizer factory.
 
-``get_megatron_optimizer(OptimizerConfig(optimizer='muon', ...), model_chunks)`` runs upstream's
-own machinery unchanged (``_get_param_groups`` with wd/lr multipliers, decoupled lr and
-``config_overrides``; dense and expert optimizers; the fp16/bf16/fp32 wrappers with fp32 main
-params, grad scaler, clipping and grad norm; ``ChainedOptimizer``). Patch
-``0002-optimizer-factory-muon.patch`` adds two calls into this module:
-
-* ``check_muon_supported`` at the top of ``get_megatron_optimizer``: a ``ValueError`` for the
-  combinations not supported yet, on every rank (also ranks without params);
-* ``build_muon`` where upstream builds its Adam/SGD: one ``MegatronMuon`` per Megatron optimizer
-  whose groups are Megatron's groups, each split into a Muon half (``use_muon=True``: 2-D weights
-  that are not embeddings or the output layer, expert weights included) and an AdamW half.
-
-Also here: upstream's ``TensorParallelMuon`` constructor on our optimizer. Under the
-DistributedOptimizer: ``muon_distrib_optimizer.py``. Tensor parallelism lives in ``muon_tp.py``
-(the orthogonalizers), the plain optimizer in ``muon_optimizer.py``; ``muon.py`` is the public
-face.
+Upstream's ``get_megatron_optimizer`` machinery runs unchanged; patch 0002 calls
+``check_muon_supported`` (refusals, on every rank) and ``build_muon`` (one ``MegatronMuon`` per
+Megatron optimizer, each group split into a Muon and an AdamW half) from it. Also upstream's
+``TensorParallelMuon`` constructor. Map of the modules: docs/muon_in_megatron.md.
 """
 
 from collections.abc import Callable, Iterable, Sequence

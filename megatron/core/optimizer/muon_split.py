@@ -160,7 +160,7 @@ class Unit:
 class NSCostModel:
     """Newton-Schulz FLOPs an owner's TP rank executes, whole or as a gang member.
 
-    ``whole(info)`` is the per-TP-rank cost of the TP mode (``muon_distopt.tp_ns_cost``); a
+    ``whole(info)`` is the per-TP-rank cost of the TP mode (muon_plan.py, ``tp_ns_cost``); a
     matrix splits over DP only where its owner sees it whole or TP-gathered (tp == 1 or the
     ``duplicated`` mode): the blocks of the other modes are no matrix of their own.
     """
@@ -191,7 +191,7 @@ class NSCostModel:
         them, over the slow (inter-node) link and over its node's fast link: a sum (fp32)
         ``2 (k - 1) / k`` of the tensor per ring, a gather (``Gather``, NS dtype) ``(k - 1) /
         k``, of ``1 / tp`` of it where ``tp`` TP ranks share the block (``Sum.tp``: each moves one
-        slice, ``muon_distopt._gang_sum``). By ``layout``: a gang within one node rings over the
+        slice, muon_gangs.py's ``_gang_sum``). By ``layout``: a gang within one node rings over the
         fast link only; one with ``m`` members on each of ``n`` nodes reduce-scatters and
         all-gathers among a node's ``m`` (fast) and rings ``1 / m`` of the tensor over the
         ``n`` nodes (slow; a gather then runs as a sum of zero-filled rows); else one ring over
@@ -263,7 +263,7 @@ class NSCostModel:
         return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte + latency
 
     def ring_steps(self, members: tuple, elements: int) -> int:
-        """Dependent ring steps of one gang collective (``muon_distopt``'s rings): ``passes (k -
+        """Dependent ring steps of one gang collective (muon_gangs.py's rings): ``passes (k -
         1)`` in one ring, ``2 (m - 1) + 2 (n - 1)`` hierarchically (reduce-scatter and
         all-gather in a node, all-reduce over the nodes), one more for the TP all-gather of a
         sliced collective.
@@ -527,7 +527,8 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
     """What every rank's main thread runs between the two all-to-alls of one exchange, as a
     trace of ``(matmul FLOPs before it, op, members, elements)``: its gang units interleaved
     (``pipelined``), then its whole matrices and the return all-to-all ``(FLOPs, ALL,
-    everyone, 0)``. The one source of the plan's ``trace`` and of the planner's ``span``.
+    everyone, 0)``. The one source of muon_plan_figures.py's ``trace`` and of the planner's
+    ``span``.
 
     Args:
         infos: each matrix's TP-global ``MuonParamInfo``.
@@ -559,7 +560,7 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
 
 def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
     """The main thread's trace of a rank running its gang units interleaved, in rounds
-    (``DistributedMuonOrthogonalizer._interleave``): in round ``j`` each unit still running (in
+    (muon_gangs.py, ``GangRunner._interleave``): in round ``j`` each unit still running (in
     gang order) waits for its collective ``j - 1``, computes up to its collective ``j`` and posts
     it to the communication thread, which serves posts one at a time in order. While one unit's
     sum is in flight, the rank computes the others'. Every member posts a gang's collectives in

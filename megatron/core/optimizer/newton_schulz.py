@@ -1,39 +1,10 @@
 """Newton-Schulz orthogonalization for Muon: pure functions, no process groups.
 
-``newton_schulz(X)`` approximates the orthogonal polar factor ``U V^T`` of ``X = U S V^T`` by an
-odd quintic polynomial iteration on the singular values:
-
-    X_0 = X / max(||X||_F, eps)                  (all singular values now in [0, 1])
-    A_t = X_t X_t^T
-    X_{t+1} = a_t X_t + (b_t A_t + c_t A_t A_t) X_t    for t = 0 .. k-1
-
-Each step maps a singular value ``s`` to ``a s + b s^3 + c s^5``. Tall inputs (m > n) are
-treated as their transpose (the Gram matrix is the smaller ``min(m, n)`` square). A step is
-three matmuls written into preallocated buffers, the two polynomial ones as fused
-``addmm``/``baddbmm`` (the same ops as upstream's emerging_optimizers and torch.optim.Muon): the
-cost is close to the bare matmul floor, ``k * (2 m^2 n + m^3)`` multiply-adds for ``m <= n``.
-
-The names (coefficient sets, precisions) and their numbers are upstream megatron-core's
-(``emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz``, 0.3): the same
-triples, the same order past a set's end, the same normalization and matmul precision, so a
-setting both name computes the same numbers (``tests/e2e_next/test_ns_matches_upstream.py``).
-
-Ours, opt-in (``form``, ``OptimizerConfig.muon_ns_form``): the *Gram form* of the same
-iteration, for wide matrices cheaper. Every ``X_t = Q_t X_0`` with ``Q_t`` a polynomial in
-``A_0 = X_0 X_0^T``, so the steps can run on ``m x m`` matrices only:
-
-    A_0 = X_0 X_0^T,   P_t = a_t I + b_t A_t + c_t A_t^2,
-    Q_{t+1} = P_t Q_t  (Q_1 = P_0),   A_{t+1} = P_t A_t P_t = P_t (P_t A_t),   X_k = Q_k X_0
-
-``A_t, P_t, Q_t`` are polynomials in ``A_0``: symmetric and commuting, so each product among
-them is symmetric and only its upper half is computed (``_sym_mm``: 3/4 of the FLOPs). Cost
-``gram_flops``: ``3.5 m^2 n + (4k - 3) 1.5 m^3`` against ``k (4 m^2 n + 2 m^3)``;
-``form='auto'`` takes it where that saves a quarter or more (``uses_gram``: from ``n >= ~1.6 m``
-at k = 5). The ``m x m`` part always runs in fp32 (full fp32 on CUDA, no TF32), also for bf16
-Newton-Schulz: its errors compound through the steps, and with ``A_0`` rounded to bf16 (or
-TF32, emulated) a decaying spectrum's result is off by far more than the standard form's
-(``tests/unit/test_newton_schulz_gram.py``, bench/README.md).
-Only ``X_k = Q_k X_0`` runs in the compute dtype.
+``newton_schulz(X)``: ``X_0 = X / max(||X||_F, eps)``, then k steps of ``A = X X^T;
+X = a X + (b A + c A A) X``, with upstream megatron-core's coefficient sets, normalization and
+matmul precision (the same numbers for a setting both name). Ours, opt-in: the Gram form (``m x m``
+steps, cheaper for wide matrices) and sharded steps that yield their sums and gathers to the
+caller. Algebra, costs, numerics: docs/newton_schulz.md.
 """
 
 import contextlib
@@ -347,7 +318,7 @@ def ns_flops(m: int, n: int, steps: int, form: str = DEFAULT_NS_FORM) -> float:
 def _gram_iterate(
     x: Tensor, schedule: list[Triple], tall: bool, inner: torch.dtype = torch.float32
 ) -> Tensor:
-    """The Gram form of ``_iterate`` (the module docstring): ``A_0`` and the ``g x g``
+    """The Gram form of ``_iterate`` (docs/newton_schulz.md): ``A_0`` and the ``g x g``
     polynomials in ``inner`` (fp32; full fp32 on CUDA: ``matmul_precision('highest')``; a test
     passes bf16 to show why), ``Q_k X_0`` in ``x``'s dtype."""
     x0 = x.mT if tall else x  # the wide view: (..., g, l)
@@ -385,24 +356,16 @@ def _sym_mm(a: Tensor, b: Tensor) -> Tensor:
 
 def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
     """x / max(||x||_F, eps) per matrix (upstream's F.normalize), in a fresh contiguous buffer of
-    ``dtype``.
-
-    Cast first, then normalize in ``dtype`` (Keller Jordan's and torch's bf16 order; upstream's
-    'medium' normalizes in fp32 first, one bf16 rounding apart): a function of the bf16-rounded
-    input alone, so the DistOpt exchange can move bf16 to the owners and stay exact at half the
-    bytes (test_muon_distopt's bf16 exchange tests)."""
+    ``dtype``; cast first, so a function of the rounded input alone (the DistOpt exchange may
+    move bf16 exactly: docs/newton_schulz.md, "The iteration")."""
     buf = torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
     norm = torch.linalg.vector_norm(buf, dim=None if x.ndim == 2 else (-2, -1), keepdim=True)
     return buf.div_(norm.clamp_min_(eps))
 
 
 def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
-    """The polynomial steps, ping-ponging between two X buffers (no allocation per step).
-
-    A tall X (m > n) iterates on the small right Gram matrix instead of being transposed:
-    ``a X + X (b A + c A A)`` with ``A = X^T X`` is the transpose of the wide-form step on X^T,
-    and keeps every buffer in X's own layout (a transposed copy costs as much as a matmul on CPU).
-    """
+    """The polynomial steps, ping-ponging between two X buffers (no allocation per step); a tall
+    X iterates on its right Gram matrix rather than being transposed (docs/newton_schulz.md)."""
     fma = torch.addmm if x.ndim == 2 else torch.baddbmm
     k = x.shape[-1] if tall else x.shape[-2]
     gram = torch.empty((*x.shape[:-2], k, k), dtype=x.dtype, device=x.device)
@@ -495,23 +458,10 @@ def sharded_newton_schulz_steps(
 ) -> Generator[Request, None, Tensor]:
     """The math of ``sharded_newton_schulz`` as a generator: it yields ``(SUM, t)`` where ``t``
     must be summed in place over all shards and ``(GATHER, poly)`` where the other places' rows
-    of a split polynomial must be filled in, and returns this shard of ``NS_k(X)``. A caller can
-    so run several matrices' iterations interleaved (one computes while another's sum is in
-    flight) without the math seeing any communication.
-
-    With ``p(G) = b G + c G^2`` the step ``X <- a X + p(X X^T) X`` equals ``X <- a X + X
-    p(X^T X)``. Row shards X_i (``dim=0``) take the right Gram ``X^T X = sum_i X_i^T X_i`` and
-    update ``X_i <- a X_i + X_i p(X^T X)``; column shards (``dim=1``) the left Gram ``X X^T =
-    sum_j X_j X_j^T`` and ``X_j <- a X_j + p(X X^T) X_j``. Only the squared norm and one Gram
-    matrix per step are reduced, summed in fp32 (one rounding to the compute dtype after the sum
-    instead of one per shard), the Gram as its upper triangle (``pack_symmetric``: half the
-    bytes; each shard's Gram is symmetric, so is the sum). Same polynomial and normalization as
-    ``newton_schulz``.
-
-    ``reassociate``: where the shard has fewer lines ``l`` (``x.shape[dim]``) than the Gram side
-    ``g`` (``reassociates``), the step is applied as ``X_j <- a X_j + G (b X_j + c G X_j)`` (rows:
-    ``X_i <- a X_i + (b X_i + c X_i G) G``): two ``g x g`` by ``g x l`` products instead of
-    forming ``G^2`` (``2 g^3``), so a shard's work falls with its size; same sum, no extra one.
+    of a split polynomial must be filled in, and returns this shard of ``NS_k(X)``; so a caller
+    can interleave several matrices without the math seeing any communication. Row shards
+    reduce the right Gram ``X^T X``, column shards the left one, in fp32 and packed
+    (docs/newton_schulz.md, "Sharded matrices").
 
     Args:
         x: this place's shard of the 2-D matrix X, in any float dtype (the result keeps it).
@@ -592,11 +542,7 @@ def packed_size(side: int) -> int:
 def pack_symmetric(a: Tensor) -> Tensor:
     """A symmetric matrix's upper triangle, diagonal included, as one fp32 vector of
     ``packed_size(g)`` elements: what a sum of Gram matrices needs to move (half of the whole).
-
-    Layout (LAPACK's rectangular full packing, by halves ``t = g // 2``, ``s = g - t``): a
-    ``(t + 1) x s`` rectangle whose upper triangle is the trailing block ``A22``'s and whose
-    strict lower triangle is the leading block ``A11``'s lower triangle shifted down a row, then
-    ``A12`` (``t x s``). A few elementwise copies, no index tensors (which would outweigh it).
+    LAPACK's rectangular full packing, by elementwise copies (docs/newton_schulz.md).
 
     Args:
         a: a square (symmetric) matrix, any float dtype; only one triangle of each block is read.
@@ -660,12 +606,9 @@ def reassociates(gram_side: int, lines: int) -> bool:
 
 def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: bool) -> bool:
     """Whether ``parts`` places sharing a Gram matrix should split its polynomial by rows
-    (``sharded_newton_schulz``'s ``part``): each computes ``ceil(g / k)`` rows of ``p(G)``
-    (``2 g^2 g/k`` FLOPs) at one all-gather of ``p(G)`` more per step. Against the whole
-    polynomial (``2 g^3``) that is always fewer FLOPs; against the reassociated products
-    (``reassociate``: ``2 g^2 l`` more, ``l ~ L / k`` a place's lines) only where the Gram side
-    is shorter than the long side: tall blocks, the K/V blocks of QKV. A decision on shared
-    sizes only, so every place takes the same one.
+    (``sharded_newton_schulz``'s ``part``): fewer FLOPs than the whole polynomial always, than
+    the reassociated step only where the Gram side is the shorter (docs/newton_schulz.md).
+    Decided on shared sizes only, so every place takes the same decision.
 
     Args:
         gram_side: g, the Gram matrix's side.

@@ -1,41 +1,12 @@
 """QK-clip (Kimi K2's MuonClip, arXiv 2507.20534) on every layout, without Transformer Engine.
 
-After each optimizer step, with S_h the step's maximum pre-softmax logit of query head h (recorded
-by the core attention, megatron/core/transformer/max_attention_logit.py), threshold tau and balance
-alpha (``TransformerConfig.qk_clip_threshold`` / ``qk_clip_alpha``):
-
-    eta_h = tau / S_h if S_h > tau else 1
-    eta_g = min_{h in g} eta_h                   (key head g's group: min(1, tau / max_g S_h))
-    W_q[h] <- W_q[h] * eta_g ** alpha            (query rows of head h in group g; upstream's rule)
-    W_q[h] <- W_q[h] * eta_h ** alpha            (instead, with ``qk_clip_per_head``: ours, opt-in)
-    W_k[g] <- W_k[g] * eta_g ** (1 - alpha)      (key rows of key head g)
-
-The default is upstream 0.19's rule (``SelfAttention.clip_qk``; upstream records with TE only):
-one eta per query group, from the group's largest logit, for its query heads and its key head.
-``qk_clip_per_head`` (``--qk-clip-per-head``, off by default) scales each query head by its own
-eta instead, so that a head of a clipped group whose logit is below the group's max is shrunk
-less; either way every head's logit, bilinear in its query and key rows, ends at or below tau
-(at tau for the largest head of a group above it), and a group below tau is left alone. Bias
-rows, where the QKV projection has them, scale with their weight rows, so the head's query/key
-output scales exactly (upstream scales the weight only).
-
-Where the rows live:
-* TP: ``linear_qkv`` is column-parallel by query group; each rank clips the heads it holds (the
-  core attention's per-partition heads), no TP communication.
-* DP/CP: S_h is a max over every rank's micro-batches: one all-reduce (MAX) over the DP x CP
-  group of all local layers' maxima together.
-* PP and virtual stages: each stage clips its own layers.
-* fp32 main params (bf16/fp16): scaled too, so that the next main-to-model copy keeps the clip;
-  a DistributedOptimizer holds a 1-D shard of the flattened matrix that cuts through heads: the
-  rows of exactly the elements it holds are scaled, from the DistOpt's own param range (works for
-  Adam and Muon alike). fp32 DistOpt shards are views of the model params: scaled once, with them.
-The clip keeps no state (the maxima are reset every step), so checkpoints are unchanged and a
-resumed run clips as the uninterrupted one.
-
-Other attention modules with a ``clip_qk()`` method of their own (megatron-core 0.19's MLA, which
-``qk_clip_config`` admits from 0.17 on) keep upstream's clip: their maxima join the one all-reduce,
-then upstream's method runs, as upstream's ``clip_qk`` of the same name and signature (this module
-replaces it; upstream 0.19's training loop calls ``clip_qk(model, log_max_only=...)``).
+After each optimizer step, with S_h the step's max pre-softmax logit of query head h (recorded by
+megatron/core/transformer/max_attention_logit.py) and threshold tau: eta_h = min(1, tau / S_h);
+query rows of head h scale by eta_g ** alpha (eta_g the group's min eta: upstream 0.19's rule;
+``qk_clip_per_head``: eta_h ** alpha), key rows of group g by eta_g ** (1 - alpha), biases with
+their rows. Each rank clips the heads it holds, in the model params and the fp32 main params
+(DistOpt shards included); one MAX all-reduce over DP x CP; no state. Rules, layouts, tests:
+docs/qk_clip.md.
 """
 
 from typing import Optional
@@ -131,9 +102,7 @@ def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float
     ``log_max_only``) and return the model-wide max attention logit (same on every rank), or
     None where neither ``qk_clip`` nor ``log_max_attention_logit`` is set (then nothing runs).
 
-    ``model`` is the list of model chunks; ``optimizer`` (Megatron's, chained or not) is needed
-    with the DistributedOptimizer to place the 16-bit params' fp32 main shards. Collective over
-    the whole world: call it on every rank.
+    Collective over the whole world: call it on every rank.
 
     Args:
         model: the list of model chunks.

@@ -1,20 +1,9 @@
 """torch Adam's per-param ``step`` where megatron-core seeds or checkpoints its state.
 
-Without Transformer Engine or Apex, Megatron's Adam is torch's ``Adam``/``AdamW``, which keeps a
-``step`` in every param's state and creates it only for an empty state. Two places of
-megatron-core 0.19.2 lose it outside the DistributedOptimizer (which patch 0009 repairs):
-
-1. the ``init_state_fn`` of ``_get_megatron_optimizer_based_on_param_groups`` seeds
-   ``exp_avg``/``exp_avg_sq`` for checkpoint loading and nothing else: the state is no longer
-   empty, so torch's next ``step()`` is a ``KeyError: 'step'``;
-2. ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer.sharded_state_dict`` save the shared
-   step only ``if step:``, so a step of 0 (a seeded state) is dropped and the loaded states have
-   none: the same ``KeyError``.
-
-Patch ``0042-torch-adam-step-kept.patch`` calls :func:`seed_step` from (1) and keeps a step of 0
-in (2) (``is not None``). The LayerWise optimizer (``--optimizer muon
---use-distributed-optimizer`` without its param layout) and the emerging-optimizer chain put
-torch Adam under those two wrappers.
+torch's Adam creates ``step`` only for an empty state; megatron-core 0.19.2 seeds
+``exp_avg``/``exp_avg_sq`` for checkpoint loading and drops a saved step of 0, so the next
+``step()`` is a ``KeyError: 'step'``. Patch 0042 calls ``seed_step`` and keeps a step of 0
+(docs/checkpoints.md, "torch_adam_step.py").
 """
 
 import torch

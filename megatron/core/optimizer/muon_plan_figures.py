@@ -1,0 +1,305 @@
+"""Counted figures of a DistOpt Muon plan (muon_plan.py), for benches, logs and tests: FLOPs per
+rank and on the critical path, bytes moved, sync points, transient memory. The step never calls
+these; they count the schedule the step runs (docs/distopt_exchange.md, "Counted figures").
+"""
+
+import math
+from typing import Optional
+
+from .muon_plan import Exchange, MatrixSlot, MuonExchangePlan
+from .muon_split import ALL, Unit, critical_path, exchange_schedule, member_events
+
+
+def with_window(plan: MuonExchangePlan, window: Optional[int]) -> MuonExchangePlan:
+    """The same layout under a former schedule, to compare with: one owner per matrix (no
+    gangs), one exchange per ``window`` (1: bucket by bucket). Matrix indices are kept.
+
+    Args:
+        plan: the plan.
+        window: Muon elements per exchange (``muon_plan.group_exchanges``).
+
+    Returns:
+        A new plan.
+    """
+    return plan.rebuilt(window, None)
+
+
+def exchange_ns_flops(plan: MuonExchangePlan, ex: Exchange) -> list[float]:
+    """NS FLOPs each rank executes between the two all-to-alls of ``ex``.
+
+    Args:
+        plan: the plan.
+        ex: one of its exchanges.
+
+    Returns:
+        FLOPs per DP rank.
+    """
+    flops = [0.0] * plan.world
+    for i in ex.matrices:
+        for unit in plan.matrices[i].units:
+            flops[unit.owner] += unit.cost
+    return flops
+
+
+def ns_flops_per_rank(plan: MuonExchangePlan) -> list[float]:
+    """NS FLOPs each DP rank executes per step, summed over the exchanges."""
+    per_ex = [exchange_ns_flops(plan, ex) for ex in plan.exchanges]
+    return [sum(f[r] for f in per_ex) for r in range(plan.world)]
+
+
+def trace(plan: MuonExchangePlan, rank: int) -> list[tuple]:
+    """What ``rank``'s main thread executes in a step (``muon_split.exchange_schedule``): per
+    exchange the forward all-to-all, the posts of its gang collectives and the waits for them,
+    then its whole matrices and the return all-to-all.
+
+    Args:
+        plan: the plan.
+        rank: a DP rank.
+
+    Returns:
+        ``(matmul FLOPs before, op, members, elements)`` entries.
+    """
+    everyone, out = tuple(range(plan.world)), []
+    for ex in plan.exchanges:
+        out.append((0.0, ALL, everyone, 0))
+        out += _schedule(plan, ex)[rank]
+    return out
+
+
+def _schedule(plan: MuonExchangePlan, ex: Exchange) -> list[list[tuple]]:
+    """``muon_split.exchange_schedule`` of ``ex`` (every rank's), computed once per plan."""
+    cache = plan.__dict__.setdefault("_schedule_cache", {})
+    if id(ex) not in cache:
+        at = {i: j for j, i in enumerate(ex.matrices)}
+        infos = [plan.matrices[i].info for i in ex.matrices]
+        units = [plan.matrices[i].units for i in ex.matrices]
+        gangs = [at[i] for i in ex.gangs]
+        cache[id(ex)] = exchange_schedule(infos, units, gangs, plan.world, plan.model)
+    return cache[id(ex)]
+
+
+def critical_path_flops(plan: MuonExchangePlan) -> float:
+    """NS FLOPs on the step's critical path: the ``trace``s run by ``muon_split.critical_path``
+    (without gangs: per exchange, the busiest rank); computed once per plan."""
+    if "_critical" not in plan.__dict__:
+        plan._critical = critical_path([trace(plan, r) for r in range(plan.world)])
+    return plan._critical
+
+
+def efficiency(plan: MuonExchangePlan) -> float:
+    """Ideal (total / dp) over the critical path: 1.0 = perfect, 1/dp = one rank does all."""
+    total = sum(m.cost for m in plan.matrices)
+    return total / plan.world / critical_path_flops(plan) if plan.matrices else 1.0
+
+
+def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...], int]]:
+    """Every collective the gangs of ``ex`` run: sums, and gathers of split polynomials.
+
+    Args:
+        plan: the plan.
+        ex: one of its exchanges.
+
+    Returns:
+        (members, elements) per collective (a gather's elements: a ``muon_split.Gather``).
+    """
+    out = []
+    for i in ex.gangs:
+        unit = plan.matrices[i].units[0]
+        info = plan.matrices[i].info
+        events = member_events(plan.model, info, unit.axis, unit.lines, unit.part)
+        out += [(unit.members, e) for e in events if not isinstance(e, float)]
+    return out
+
+
+def sync_points(plan: MuonExchangePlan) -> int:
+    """Exchanges (DP-wide) plus gang collectives (within a gang) per step."""
+    return len(plan.exchanges) + sum(len(gang_sums(plan, ex)) for ex in plan.exchanges)
+
+
+def summary(plan: MuonExchangePlan) -> str:
+    """The plan in one line, for a log: matrices, DP ranks (and nodes), exchanges, matrices
+    split over gangs, the counted NS FLOP efficiency (and where no plan reaches the floor) and
+    the sync points per step."""
+    split = [m for m in plan.matrices if len(m.units) > 1]
+    sizes = "/".join(str(k) for k in sorted({len(m.units) for m in split}))
+    nodes = len(set(plan.model.nodes)) if plan.model is not None and plan.model.nodes else 0
+    where = f"{plan.world} DP ranks" + (f" on {nodes} node(s)" if nodes else "")
+    gangs = f"{len(split)} split over gangs of {sizes} ranks" if split else "none split"
+    return (
+        f"Muon exchange plan: {len(plan.matrices)} matrices, {where}, "
+        f"{len(plan.exchanges)} exchange(s), {gangs}{_unsplittable(plan)}; NS FLOP "
+        f"efficiency {efficiency(plan):.3f}{_short_of_floor(plan)}, "
+        f"{sync_points(plan)} sync points per step"
+    )
+
+
+def _short_of_floor(plan: MuonExchangePlan) -> str:
+    """Where the efficiency floor (``--muon-plan-min-efficiency``) was out of reach, say so (the
+    planner then kept the best balanced plan). Empty otherwise."""
+    floor = plan.model.min_efficiency if plan.model is not None else 0.0
+    if not floor or efficiency(plan) >= floor:
+        return ""
+    return f" (below the floor {floor:g}, which no plan reaches: the best balanced)"
+
+
+def _unsplittable(plan: MuonExchangePlan) -> str:
+    """Why some matrices cannot split over DP: a TP-sharded matrix splits only in the
+    ``duplicated`` TP mode, so elsewhere ``--muon-plan-*`` only weigh the exchange."""
+    model = plan.model
+    if model is None:
+        return ""
+    fixed = sum(model.axis(m.info) is None for m in plan.matrices)
+    if not fixed:
+        return ""
+    return (
+        f" ({fixed} TP-sharded cannot split in the {model.mode} TP mode; "
+        "--muon-tp-mode duplicated can)"
+    )
+
+
+def traffic(plan: MuonExchangePlan, ex: Exchange) -> tuple[list[int], list[int]]:
+    """Elements each rank sends and receives in the forward direction of ``ex`` (the return
+    direction swaps them), self-copies excluded.
+
+    Args:
+        plan: the plan.
+        ex: one of its exchanges.
+
+    Returns:
+        (sent, received) per DP rank.
+    """
+    sent, received = [0] * plan.world, [0] * plan.world
+    for p in ex.pieces:
+        if p.holder != p.owner:
+            sent[p.holder] += p.size
+            received[p.owner] += p.size
+    return sent, received
+
+
+def sum_traffic(plan: MuonExchangePlan, ex: Exchange) -> list[float]:
+    """Bytes each rank sends (and as many receives) in the gang collectives of ``ex``, as rings
+    move them, over both links (``NSCostModel.ring_bytes``).
+
+    Args:
+        plan: the plan.
+        ex: one of its exchanges.
+
+    Returns:
+        Bytes per DP rank.
+    """
+    out = [0.0] * plan.world
+    for members, n in gang_sums(plan, ex):
+        for m in members:
+            out[m] += sum(plan.model.ring_bytes(members, n))
+    return out
+
+
+def bytes_per_step(plan: MuonExchangePlan, forward_itemsize: int, return_itemsize: int, rank=None):
+    """Bytes ``rank`` sends plus receives per step in the all-to-alls, both directions,
+    self-copies excluded (gang collectives: ``sum_bytes_per_step``).
+
+    Args:
+        plan: the plan.
+        forward_itemsize: bytes per element of the forward exchange (update dtype).
+        return_itemsize: bytes per element of the return exchange (result dtype).
+        rank: a DP rank; None: the plan's rank.
+
+    Returns:
+        Bytes per optimizer step.
+    """
+    rank = plan.rank if rank is None else rank
+    moved = 0
+    for ex in plan.exchanges:
+        sent, received = traffic(plan, ex)
+        moved += sent[rank] + received[rank]
+    return moved * (forward_itemsize + return_itemsize)
+
+
+def sum_bytes_per_step(plan: MuonExchangePlan, rank=None) -> float:
+    """Bytes ``rank`` sends plus receives per step in its gang collectives (ring model).
+
+    Args:
+        plan: the plan.
+        rank: a DP rank; None: the plan's rank.
+
+    Returns:
+        Bytes per optimizer step.
+    """
+    rank = plan.rank if rank is None else rank
+    return 2 * sum(sum_traffic(plan, ex)[rank] for ex in plan.exchanges)
+
+
+def transient_bytes(plan, forward_itemsize, return_itemsize, working_set, rank=None) -> int:
+    """Upper bound of the exchange's transient memory on ``rank`` (docs/distopt_exchange.md,
+    "Memory"): the largest phase of one exchange, plus the working sets of all its gang blocks
+    together (they are in flight at once, muon_gangs.py) or of its largest whole matrix.
+
+    Args:
+        plan: the plan.
+        forward_itemsize: bytes per element of the forward exchange.
+        return_itemsize: bytes per element of the return exchange.
+        working_set: ``(slot, unit) -> bytes``, e.g. ``working_set_bytes`` bound to dtypes.
+        rank: a DP rank; None: the plan's rank.
+
+    Returns:
+        Bytes, an upper bound over the step's exchanges.
+    """
+    rank = plan.rank if rank is None else rank
+    f, r = forward_itemsize, return_itemsize
+    worst = 0
+    for ex in plan.exchanges:
+        held = sum(p.size for p in ex.sends(rank))
+        owned = sum(p.size for p in ex.receives(rank))
+        mine = [(plan.matrices[i], plan.matrices[i].unit_of(rank)) for i in ex.matrices]
+        sets = [(bool(u.gang), working_set(m, u)) for m, u in mine if u is not None]
+        # gang blocks are all in flight together, then whole matrices one at a time
+        work = max(sum(b for gang, b in sets if gang), *(b for gang, b in sets if not gang), 0)
+        results = 0 if f == r else owned * r  # else written over the received pieces
+        # Held parts of split matrices come back in pieces and are assembled into a copy.
+        split = sum(p.size for p in ex.sends(rank) if len(plan.matrices[p.matrix].units) > 1)
+        # The communication library may keep the forward send buffer until its work is
+        # released (gloo and NCCL hold the tensors of a collective), so it counts throughout.
+        buffers = held * f + owned * f + results
+        worst = max(worst, buffers + max(work, (held + split) * r))  # NS, or the return
+    return worst
+
+
+def working_set_bytes(
+    slot: MatrixSlot, update_itemsize: int, ns_itemsize: int, tp: int, unit: Optional[Unit] = None
+) -> int:
+    """Bytes live while one owned matrix (or gang block, ``unit``) is orthogonalized: the
+    assembled block, its TP-global gather and result (update dtype), NS's input copy and two X
+    buffers (a gang block also an fp32 copy for its norm), Gram and polynomial (a gang sums the
+    Gram in fp32), plus the QKV path's block copies. An upper bound; measured in the tests.
+
+    Args:
+        slot: the matrix.
+        update_itemsize: bytes per element of the update (exchange) dtype.
+        ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
+        tp: the tensor-parallel size (> 1: the block is TP-gathered first).
+        unit: the gang block owned, or None for the whole matrix.
+
+    Returns:
+        Bytes.
+    """
+    gang = unit is not None and bool(unit.gang)
+    local = math.prod(unit.block.shape) if gang else math.prod(slot.local_shape)
+    whole = math.prod(slot.info.shape) * local // math.prod(slot.local_shape)  # TP-gathered
+    gathered = whole if tp > 1 else 0
+    blocks = 2 * whole if slot.info.qkv_split is not None else 0
+    g = _gram_side(slot, unit) if gang else min(slot.info.shape)
+    return (
+        (local + gathered + whole + blocks) * update_itemsize
+        + 3 * whole * max(ns_itemsize, 4 if gang else 0)
+        + 2 * g * g * (ns_itemsize + (4 if gang else 0))
+    )
+
+
+def _gram_side(slot: MatrixSlot, unit: Unit) -> int:
+    """The largest Gram side of a gang block: columns of row blocks; rows of (the largest Q/K/V
+    block of) column blocks."""
+    rows, cols = slot.info.shape
+    if unit.axis == 0:
+        return cols
+    split = slot.info.qkv_split or (rows,)
+    return rows // sum(split) * max(split)
