@@ -17,8 +17,11 @@ fork: install  # after editing patches/ or adding a file under megatron/
 demo: install
 	@PYTHON=$(PY) bash examples/cpu_quickstart.sh
 
+# Two pytest workers, a test file each (module-scoped runs stay shared): ~2x on 2 cores; more
+# workers would run several multi-rank launches at once (memory). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install
-	@$(PY) -m pytest -q $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	@$(PY) -m ruff check . && $(PY) -m ruff format --check .
