@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PREFIX = "tests/functional_tests/test_cases/moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_"
+CASES = "tests/functional_tests/test_cases/"
+PREFIX = f"{CASES}moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_"
 RECIPES = (
     "muon",
     "muon_1node",
@@ -56,28 +57,15 @@ ITERS = 8  # upstream: 100, saving every 50: ckpt-resume resumes at N/2
 RANKS = {False: 4, True: 2}  # keyed by "_1node"
 RUNNER = "<per run>"  # filled in by the runner (upstream's runner sets these too)
 
-# Every change to a recipe's MODEL_ARGS: flag -> (new value, why). None: dropped; True: the flag
-# alone; a string: this value; RUNNER values are filled in per run.
-CHANGES = {
-    "--num-layers": ("2", "size: 12 layers of 512 are minutes per step on a CPU"),
-    "--hidden-size": ("64", "size"),
-    "--moe-ffn-hidden-size": ("128", "size (upstream: 2 x hidden)"),
-    "--num-experts": ("4", "size: 2 experts per EP rank"),
-    "--expert-model-parallel-size": ("2", "4 or 2 CPU ranks instead of 16 or 8 GPUs"),
-    "--seq-length": ("64", "size"),
-    "--max-position-embeddings": ("64", "size (= --seq-length, as upstream's)"),
-    "--micro-batch-size": ("2", "size"),
-    "--global-batch-size": ("16", "size: 2 (4 ranks) or 4 (2 ranks) micro-batches per step"),
-    "--train-iters": (str(ITERS), "a few iterations"),
-    "--save-interval": (str(ITERS // 2), "ckpt-resume saves at N/2 (upstream: 50 of 100)"),
-    "--eval-iters": ("2", "size: the final validation and test of each run"),
+# Changes any recipe needs on CPU ranks, whatever its sizes (tools/upstream_recipes_sample.py
+# shares them): flag -> (new value, why). None: dropped; True: the flag alone; a string: this
+# value; RUNNER values are filled in per run.
+CPU_CHANGES = {
     "--data-path": (None, "no corpus on this machine: --mock-data instead"),
     "--vocab-file": (None, "--mock-data with NullTokenizer: no BPE files"),
     "--merge-file": (None, "--mock-data with NullTokenizer: no BPE files"),
     "--data-cache-path": (RUNNER, "a temporary folder"),
-    "--save": (RUNNER, "a temporary folder"),
-    "--load": (RUNNER, "a temporary folder"),
-    "--tensorboard-dir": (RUNNER, "a temporary folder per run (run_1, run_2 as upstream's)"),
+    "--tensorboard-dir": (RUNNER, "a temporary folder per run"),
     "--distributed-backend": ("gloo", "CPU ranks: NCCL needs GPUs"),
     "--transformer-impl": ("local", "no Transformer Engine on CPU: megatron-core's torch layers"),
     "--log-memory-to-tensorboard": (
@@ -91,12 +79,29 @@ CHANGES = {
         "SequentialMLP experts whatever the flag",
     ),
 }
-# Flags the recipes do not give, added: flag -> (value, why)
-ADDED = {
+# Every change to a Muon recipe's MODEL_ARGS: CPU_CHANGES and these
+CHANGES = {
+    "--num-layers": ("2", "size: 12 layers of 512 are minutes per step on a CPU"),
+    "--hidden-size": ("64", "size"),
+    "--moe-ffn-hidden-size": ("128", "size (upstream: 2 x hidden)"),
+    "--num-experts": ("4", "size: 2 experts per EP rank"),
+    "--expert-model-parallel-size": ("2", "4 or 2 CPU ranks instead of 16 or 8 GPUs"),
+    "--seq-length": ("64", "size"),
+    "--max-position-embeddings": ("64", "size (= --seq-length, as upstream's)"),
+    "--micro-batch-size": ("2", "size"),
+    "--global-batch-size": ("16", "size: 2 (4 ranks) or 4 (2 ranks) micro-batches per step"),
+    "--train-iters": (str(ITERS), "a few iterations"),
+    "--save-interval": (str(ITERS // 2), "ckpt-resume saves at N/2 (upstream: 50 of 100)"),
+    "--eval-iters": ("2", "size: the final validation and test of each run"),
+    "--save": (RUNNER, "a temporary folder"),
+    "--load": (RUNNER, "a temporary folder"),
+    **CPU_CHANGES,
+}
+# Flags no recipe gives that any needs on CPU ranks, added: flag -> (value, why)
+CPU_ADDED = {
     "--mock-data": (True, "upstream's synthetic dataset in place of the recipe's corpus"),
     "--tokenizer-type": ("NullTokenizer", "the recipe's GPT2 BPE files are absent (mock data)"),
     "--vocab-size": ("128", "NullTokenizer's vocabulary (size)"),
-    "--exit-interval": (str(ITERS), "upstream's runner sets it to --train-iters"),
     "--no-persist-layer-norm": (
         True,
         "upstream's default persist_layer_norm is Apex's kernel: the local spec's torch LayerNorm "
@@ -107,6 +112,11 @@ ADDED = {
         "upstream's default masked_softmax_fusion loads a CUDA extension "
         "(scaled_masked_softmax_cuda) under --bf16",
     ),
+}
+# Flags the Muon recipes do not give, added: CPU_ADDED and these
+ADDED = {
+    **CPU_ADDED,
+    "--exit-interval": (str(ITERS), "upstream's runner sets it to --train-iters"),
     "--async-strategy": (
         "mcore",
         "--async-save's default backend (nvrx) needs nvidia-resiliency-ext, absent here: "
@@ -126,12 +136,19 @@ def git_dir(checkout: Path) -> str:
     return done.stdout.strip()
 
 
+def recipe_path(name: str) -> str:
+    """The model_config.yaml of a Muon recipe (``muon_1node``) or of any test case given as
+    ``gpt/CASE`` or ``moe/CASE``."""
+    case = f"{CASES}{name}" if "/" in name else f"{PREFIX}{name}"
+    return f"{case}/model_config.yaml"
+
+
 def read_recipe(checkout: Path, ref: str, name: str) -> tuple:
-    """(recipe dict, commit of ``ref``) of one recipe's model_config.yaml."""
+    """(recipe dict, commit of ``ref``) of one recipe's model_config.yaml (``recipe_path``)."""
     import yaml
 
     gd = git_dir(checkout)
-    path = f"{PREFIX}{name}/model_config.yaml"
+    path = recipe_path(name)
     commit = subprocess.run(
         ["git", "--git-dir", gd, "rev-parse", f"{ref}^{{commit}}"],
         capture_output=True,
@@ -162,21 +179,23 @@ def upstream_argv(model_args: dict) -> list:
     return argv
 
 
-def shrink(model_args: dict, name: str) -> tuple:
-    """(flags, changes) of a recipe on CPU: ``flags`` {flag: value} in the recipe's order then
-    ADDED's (RUNNER where the run fills it in); ``changes`` [(flag, upstream's value, ours,
-    why)]."""
+def shrink(model_args: dict, name: str, table: dict = None, added: dict = None) -> tuple:
+    """(flags, changes) of a recipe on CPU by the tables ``table`` (default CHANGES) and
+    ``added`` (default ADDED): ``flags`` {flag: value} in the recipe's order then ``added``'s
+    (RUNNER where the run fills it in); ``changes`` [(flag, upstream's value, ours, why)]."""
+    table = CHANGES if table is None else table
+    added = ADDED if added is None else added
     flags, changes = {}, []
     for flag, value in model_args.items():
-        if flag in CHANGES:
-            new, why = CHANGES[flag]
+        if flag in table:
+            new, why = table[flag]
             changes.append((flag, value, new, why))
             if new is not None:
                 flags[flag] = new
         else:
             flags[flag] = value
-    for flag, (value, why) in ADDED.items():
-        assert flag not in model_args, f"{name}: {flag} is the recipe's now: review ADDED"
+    for flag, (value, why) in added.items():
+        assert flag not in model_args, f"{name}: {flag} is the recipe's now: review its tables"
         changes.append((flag, None, value, why))
         flags[flag] = value
     return flags, changes

@@ -70,6 +70,8 @@ TOOL_FLAGS = {
     "--ref": "tools/upstream_muon_recipes.py",  # tools/upstream_muon_tests.py has it too
     "--recipe": "tools/upstream_muon_recipes.py",
     "--impl": "tools/upstream_muon_recipes.py",
+    "--case": "tools/upstream_recipes_sample.py",
+    "--print-flags": "tools/upstream_recipes_sample.py",  # tools/upstream_muon_recipes.py too
 }
 # Placeholders in commands of our scripts -> a value of their kind
 PLACEHOLDERS = {"TAU": "5", "F": "0.9", "CHECKOUT": "/nonexistent/Megatron-LM", "...": "x"}
