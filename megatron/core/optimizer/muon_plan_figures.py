@@ -50,7 +50,8 @@ def ns_flops_per_rank(plan: MuonExchangePlan) -> list[float]:
 def trace(plan: MuonExchangePlan, rank: int) -> list[tuple]:
     """What ``rank``'s main thread executes in a step (``muon_split.exchange_schedule``): per
     exchange the forward all-to-all, the posts of its gang collectives and the waits for them,
-    then its whole matrices and the return all-to-all.
+    then its whole matrices and the return all-to-all. Where an exchange moves nothing its
+    all-to-alls are skipped (``Exchange.moves``): they stay as the rank's own (no wait).
 
     Args:
         plan: the plan.
@@ -61,8 +62,11 @@ def trace(plan: MuonExchangePlan, rank: int) -> list[tuple]:
     """
     everyone, out = tuple(range(plan.world)), []
     for ex in plan.exchanges:
-        out.append((0.0, ALL, everyone, 0))
-        out += _schedule(plan, ex)[rank]
+        members = everyone if ex.moves else (rank,)
+        out.append((0.0, ALL, members, 0))
+        out += [
+            (f, op, members if op == ALL else m, n) for f, op, m, n in _schedule(plan, ex)[rank]
+        ]
     return out
 
 
@@ -112,8 +116,10 @@ def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...
 
 
 def sync_points(plan: MuonExchangePlan) -> int:
-    """Exchanges (DP-wide) plus gang collectives (within a gang) per step."""
-    return len(plan.exchanges) + sum(len(gang_sums(plan, ex)) for ex in plan.exchanges)
+    """Exchanges that move anything (DP-wide; the others skip their all-to-alls,
+    ``Exchange.moves``) plus gang collectives (within a gang) per step."""
+    moving = sum(ex.moves for ex in plan.exchanges)
+    return moving + sum(len(gang_sums(plan, ex)) for ex in plan.exchanges)
 
 
 def summary(plan: MuonExchangePlan) -> str:
