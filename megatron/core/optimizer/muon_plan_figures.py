@@ -122,21 +122,43 @@ def sync_points(plan: MuonExchangePlan) -> int:
     return moving + sum(len(gang_sums(plan, ex)) for ex in plan.exchanges)
 
 
-def summary(plan: MuonExchangePlan) -> str:
-    """The plan in one line, for a log: matrices, DP ranks (and nodes), exchanges, matrices
-    split over gangs, the counted NS FLOP efficiency (and where no plan reaches the floor) and
-    the sync points per step."""
+def summary(plan: MuonExchangePlan, layout: str = "") -> str:
+    """The plan in one line, for a log: the layout (``layout``, e.g. "shard-aligned"), matrices,
+    DP ranks (and nodes), exchanges, matrices split over gangs, the counted NS FLOP efficiency
+    (and where no plan reaches the floor) and the sync points per step.
+
+    Args:
+        plan: the plan.
+        layout: the DDP layout's name, or "" to leave it out.
+
+    Returns:
+        One line.
+    """
     split = [m for m in plan.matrices if len(m.units) > 1]
     sizes = "/".join(str(k) for k in sorted({len(m.units) for m in split}))
     nodes = len(set(plan.model.nodes)) if plan.model is not None and plan.model.nodes else 0
     where = f"{plan.world} DP ranks" + (f" on {nodes} node(s)" if nodes else "")
     gangs = f"{len(split)} split over gangs of {sizes} ranks" if split else "none split"
     return (
-        f"Muon exchange plan: {len(plan.matrices)} matrices, {where}, "
-        f"{len(plan.exchanges)} exchange(s), {gangs}{_unsplittable(plan)}; NS FLOP "
+        f"Muon exchange plan{f' ({layout} layout)' if layout else ''}: "
+        f"{len(plan.matrices)} matrices, {where}, {len(plan.exchanges)} exchange(s)"
+        f"{_moved(plan)}, {gangs}{_unsplittable(plan)}; NS FLOP "
         f"efficiency {efficiency(plan):.3f}{_short_of_floor(plan)}, "
         f"{sync_points(plan)} sync points per step"
     )
+
+
+def _moved(plan: MuonExchangePlan) -> str:
+    """Where every matrix lies whole on one rank (the shard-aligned layout): how many move to
+    another owner (the rest stay, moving no bytes). Empty otherwise."""
+    holders: dict[int, set] = {}
+    for ex in plan.exchanges:
+        for p in ex.pieces:
+            holders.setdefault(p.matrix, set()).add(p.holder)
+    if any(len(h) > 1 for h in holders.values()):
+        return ""
+    moved = {p.matrix for ex in plan.exchanges for p in ex.pieces if p.holder != p.owner}
+    return f" ({len(moved)} matrices moved)"
 
 
 def _short_of_floor(plan: MuonExchangePlan) -> str:
