@@ -10,6 +10,12 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   iterated in reverse), starts padded to 64 elements, buckets closed once they reach DDP's
   ``bucket_size = max(40M, 1M * dp)`` (``--overlap-grad-reduce``; one bucket without it) and
   padded to ``lcm(dp, 128)``; TP-local shapes (QKV, fc1 split by rows, proj, fc2 by columns);
+* our layout: the one the optimizer takes (``ours_layout``: ``MuonDistributedOptimizer.
+  compute_full_param_layout``, muon_layout.py's decision, on meta tensors): shard-aligned where
+  the holders' loads balance (upstream's LayerWise layout for the matrices: the exchange moves
+  the few matrices ``holder_owners`` moves, skipped all-to-alls are no sync point, and its
+  padded buffers cost the same extra grad reduce-scatter and param all-gather as LayerWise's),
+  else the byte-level buffer above; each row says which;
 * the plan: muon_plan.py's ``MuonExchangePlan`` on those buckets, costs from its
   ``tp_ns_cost`` for the TP mode (owners, exchanges, pieces as on a real run; a test ties this
   layout to a real DDP buffer and the plan to the optimizer's);
@@ -31,9 +37,11 @@ import dataclasses
 import math
 
 import torch
+from megatron.core.distributed import DistributedDataParallelConfig
 
 from megatron.core.optimizer import muon_plan_figures as plan_figures
 from megatron.core.optimizer.muon_distopt import exchange_dtypes
+from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
 from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
 from megatron.core.optimizer.muon_plan import (
     BucketSlot,
@@ -178,24 +186,51 @@ def layer_wise(params: list[tuple], dp: int, bucket_size, model: NSCostModel) ->
     }
 
 
-def build_plan(params: list[tuple], dp: int, bucket_size, model: NSCostModel, window=None):
-    """The optimizer's plan (rank 0's view; figures cover every rank) for this layout."""
-    buckets, matrices = [], []
-    numels = [math.prod(shape) for _, shape, _ in params]
-    for start, end, members in ddp_layout(numels, dp, bucket_size):
+def byte_level(params: list[tuple], dp: int, bucket_size) -> list:
+    """DDP's byte-level buffer (``ddp_layout``) of every param: DistOpt's layout."""
+    return ddp_layout([math.prod(shape) for _, shape, _ in params], dp, bucket_size)
+
+
+def ours_layout(params: list[tuple], dp: int, bucket_size) -> tuple[bool, list]:
+    """The layout our optimizer takes: ``MuonDistributedOptimizer.compute_full_param_layout``
+    (muon_layout.py's decision, upstream's rules) run on meta tensors of the TP-local shapes.
+    Returns (shard-aligned, buckets, padded elements of all buffers) with buckets as
+    ``ddp_layout``'s, of every buffer in turn (positions within its own buffer)."""
+    metas = []
+    for _, shape, info in params:
+        metas.append(torch.nn.Parameter(torch.empty(shape, device="meta")))
+        metas[-1].is_embedding_or_output_parameter = len(shape) == 2 and info is None
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    full = MuonDistributedOptimizer.compute_full_param_layout(metas, bucket_size, dp, config)
+    at = {id(p): i for i, p in enumerate(metas)}
+    buckets = []
+    for per in full.layouts.values():
+        members = [{} for _ in per.bucket_indices]
+        for p, (start, end, b) in per.param_index_map.items():
+            members[b][at[id(p)]] = (start, end)
+        buckets += [(lo, hi, m) for (lo, hi), m in zip(per.bucket_indices, members)]
+    aligned = any(key.is_managed_by_layer_wise_optimizer for key in full.layouts)
+    numel = sum(per.bucket_indices[-1][1] for per in full.layouts.values() if per.bucket_indices)
+    return aligned, buckets, numel
+
+
+def build_plan(params: list[tuple], buckets: list, dp: int, model: NSCostModel, window=None):
+    """The optimizer's plan (rank 0's view; figures cover every rank) for a layout's
+    ``buckets`` (``ddp_layout`` or ``ours_layout``)."""
+    slots, matrices = [], []
+    for start, end, members in buckets:
         slot = BucketSlot(group=None, shard_size=(end - start) // dp)
-        for i in sorted(members, key=lambda i: members[i][0]):
+        for i in sorted(members, reverse=True):  # DDP's bucket.params_list: reverse order
             name, shape, info = params[i]
             if info is None:
                 continue
             lo, hi = members[i]
             slot.matrices.append(len(matrices))
             cost = model.whole(info)
-            matrices.append(
-                MatrixSlot(name, len(buckets), lo - start, hi - start, shape, info, cost)
-            )
-        buckets.append(slot)
-    return MuonExchangePlan(buckets, matrices, 0, dp, window, model)
+            matrices.append(MatrixSlot(name, len(slots), lo - start, hi - start, shape, info, cost))
+        slot.matrices.sort(key=lambda i: matrices[i].start)
+        slots.append(slot)
+    return MuonExchangePlan(slots, matrices, 0, dp, window, model)
 
 
 def cost_model(tp: int, mode: str, steps: int = NS_STEPS, **link) -> NSCostModel:
@@ -255,7 +290,9 @@ def project(model: str, dp: int, a) -> dict:
         nodes=tuple(r // max(1, a.gpus_per_node // tp) for r in range(dp)),
         step_latency_flops=rate * latency,
     )
-    plan = build_plan(params, dp, ddp_bucket_size(dp, not a.one_bucket), link_model)
+    bucket = ddp_bucket_size(dp, not a.one_bucket)
+    aligned, buckets, ours_numel = ours_layout(params, dp, bucket)
+    plan = build_plan(params, buckets, dp, link_model)
     unsplit = plan.rebuilt(model=None)  # one owner per matrix, same layout and exchange
     # The plan a planner blind to the link would choose: shortest FLOP critical path.
     flop_only = plan.rebuilt(model=link_model.free_links())
@@ -263,14 +300,18 @@ def project(model: str, dp: int, a) -> dict:
     floor = a.min_efficiency or None
     floored = floor and plan.rebuilt(model=dataclasses.replace(link_model, min_efficiency=floor))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
-    bucket = ddp_bucket_size(dp, not a.one_bucket)
     lw = layer_wise(params, dp, bucket, link_model)
     distopt_numel = ddp_layout([math.prod(shape) for _, shape, _ in params], dp, bucket)[-1][1]
-    # LayerWise's padded buffers, over DistOpt's one buffer, cost their grad reduce-scatter and
-    # param all-gather too: per direction (dp-1)/dp of the extra elements each (ring, duplex)
+    # Padded buffers (LayerWise's, ours where shard-aligned), over DistOpt's one buffer, cost
+    # their grad reduce-scatter and param all-gather too: per direction (dp-1)/dp of the extra
+    # elements each (ring, duplex)
     extra = lw["numel"] - distopt_numel
-    lw_comm = max(extra, 0) * (dp - 1) / dp * (a.grad_bytes + a.param_bytes) / link
+    per_element = (dp - 1) / dp * (a.grad_bytes + a.param_bytes) / link
+    moved = {p.matrix for ex in plan.exchanges for p in ex.pieces if p.holder != p.owner}
     return {
+        "layout": f"shard-aligned ({len(moved)} moved)" if aligned else "byte-level",
+        "pad_comm": max(ours_numel - distopt_numel, 0) * per_element,
+        "sync_points": plan_figures.sync_points(plan),
         "model": model,
         "params": total,
         "tp": tp,
@@ -298,7 +339,7 @@ def project(model: str, dp: int, a) -> dict:
         "base_comm": muon_bytes * (dp - 1) / dp / link,
         "lw_ns": max(lw["flops"]) / rate,
         "lw_efficiency": sum(lw["flops"]) / dp / max(lw["flops"]),
-        "lw_comm": lw_comm,
+        "lw_comm": max(extra, 0) * per_element,
         "lw_extra": extra,
         "lw_buffer_ratio": lw["numel"] / distopt_numel,
         "lw_buffer_gb": lw["numel"] * (a.grad_bytes + a.param_bytes) / 1e9,
@@ -309,26 +350,28 @@ def project(model: str, dp: int, a) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| model | TP x DP (GPUs) | buckets | model step | gangs "
-        "| ours: NS (+ gang sums) + exchange | efficiency | ours overhead "
+        "| model | TP x DP (GPUs) | buckets | model step | our layout | gangs "
+        "| ours: NS (+ gang sums) + exchange (+ padding RS/AG) | efficiency | ours overhead "
         "| FLOPs-only plan: NS (+ gang) (efficiency) | its overhead "
         f"{_floor_head(rows)}"
         "| one owner per matrix: NS + exchange (efficiency) | its overhead "
         "| gather-everything: NS + all-gather | baseline overhead |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * _floored(rows)
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + "---|---|"
+        * _floored(rows)
     )
     lines = [head]
     for r in rows:
-        ours = r["ns"] + r["comm"]
-        unsplit = r["unsplit_ns"] + r["unsplit_comm"]
+        pad = r["pad_comm"]  # the layout's, whatever the plan on it
+        ours = r["ns"] + r["comm"] + pad
+        unsplit = r["unsplit_ns"] + r["unsplit_comm"] + pad
         base = r["base_ns"] + r["base_comm"]
         lines.append(
             f"| {r['model']} ({r['params'] / 1e9:.1f}B) | {r['tp']} x {r['dp']} ({r['gpus']}) "
-            f"| {r['buckets']} | {_ms(r['step'])} | {r['gangs']} "
-            f"| {_ms(r['ns_flops'])} (+ {_ms(r['ns'] - r['ns_flops'])}) + {_ms(r['comm'])} "
-            f"| {r['efficiency']:.3f} | {ours / r['step']:.1%} "
+            f"| {r['buckets']} | {_ms(r['step'])} | {r['layout']} | {r['gangs']} "
+            f"| {_ours(r)} | {r['efficiency']:.3f} | {ours / r['step']:.1%} "
             f"| {_ms(r['flop_ns_flops'])} (+ {_ms(r['flop_ns'] - r['flop_ns_flops'])}) "
-            f"({r['flop_efficiency']:.3f}) | {(r['flop_ns'] + r['comm']) / r['step']:.1%} "
+            f"({r['flop_efficiency']:.3f}) | {(r['flop_ns'] + r['comm'] + pad) / r['step']:.1%} "
             f"{_floor_cells(r)}"
             f"| {_ms(r['unsplit_ns'])} + {_ms(r['unsplit_comm'])} ({r['unsplit_efficiency']:.2f}) "
             f"| {unsplit / r['step']:.1%} "
@@ -341,25 +384,31 @@ def layer_wise_markdown(rows: list[dict]) -> str:
     """Ours beside upstream's LayerWise Muon (its layout rule: whole matrices bin-packed per
     bucket, shards padded to the fullest), per row: Muon overhead per step and their ratio."""
     lines = [
-        "| model | TP x DP (GPUs) | model step | ours: NS (+ gang) + exchange | ours overhead "
+        "| model | TP x DP (GPUs) | model step | our layout "
+        "| ours: NS (+ gang) + exchange (+ padding RS/AG) | ours overhead "
         "| LayerWise: NS (efficiency, idle ranks) + padding RS/AG "
         "| DDP buffers/GPU: LayerWise vs DistOpt | LayerWise overhead | ours / LayerWise "
         "| LayerWise overhead, padding traffic hidden (NS only) | ours / that |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ours = (r["ns"] + r["comm"]) / r["step"]
+        ours = (r["ns"] + r["comm"] + r["pad_comm"]) / r["step"]
         lw = (r["lw_ns"] + r["lw_comm"]) / r["step"]
         lines.append(
             f"| {r['model']} | {r['tp']} x {r['dp']} ({r['gpus']}) | {_ms(r['step'])} "
-            f"| {_ms(r['ns_flops'])} (+ {_ms(r['ns'] - r['ns_flops'])}) + {_ms(r['comm'])} "
-            f"| {ours:.2%} "
+            f"| {r['layout']} | {_ours(r)} | {ours:.2%} "
             f"| {_ms(r['lw_ns'])} ({r['lw_efficiency']:.3f}, {r['lw_idle']}) + {_ms(r['lw_comm'])} "
             f"| {r['lw_buffer_gb']:.1f} vs {r['distopt_buffer_gb']:.1f} GB "
             f"| {lw:.2%} | {ours / lw:.2f} "
             f"| {r['lw_ns'] / r['step']:.2%} | {ours * r['step'] / r['lw_ns']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _ours(r: dict) -> str:
+    """Our NS critical path (+ its gang collectives) + exchange (+ the layout's padding)."""
+    pad = f" + {_ms(r['pad_comm'])}" if r["pad_comm"] else ""
+    return f"{_ms(r['ns_flops'])} (+ {_ms(r['ns'] - r['ns_flops'])}) + {_ms(r['comm'])}{pad}"
 
 
 def _floored(rows: list[dict]) -> bool:
@@ -380,7 +429,7 @@ def _floor_cells(r: dict) -> str:
     ns, flops, comm = r["floor_ns"], r["floor_ns_flops"], r["floor_comm"]
     return (
         f"| {_ms(flops)} (+ {_ms(ns - flops)}) + {_ms(comm)} ({r['floor_efficiency']:.3f}) "
-        f"| {(ns + comm) / r['step']:.1%} "
+        f"| {(ns + comm + r['pad_comm']) / r['step']:.1%} "
     )
 
 

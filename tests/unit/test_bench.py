@@ -5,6 +5,7 @@
 No timing is asserted: the benchmarks time on shared machines; only counts are checked here.
 """
 
+import math
 import os
 import sys
 
@@ -133,18 +134,80 @@ def test_projection_layout_and_plan_are_the_real_ones():
     """``projection.ddp_layout`` rebuilds DDP's real buffer (order, padding, bucket ends), and
     the optimizer's planning code on it gives the plan the optimizer built: same matrices,
     owners, pieces and critical path."""
-    import math
-
     for real, params in run_distributed(_real_layout, 2):
         numels = [math.prod(shape) for _, shape, _ in params]
         layout = projection.ddp_layout(numels, 2, LAYOUT_BUCKET)
         assert [(start, end) for start, end, _ in layout] == real["buckets"]
         index = {i: r for _, _, members in layout for i, r in members.items()}
         assert [index[i] for i in range(len(params))] == real["index"]
-        plan = projection.build_plan(
-            params, 2, LAYOUT_BUCKET, projection.cost_model(1, "duplicated")
-        )
+        plan = projection.build_plan(params, layout, 2, projection.cost_model(1, "duplicated"))
         assert len(real["buckets"]) > 2 and _plan_figures(plan) == real["plan"]
+
+
+def _real_aligned():
+    """Our Muon's DDP layout as Megatron-LM builds it (``muon_layout``, one bucket: DP=2 takes
+    the shard-aligned one), its plan, what rank 0 logs, and one step's all-to-alls."""
+    import logging
+
+    from collectives import CollectiveRecorder
+    from tiny_gpt import build_model, build_optimizer, global_batches, train_step
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.muon_megatron import muon_param_infos
+
+    logs = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())
+    log = logging.getLogger("megatron.core.optimizer.muon_distrib_optimizer")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)  # Megatron-LM's --logging-level; Python's default shows warnings
+    spec = TinyGPT()
+    model = build_model(spec, distopt=True, muon_layout=True)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON)
+    (distopt,) = [d for d in distopts(optimizer) if hasattr(d, "muon_plan")]
+    named = list(model[0].module.named_parameters())
+    at = {p: i for i, (_, p) in enumerate(named)}
+    infos = muon_param_infos(OptimizerConfig(**MUON), model)
+    buckets = []
+    for buffer in model[0].buffers:
+        members = [{} for _ in buffer.bucket_indices]
+        for p, (start, end, b) in buffer.param_index_map.items():
+            members[b][at[p]] = (start, end)
+        buckets += [(*bucket, m) for bucket, m in zip(buffer.bucket_indices, members)]
+    plan = distopt.muon_plan
+    with CollectiveRecorder() as calls:
+        train_step(spec, model, optimizer, global_batches(spec, 1)[0])
+    return {
+        "params": [(n, tuple(p.shape), infos.get(p)) for n, p in named],
+        "buckets": buckets,
+        "plan": _plan_figures(plan),
+        "sync_points": plan_figures.sync_points(plan),
+        "all_to_alls": sum(c.op == "all_to_all_single" for c in calls),
+        "bytes": distopt.optimizer.orthogonalizer.bytes_moved,
+        "logs": logs,
+    }
+
+
+def test_projection_takes_the_layout_and_sync_points_the_optimizer_takes():
+    """Where our optimizer lays the matrices out shard-aligned, ``projection.ours_layout`` (its
+    decision, on meta tensors) gives DDP's real buffers and the same plan; every matrix stays
+    with its holder, so the step runs no all-to-all and ``sync_points`` counts none. Rank 0
+    alone logs the plan, naming the layout."""
+    for rank, real in enumerate(run_distributed(_real_aligned, 2)):
+        aligned, buckets, _ = projection.ours_layout(real["params"], 2, None)
+        assert aligned and buckets == real["buckets"]
+        plan = projection.build_plan(
+            real["params"], buckets, 2, projection.cost_model(1, "duplicated")
+        )
+        assert _plan_figures(plan) == real["plan"]
+        assert real["all_to_alls"] == real["sync_points"] == plan_figures.sync_points(plan) == 0
+        assert real["bytes"] == plan_figures.bytes_per_step(plan, 4, 4) == 0
+        # negative control: DDP's byte-level layout (small buckets: matrices straddle shards)
+        numels = [math.prod(s) for _, s, _ in real["params"]]
+        byte_level = projection.ddp_layout(numels, 2, LAYOUT_BUCKET)
+        moving = projection.build_plan(real["params"], byte_level, 2, plan.model)
+        assert plan_figures.sync_points(moving) >= 1
+        assert [("shard-aligned layout" in line) for line in real["logs"]] == [True] * (rank == 0)
 
 
 # ------------------------------------------- upstream's LayerWise Muon beside ours (bf16, DP=2)

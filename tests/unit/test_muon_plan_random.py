@@ -344,7 +344,7 @@ def check_counts(plan: MuonExchangePlan) -> None:
     posted = Counter((e[2], int(e[3]), type(e[3])) for t in traces for e in t if e[1] == POST)
     assert posted == want, "posted collectives are not the gangs' sums, once per member"
     _check_matched(traces)
-    count = len(plan.exchanges) + sum(
+    count = sum(ex.moves for ex in plan.exchanges) + sum(
         len(plan_figures.gang_sums(plan, ex)) for ex in plan.exchanges
     )
     assert plan_figures.sync_points(plan) == count

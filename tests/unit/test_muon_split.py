@@ -95,7 +95,9 @@ def _plan(model: str, dp: int, **kwargs):
     cfg = projection.MODELS[model]
     params = projection.model_params(*cfg)
     ns = projection.cost_model(cfg[-1], "duplicated")
-    return projection.build_plan(params, dp, projection.ddp_bucket_size(dp), ns, **kwargs)
+    return projection.build_plan(
+        params, projection.byte_level(params, dp, projection.ddp_bucket_size(dp)), dp, ns, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +238,9 @@ def test_stacked_gangs_stay_on_one_node():
     cfg = projection.MODELS["1B"]
     params = projection.model_params(*cfg)
     model = projection.cost_model(1, "duplicated", nodes=nodes)
-    plan = projection.build_plan(params, 64, projection.ddp_bucket_size(64), model)
+    plan = projection.build_plan(
+        params, projection.byte_level(params, 64, projection.ddp_bucket_size(64)), 64, model
+    )
     works = [plan._work(plan.matrices[i]) for i in plan.exchanges[0].matrices]
     target = 1.1 * sum(w.cost for w in works) / 64
 
@@ -276,7 +280,9 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
     dp = 1024
     model = projection.cost_model(1, "duplicated", nodes=tuple(r // 8 for r in range(dp)))
     params = projection.model_params(*projection.MODELS["1B"])
-    plan = projection.build_plan(params, dp, projection.ddp_bucket_size(dp), model)
+    plan = projection.build_plan(
+        params, projection.byte_level(params, dp, projection.ddp_bucket_size(dp)), dp, model
+    )
     works = [plan._work(plan.matrices[i]) for i in plan.exchanges[0].matrices]
     ideal = sum(w.cost for w in works) / dp
 
@@ -329,7 +335,9 @@ def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
     cfg = projection.MODELS["70B"]
     params = projection.model_params(*cfg)
     ns = projection.cost_model(cfg[-1], mode)
-    plan = projection.build_plan(params, 256, projection.ddp_bucket_size(256), ns)
+    plan = projection.build_plan(
+        params, projection.byte_level(params, 256, projection.ddp_bucket_size(256)), 256, ns
+    )
     note = f"TP-sharded cannot split in the {mode} TP mode; --muon-tp-mode duplicated can)"
     assert (note in plan_figures.summary(plan)) == (mode != "duplicated")
     if mode != "duplicated":

@@ -190,7 +190,7 @@ class DistributedMuonOrthogonalizer:
 
     def _all_to_all(self, ex: Exchange, chunks: list, dtype, device, forward: bool) -> Tensor:
         """The DP-wide collective: forward split sizes, or swapped for the return exchange."""
-        if all(p.holder == p.owner for p in ex.pieces):  # all own what they hold: nothing moves
+        if not ex.moves:  # all own what they hold: no collective
             none = torch.empty(0, dtype=dtype, device=device)
             return torch.cat([c.to(dtype) for c in chunks] or [none])
         send, recv = ex.split_sizes(self.plan.rank, self.plan.world)

@@ -15,11 +15,18 @@ the params and steps the inner optimizer; this one adds what Muon needs on top:
   (``muon_checkpoint.py``, ``muon_checkpoint_sharded.py``).
 """
 
+import logging
+
+from megatron.core.utils import log_single_rank
+
 from . import muon_checkpoint as checkpoint
 from . import muon_checkpoint_sharded as sharded
 from . import muon_layout
+from . import muon_plan_figures as plan_figures
 from .distrib_optimizer import DistributedOptimizer
 from .muon_distopt import attach
+
+logger = logging.getLogger(__name__)
 
 
 class MuonDistributedOptimizer(DistributedOptimizer):
@@ -33,6 +40,9 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         super().__init__(*args, **kwargs)
         muon = self.optimizer
         attach(self, muon, muon.distopt_exchange_dtype, links=muon.distopt_plan_links)
+        aligned = any(muon_layout.is_shard_aligned(b) for b in self.buffers)
+        layout = "shard-aligned" if aligned else "byte-level"
+        log_single_rank(logger, logging.INFO, plan_figures.summary(self.muon_plan, layout))
 
     @staticmethod
     def compute_full_param_layout(

@@ -76,6 +76,12 @@ class Exchange:
     pieces: list[Piece] = field(default_factory=list)  # sorted by Piece.key
     gangs: list[int] = field(default_factory=list)  # split matrices, in the order all run them
 
+    @property
+    def moves(self) -> bool:
+        """Whether any piece leaves its holder; else every rank owns what it holds and both
+        all-to-alls are skipped (no sync point: the shard-aligned layout, muon_layout.py)."""
+        return any(p.holder != p.owner for p in self.pieces)
+
     def sends(self, rank: int) -> list[Piece]:
         """The pieces DP rank ``rank`` holds (sends to their owners, self-copies included)."""
         return [p for p in self.pieces if p.holder == rank]

@@ -50,7 +50,8 @@ def ns_flops_per_rank(plan: MuonExchangePlan) -> list[float]:
 def trace(plan: MuonExchangePlan, rank: int) -> list[tuple]:
     """What ``rank``'s main thread executes in a step (``muon_split.exchange_schedule``): per
     exchange the forward all-to-all, the posts of its gang collectives and the waits for them,
-    then its whole matrices and the return all-to-all.
+    then its whole matrices and the return all-to-all. Where an exchange moves nothing its
+    all-to-alls are skipped (``Exchange.moves``): they stay as the rank's own (no wait).
 
     Args:
         plan: the plan.
@@ -61,8 +62,11 @@ def trace(plan: MuonExchangePlan, rank: int) -> list[tuple]:
     """
     everyone, out = tuple(range(plan.world)), []
     for ex in plan.exchanges:
-        out.append((0.0, ALL, everyone, 0))
-        out += _schedule(plan, ex)[rank]
+        members = everyone if ex.moves else (rank,)
+        out.append((0.0, ALL, members, 0))
+        out += [
+            (f, op, members if op == ALL else m, n) for f, op, m, n in _schedule(plan, ex)[rank]
+        ]
     return out
 
 
@@ -112,25 +116,49 @@ def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...
 
 
 def sync_points(plan: MuonExchangePlan) -> int:
-    """Exchanges (DP-wide) plus gang collectives (within a gang) per step."""
-    return len(plan.exchanges) + sum(len(gang_sums(plan, ex)) for ex in plan.exchanges)
+    """Exchanges that move anything (DP-wide; the others skip their all-to-alls,
+    ``Exchange.moves``) plus gang collectives (within a gang) per step."""
+    moving = sum(ex.moves for ex in plan.exchanges)
+    return moving + sum(len(gang_sums(plan, ex)) for ex in plan.exchanges)
 
 
-def summary(plan: MuonExchangePlan) -> str:
-    """The plan in one line, for a log: matrices, DP ranks (and nodes), exchanges, matrices
-    split over gangs, the counted NS FLOP efficiency (and where no plan reaches the floor) and
-    the sync points per step."""
+def summary(plan: MuonExchangePlan, layout: str = "") -> str:
+    """The plan in one line, for a log: the layout (``layout``, e.g. "shard-aligned"), matrices,
+    DP ranks (and nodes), exchanges, matrices split over gangs, the counted NS FLOP efficiency
+    (and where no plan reaches the floor) and the sync points per step.
+
+    Args:
+        plan: the plan.
+        layout: the DDP layout's name, or "" to leave it out.
+
+    Returns:
+        One line.
+    """
     split = [m for m in plan.matrices if len(m.units) > 1]
     sizes = "/".join(str(k) for k in sorted({len(m.units) for m in split}))
     nodes = len(set(plan.model.nodes)) if plan.model is not None and plan.model.nodes else 0
     where = f"{plan.world} DP ranks" + (f" on {nodes} node(s)" if nodes else "")
     gangs = f"{len(split)} split over gangs of {sizes} ranks" if split else "none split"
     return (
-        f"Muon exchange plan: {len(plan.matrices)} matrices, {where}, "
-        f"{len(plan.exchanges)} exchange(s), {gangs}{_unsplittable(plan)}; NS FLOP "
+        f"Muon exchange plan{f' ({layout} layout)' if layout else ''}: "
+        f"{len(plan.matrices)} matrices, {where}, {len(plan.exchanges)} exchange(s)"
+        f"{_moved(plan)}, {gangs}{_unsplittable(plan)}; NS FLOP "
         f"efficiency {efficiency(plan):.3f}{_short_of_floor(plan)}, "
         f"{sync_points(plan)} sync points per step"
     )
+
+
+def _moved(plan: MuonExchangePlan) -> str:
+    """Where every matrix lies whole on one rank (the shard-aligned layout): how many move to
+    another owner (the rest stay, moving no bytes). Empty otherwise."""
+    holders: dict[int, set] = {}
+    for ex in plan.exchanges:
+        for p in ex.pieces:
+            holders.setdefault(p.matrix, set()).add(p.holder)
+    if any(len(h) > 1 for h in holders.values()):
+        return ""
+    moved = {p.matrix for ex in plan.exchanges for p in ex.pieces if p.holder != p.owner}
+    return f" ({len(moved)} matrices moved)"
 
 
 def _short_of_floor(plan: MuonExchangePlan) -> str:
