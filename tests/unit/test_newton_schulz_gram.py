@@ -122,14 +122,16 @@ def test_gram_without_fp32_steps_exceeds_it(spectrum):
 @pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64), (3, 24, 40), (2, 40, 24)])
 def test_gram_is_the_same_polynomial(shape, steps):
     """fp32 Gram form against the float64 standard iteration, entrywise: the same numbers up to
-    fp32 rounding in the squared condition number. Measured on these Gaussian inputs: <= 1.7e-6
-    on rectangles (the standard form: <= 2.5e-6), 4.5e-5 on the 64 x 64 square at 11 steps
-    (smallest singular value ~1e-3 of the largest, squared in A_0; the standard form 1.4e-6):
-    bounds 5e-6 and 1e-4 (entries are ~0.1; a wrong coefficient moves them by > 1e-2)."""
+    fp32 rounding in the squared condition number. Measured on these Gaussian inputs, under
+    ATEN_CPU_CAPABILITY default / avx2 / avx512, 1 and 2 threads: <= 2.2e-6 on rectangles (the
+    standard form: <= 2.5e-6); on the 64 x 64 square at 11 steps 4.6e-5 (avx2, avx512) and
+    1.01e-4 (default: another summation order), its smallest singular value ~1e-3 of the
+    largest, squared in A_0 (the standard form 1.4e-6). Bounds 5e-6 and 5e-4: >= 2x and 5x the
+    worst measured, and entries are ~0.1, which a wrong coefficient moves by > 1e-2."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     got = newton_schulz(x, steps, "quintic", "highest", form="gram")
     want = torch.stack([_exact_ns(m, "quintic", steps) for m in x.reshape(-1, *shape[-2:])])
-    atol = 1e-4 if shape[-1] == shape[-2] else 5e-6
+    atol = 5e-4 if shape[-1] == shape[-2] else 5e-6
     torch.testing.assert_close(got.double(), want.reshape(shape), rtol=0, atol=atol)
     assert got.dtype == x.dtype and got.shape == x.shape
 
