@@ -44,34 +44,9 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         layout = "shard-aligned" if aligned else "byte-level"
         log_single_rank(logger, logging.INFO, plan_figures.summary(self.muon_plan, layout))
 
-    @staticmethod
-    def compute_full_param_layout(
-        params,
-        bucket_size,
-        data_parallel_world_size,
-        ddp_config,
-        expert_data_parallel_world_size=None,
-    ):
-        """DDP's buffer layout for this optimizer: the Muon matrices shard-aligned where their
-        holders' Newton-Schulz loads balance, else DistOpt's (``muon_layout.py``).
-
-        Args:
-            params: every param to lay out.
-            bucket_size: approximate elements per bucket (None: one bucket).
-            data_parallel_world_size: the dense params' DP size.
-            ddp_config: DDP's config.
-            expert_data_parallel_world_size: the expert params' DP size (None: the dense one).
-
-        Returns:
-            upstream's ``FullParamLayout``.
-        """
-        return muon_layout.compute_full_param_layout(
-            params,
-            bucket_size,
-            data_parallel_world_size,
-            ddp_config,
-            expert_data_parallel_world_size,
-        )
+    # DDP's buffer layout for this optimizer (upstream's static method, same signature): the Muon
+    # matrices shard-aligned where their holders' Newton-Schulz loads balance, else DistOpt's
+    compute_full_param_layout = staticmethod(muon_layout.compute_full_param_layout)
 
     def start_param_sync_for_bucket_group_subset(self) -> None:
         """Start the param all-gather of every bucket group: the shard-aligned Muon buffers
