@@ -10,6 +10,7 @@ is kept and the exchange (and gangs) balance the work.
 Exact either way; checkpoints name params, so both layouts load each other's.
 """
 
+from ..distributed.param_and_grad_buffer import group_params_for_buffers
 from .layer_wise_optimizer import LayerWiseDistributedOptimizer, is_managed_by_layer_wise_optimizer
 from .muon_placement import holder_owners
 
@@ -50,8 +51,9 @@ def compute_full_param_layout(
     apart = [key for key, per in aligned.layouts.items() if _apart(key, per, sizes)]
     if not apart:
         return aligned
-    for p in candidates:  # those groups stay in (or go back to) DistOpt's byte-level buffers
-        if any(_in_group(p, key) for key in apart):
+    groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)  # DDP's buffers
+    for key in apart:  # those groups stay in (or go back to) DistOpt's byte-level buffers
+        for p in groups[key][0]:
             delattr(p, TAG)
     return layout()
 
@@ -62,12 +64,6 @@ def _apart(key, per_buffer, sizes) -> bool:
         return False
     dp = sizes[1] if key.is_expert_parallel and sizes[1] is not None else sizes[0]
     return dp <= 1 or holder_owners(*holder_costs(per_buffer, dp), dp) is None
-
-
-def _in_group(param, key) -> bool:
-    return key.is_expert_parallel == (not getattr(param, "allreduce", True)) and (
-        key.param_dtype == param.dtype
-    )
 
 
 def holder_costs(per_buffer, dp: int) -> tuple[list[float], list[int]]:
