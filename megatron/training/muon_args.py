@@ -27,7 +27,8 @@ Patch ``0031-checkpoint-args-muon-impl`` calls ``check_checkpoint_muon_impl`` fr
 upstream's ``check_checkpoint_args``: the two Muons' optimizer states are not interchangeable.
 
 Every default is ``OptimizerConfig``'s (read from its fields, never repeated here); the names
-are those our 0.16.1-based fork's command line had (README.md lists what changed).
+are those our 0.16.1-based fork's command line had (docs/migrating_from_0.16.1.md lists what
+changed).
 """
 
 import argparse
