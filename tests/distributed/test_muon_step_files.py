@@ -30,7 +30,6 @@ COMMON_STEP = {
     "muon_functional.py",
     "newton_schulz.py",
     "muon_distopt.py",
-    "muon_config.py",
     "muon_plan.py",
     "muon_split.py",
     "muon_tp.py",
