@@ -32,7 +32,6 @@ COMMON_STEP = {
     "muon_distopt.py",
     "muon_plan.py",
     "muon_split.py",
-    "muon_tp.py",
 }
 
 

@@ -19,9 +19,11 @@ from .distopt_layout import in_bucket, param_name
 from .muon_config import EXCHANGE_DTYPES
 from .muon_functional import (
     EXCHANGE_TIMER,
+    LocalOrthogonalizer,
     MatrixFn,
     MuonParamInfo,
     Orthogonalizer,
+    ortho_spec_of,
     scale_flat_,
     timed,
 )
@@ -36,7 +38,7 @@ from .muon_plan import (
     tp_ns_cost,
 )
 from .muon_split import DEFAULT_LINKS, NSCostModel, PlanLinks, block_views
-from .muon_tp import TPOrthogonalizer, ortho_spec_of
+from .muon_tp import TPOrthogonalizer
 from .newton_schulz import compute_dtype
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -51,7 +53,9 @@ class ShardInfo(MuonParamInfo):
 
 
 class DistributedMuonOrthogonalizer:
-    """Orthogonalizer for DP-sharded Muon params; wraps the TP orthogonalizer run by owners."""
+    """Orthogonalizer for DP-sharded Muon params; wraps the orthogonalizer owners run (the local
+    one, or the TP one where TP shards a matrix). ``gangs`` (muon_gangs.py's ``GangRunner``) runs
+    the blocks of matrices the plan splits: a plug-in, entered only where a gang exists."""
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class DistributedMuonOrthogonalizer:
         ns_dtype: torch.dtype = torch.float32,
         update_dtype: torch.dtype = torch.float32,
         device=None,
+        gangs=None,
     ):
         if exchange_dtype not in EXCHANGE_DTYPES:
             raise ValueError(
@@ -74,7 +79,7 @@ class DistributedMuonOrthogonalizer:
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
         self.timers = getattr(inner, "timers", None)  # Megatron's: times the all-to-alls
         self.sum_bytes = 0.0  # of the last step's gang collectives (ring model)
-        self.gangs = GangRunner(inner, device)  # run only where the plan splits a matrix
+        self.gangs = gangs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,6 +165,7 @@ class DistributedMuonOrthogonalizer:
         at = _offsets_by_matrix(receives)
         gangs = [i for i in ex.gangs if i in at]
         if gangs:
+            assert self.gangs is not None, "a plan with gangs needs a GangRunner (muon_gangs.py)"
             blocks = [self._assemble(i, at[i], received) for i in gangs]
             orths = self.gangs.run(self.plan, ex, gangs, blocks, matrix_fn)
             self.sum_bytes += self.gangs.sum_bytes
@@ -231,6 +237,23 @@ def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: to
     if _itemsize(ns_dtype) < _itemsize(update_dtype):
         return forward, ns_dtype, True
     return forward, named, False
+
+
+def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
+    """What owners orthogonalize whole matrices with: ``inner`` (Muon's TP orthogonalizer)
+    where TP shards one of ``infos``, else the local one (same numbers, with its timers): at
+    TP=1 the step never enters muon_tp.py.
+
+    Args:
+        inner: Muon's orthogonalizer before ``attach`` wraps it.
+        infos: the TP-global infos of the Muon params.
+
+    Returns:
+        ``inner``, or a ``LocalOrthogonalizer``.
+    """
+    if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
+        return inner
+    return LocalOrthogonalizer(getattr(inner, "timers", None))
 
 
 def _unscaled(matrix_fn):
@@ -416,10 +439,16 @@ def attach(
         nodes = gang_nodes(group, links.nvlink_domain, muon.orthogonalizer, infos)
         model = dataclasses.replace(model, nodes=nodes)
     plan = build_plan(distopt, muon.param_info.get, model, window)
+    infos = [muon.param_info[p] for p in muon_params]
     muon.param_info = shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
     muon.orthogonalizer = DistributedMuonOrthogonalizer(
-        plan, muon.orthogonalizer, exchange_dtype, ns_dtype, device=device
+        plan,
+        owners_orthogonalizer(muon.orthogonalizer, infos),
+        exchange_dtype,
+        ns_dtype,
+        device=device,
+        gangs=GangRunner(muon.orthogonalizer, device),  # the TP one: gang blocks share TP
     )
     # A per-rank raise on a non-finite grad would leave the other DP ranks waiting in the
     # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.
