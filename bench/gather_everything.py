@@ -3,8 +3,8 @@
 Every rank all-gathers every Muon bucket over DP and orthogonalizes *every* matrix itself, then
 keeps its own shard of each result. Exact, like ours, but each rank does the whole model's
 Newton-Schulz work and receives all Muon momentum bytes. Plugged in through the inner optimizer's
-``orthogonalizer`` attribute, around the same tensor-parallel orthogonalizer that
-``muon_distopt.attach`` wraps, so only the DP exchange differs from ours:
+``orthogonalizer`` attribute, around the same orthogonalizer our owners run
+(``muon_distrib_optimizer.attach``), so only the DP exchange differs from ours:
 
     use_gather_everything(optimizer)   # after get_megatron_optimizer(..., DistOpt + Muon)
 """

@@ -40,16 +40,10 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 
 from megatron.core.optimizer import muon_plan_figures as plan_figures
-from megatron.core.optimizer.muon_distopt import exchange_dtypes
+from megatron.core.optimizer.muon_distopt import BucketSlot, MatrixSlot, exchange_dtypes
 from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
 from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
-from megatron.core.optimizer.muon_plan import (
-    BucketSlot,
-    MatrixSlot,
-    MuonExchangePlan,
-    ns_cost,
-    tp_ns_cost,
-)
+from megatron.core.optimizer.muon_plan import MuonExchangePlan, ns_cost, tp_ns_cost
 from megatron.core.optimizer.muon_split import NSCostModel, PlanLinks, critical_path
 
 # name: (layers, hidden, ffn, heads, kv heads, vocab, tp); Llama 3.2 1B, Llama 3 8B / 70B shapes.

@@ -42,6 +42,7 @@ import pytest
 import torch
 
 from megatron.core.optimizer import muon_plan_figures as plan_figures
+from megatron.core.optimizer.muon_distopt import Block, BucketSlot, MatrixSlot, Unit, block_views
 from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
 from megatron.core.optimizer.muon_placement import (
     BUNDLES,
@@ -53,16 +54,8 @@ from megatron.core.optimizer.muon_placement import (
     span,
     whole_unit,
 )
-from megatron.core.optimizer.muon_plan import BucketSlot, MatrixSlot, MuonExchangePlan, piece
-from megatron.core.optimizer.muon_split import (
-    POST,
-    Block,
-    Unit,
-    block_views,
-    critical_path,
-    cut,
-    member_events,
-)
+from megatron.core.optimizer.muon_plan import MuonExchangePlan, piece
+from megatron.core.optimizer.muon_split import POST, critical_path, cut, member_events
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import projection  # noqa: E402

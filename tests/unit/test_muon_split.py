@@ -15,8 +15,9 @@ import torch
 
 from megatron.core.optimizer import muon_placement, muon_split
 from megatron.core.optimizer import muon_plan_figures as plan_figures
+from megatron.core.optimizer.muon_distopt import Block, block_views
 from megatron.core.optimizer.muon_gangs import CommStreams
-from megatron.core.optimizer.muon_split import ALL, POST, WAIT, Block, block_views, critical_path
+from megatron.core.optimizer.muon_split import ALL, POST, WAIT, critical_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import projection  # noqa: E402

@@ -177,7 +177,7 @@ def test_unknown_form_raises():
 def test_planner_counts_the_form_that_runs():
     """The DistOpt planner's cost of a whole matrix is what ``newton_schulz`` runs on it: the
     Gram form's count where ``'auto'`` takes it, per Q/K/V block; sharded forms stay standard."""
-    from megatron.core.optimizer.muon_distopt import cost_model
+    from megatron.core.optimizer.muon_distrib_optimizer import cost_model
     from megatron.core.optimizer.muon_functional import LocalOrthogonalizer, MuonParamInfo
     from megatron.core.optimizer.muon_plan import ns_cost, tp_ns_cost
 

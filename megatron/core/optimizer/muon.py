@@ -8,9 +8,18 @@ The layering, leaves first:
 * ``newton_schulz.py``: pure Newton-Schulz;
 * ``muon_functional.py``: the three stages of a Muon step (Q/K/V split, scale), AdamW;
 * ``muon_optimizer.py``: ``Muon``, a plain torch optimizer (no Megatron, no DistOpt);
-* ``muon_tp.py``: tensor-parallel orthogonalizers; ``muon_distopt.py``: the DistOpt exchange;
-* ``muon_megatron.py``: Megatron glue: the factory hooks, ``TensorParallelMuon``, DistOpt attach;
+* ``muon_tp.py``: tensor-parallel orthogonalizers; ``muon_distopt.py``: the DistOpt exchange
+  and the plan's data it runs; ``muon_plan.py``: the planner (gangs: ``muon_split.py``,
+  ``muon_placement.py``, ``muon_gangs.py``);
+* ``muon_distrib_optimizer.py``: ``MuonDistributedOptimizer``, which builds the plan and
+  attaches the exchange;
+* ``muon_megatron.py``: Megatron glue: the factory hooks, ``TensorParallelMuon``;
 * here: ``get_megatron_muon_optimizer`` and the names upstream exported.
+
+A DistOpt step at TP=1 reads five of these: ``muon_distrib_optimizer.py``,
+``muon_optimizer.py`` (the optimizer), ``muon_functional.py``, ``newton_schulz.py`` (the math),
+``muon_distopt.py`` (the exchange); ``muon_tp.py`` and ``muon_gangs.py`` are entered only where
+TP shards a matrix or the plan splits one (docs/muon_in_megatron.md).
 """
 
 import dataclasses

@@ -4,42 +4,231 @@ DistOpt shards ignore param boundaries; Newton-Schulz needs whole matrices. Per 
 one ``all_to_all`` sends every shard piece of every Muon matrix to its owner (or to the members
 of its gang: muon_gangs.py, entered only where the plan splits a matrix), owners orthogonalize,
 one ``all_to_all`` returns the pieces. The only collective here is ``_all_to_all``; the math
-comes in as ``matrix_fn``. Schedule, precision, memory and bytes: docs/distopt_exchange.md.
+comes in as ``matrix_fn``. Here too the plan's data a step reads (``Exchange``, ``Piece``,
+``MatrixSlot``, ``Unit``, ``Block``): muon_plan.py fills it in once, at construction
+(muon_distrib_optimizer.py's ``attach``). Schedule, precision, memory and bytes:
+docs/distopt_exchange.md.
 """
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .distopt_layout import in_bucket, param_name
 from .muon_config import EXCHANGE_DTYPES
 from .muon_functional import (
     EXCHANGE_TIMER,
     MatrixFn,
     MuonParamInfo,
     Orthogonalizer,
+    ortho_spec_of,
     scale_flat_,
     timed,
 )
-from .muon_gangs import GangRunner, gang_nodes
-from .muon_plan import (
-    BucketSlot,
-    Exchange,
-    MatrixSlot,
-    MuonExchangePlan,
-    Piece,
-    ns_cost,
-    tp_ns_cost,
-)
-from .muon_split import DEFAULT_LINKS, NSCostModel, PlanLinks, block_views
-from .muon_tp import TPOrthogonalizer, ortho_spec_of
-from .newton_schulz import compute_dtype
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------ the plan's step-time data
+# What the planner (muon_plan.py) fills in and each step reads: where a matrix lies, who
+# orthogonalizes which block of it, and which pieces every rank sends where.
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows ``[r0, r1)`` x columns ``[c0, c1)`` of a (TP-local, row-major) matrix."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.r1 - self.r0, self.c1 - self.c0)
+
+    def count_before(self, x: int, cols: int) -> int:
+        """Elements of the block at flat positions < ``x`` of the matrix.
+
+        Args:
+            x: a flat (row-major) element position in the TP-local matrix.
+            cols: the matrix's column count.
+
+        Returns:
+            How many of the block's elements lie before ``x``.
+        """
+        row, col = divmod(x, cols)
+        full = min(max(row, self.r0), self.r1) - self.r0
+        partial = min(max(col, self.c0), self.c1) - self.c0 if self.r0 <= row < self.r1 else 0
+        return full * (self.c1 - self.c0) + partial
+
+    def range_of(self, lo: int, hi: int, cols: int) -> tuple[int, int]:
+        """The block's elements among flat positions ``[lo, hi)``, as a range of the block's own
+        row-major order: contiguous, since a flat range cuts the block's rows only at its ends.
+
+        Args:
+            lo: first flat position of the range (e.g. a DistOpt shard's start).
+            hi: end of the range, exclusive.
+            cols: the matrix's column count.
+
+        Returns:
+            (start, end) in the block's own row-major element order.
+        """
+        return self.count_before(lo, cols), self.count_before(hi, cols)
+
+
+def block_views(flat: Tensor, start: int, cols: int, block: Block) -> list[Tensor]:
+    """Views of ``flat`` (flat positions ``[start, start + len)`` of a matrix with ``cols``
+    columns) covering the block's elements there, in the block's row-major order.
+
+    Args:
+        flat: a 1-D piece of the matrix (e.g. this rank's DistOpt shard of it).
+        start: the flat position of ``flat[0]`` in the matrix.
+        cols: the matrix's column count.
+        block: the block whose elements are wanted.
+
+    Returns:
+        Views (no copies) of ``flat``; empty where the piece holds none of the block.
+    """
+    end = start + flat.numel()
+    if (block.c0, block.c1) == (0, cols):  # whole rows: one contiguous slice
+        lo, hi = max(start, block.r0 * cols), min(end, block.r1 * cols)
+        return [flat[lo - start : hi - start]] if hi > lo else []
+    out, row = [], max(block.r0, start // cols)
+    last = min(block.r1, -(-end // cols))
+    while row < last:
+        if row * cols >= start and (row + 1) * cols <= end:  # a run of whole rows
+            n = min(last, end // cols) - row
+            at = row * cols - start
+            out.append(flat[at : at + n * cols].view(n, cols)[:, block.c0 : block.c1])
+            row += n
+            continue
+        lo, hi = max(start, row * cols + block.c0), min(end, row * cols + block.c1)
+        if hi > lo:
+            out.append(flat[lo - start : hi - start])
+        row += 1
+    return out
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The part of a matrix one rank orthogonalizes: all of it, or one block of a gang."""
+
+    owner: int
+    block: Block
+    cost: float  # matmul FLOPs the owner executes for it
+    gang: tuple[int, ...] = ()  # the members, in block order (empty for a whole matrix)
+    axis: Optional[int] = None  # None: whole; 0: row blocks; 1: column blocks
+    lines: int = 0  # rows (columns) of the member's TP-gathered block
+    splits: bool = False  # the gang splits its polynomials by rows (``NSCostModel.splits``)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The gang as a sorted tuple: who takes part in its sums."""
+        return tuple(sorted(self.gang))
+
+    @property
+    def part(self) -> tuple[int, int, bool]:
+        """(place among the sorted members, gang size, whether polynomials split by rows)."""
+        return (self.members.index(self.owner), len(self.gang), self.splits)
+
+
+@dataclass
+class MatrixSlot:
+    """A Muon matrix as the DistributedOptimizer lays it out: a range of one bucket."""
+
+    name: str
+    bucket: int  # index into MuonExchangePlan.buckets
+    start: int  # element range within the bucket
+    end: int
+    local_shape: tuple[int, int]  # TP-local shape, as stored
+    info: MuonParamInfo  # TP-global shape and QKV split: what the math needs
+    cost: float  # Newton-Schulz FLOPs its owner executes when whole (per TP rank)
+    units: list[Unit] = field(default_factory=list)  # one owner, or one block per gang member
+
+    @property
+    def owner(self) -> int:
+        """The owner of a whole matrix; -1 for one split over a gang."""
+        return self.units[0].owner if len(self.units) == 1 else -1
+
+    def unit_of(self, rank: int) -> Optional[Unit]:
+        """The unit DP rank ``rank`` orthogonalizes of this matrix; None if it owns none."""
+        return next((u for u in self.units if u.owner == rank), None)
+
+
+@dataclass
+class BucketSlot:
+    """One DP-sharded bucket: its DP group (None in a projection) and its Muon matrices."""
+
+    group: object
+    shard_size: int
+    matrices: list[int] = field(default_factory=list)  # in bucket order
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part ``[lo, hi)`` of a flattened matrix that DP rank ``holder`` holds."""
+
+    matrix: int
+    holder: int
+    owner: int
+    lo: int
+    hi: int
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """THE order of every exchange: senders group by destination, receivers by source."""
+        return (self.owner, self.holder, self.matrix)
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class Exchange:
+    """One DP-wide sync point: a forward and a return ``all_to_all`` around owners' NS."""
+
+    group: object
+    buckets: list[int]
+    matrices: list[int]
+    pieces: list[Piece] = field(default_factory=list)  # sorted by Piece.key
+    gangs: list[int] = field(default_factory=list)  # split matrices, in the order all run them
+
+    @property
+    def moves(self) -> bool:
+        """Whether any piece leaves its holder; else every rank owns what it holds and both
+        all-to-alls are skipped (no sync point: the shard-aligned layout, muon_layout.py)."""
+        return any(p.holder != p.owner for p in self.pieces)
+
+    def sends(self, rank: int) -> list[Piece]:
+        """The pieces DP rank ``rank`` holds (sends to their owners, self-copies included)."""
+        return [p for p in self.pieces if p.holder == rank]
+
+    def receives(self, rank: int) -> list[Piece]:
+        """The pieces DP rank ``rank`` owns (receives from their holders, its own included)."""
+        return [p for p in self.pieces if p.owner == rank]
+
+    def split_sizes(self, rank: int, world: int) -> tuple[list[int], list[int]]:
+        """Forward (send, receive) elements per peer; the return exchange swaps them.
+
+        Args:
+            rank: this rank's index in the exchange's DP group.
+            world: the DP group's size.
+
+        Returns:
+            (send, receive): ``world`` element counts each, as ``all_to_all`` split sizes.
+        """
+        send, recv = [0] * world, [0] * world
+        for p in self.pieces:
+            if p.holder == rank:
+                send[p.owner] += p.size
+            if p.owner == rank:
+                recv[p.holder] += p.size
+        return send, recv
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,16 +240,19 @@ class ShardInfo(MuonParamInfo):
 
 
 class DistributedMuonOrthogonalizer:
-    """Orthogonalizer for DP-sharded Muon params; wraps the TP orthogonalizer run by owners."""
+    """Orthogonalizer for DP-sharded Muon params; wraps the orthogonalizer owners run (the local
+    one, or the TP one where TP shards a matrix). ``gangs`` (muon_gangs.py's ``GangRunner``) runs
+    the blocks of matrices the plan splits: a plug-in, entered only where a gang exists."""
 
     def __init__(
         self,
-        plan: MuonExchangePlan,
+        plan,
         inner: Orthogonalizer,
         exchange_dtype: str,
         ns_dtype: torch.dtype = torch.float32,
         update_dtype: torch.dtype = torch.float32,
         device=None,
+        gangs=None,
     ):
         if exchange_dtype not in EXCHANGE_DTYPES:
             raise ValueError(
@@ -74,7 +266,7 @@ class DistributedMuonOrthogonalizer:
         self.bytes_moved = 0  # of the last step, counted from the split sizes actually used
         self.timers = getattr(inner, "timers", None)  # Megatron's: times the all-to-alls
         self.sum_bytes = 0.0  # of the last step's gang collectives (ring model)
-        self.gangs = GangRunner(inner, device)  # run only where the plan splits a matrix
+        self.gangs = gangs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,6 +352,7 @@ class DistributedMuonOrthogonalizer:
         at = _offsets_by_matrix(receives)
         gangs = [i for i in ex.gangs if i in at]
         if gangs:
+            assert self.gangs is not None, "a plan with gangs needs a GangRunner (muon_gangs.py)"
             blocks = [self._assemble(i, at[i], received) for i in gangs]
             orths = self.gangs.run(self.plan, ex, gangs, blocks, matrix_fn)
             self.sum_bytes += self.gangs.sum_bytes
@@ -251,177 +444,3 @@ def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
-
-
-# ------------------------------------------------------------------ building the plan from DistOpt
-
-
-def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExchangePlan:
-    """The exchange plan from DistOpt's range maps.
-
-    ``tp_info_of(model_param)`` gives the TP-global ``MuonParamInfo`` of a Muon model param and
-    None for AdamW params; ``model`` the NS FLOPs of owners and gang members. Every rank builds
-    the same plan: bucket layouts are identical across the DP group (and across TP ranks), and
-    owners are a pure function of them.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` (its buffers, buckets and param names).
-        tp_info_of: model param -> TP-global ``MuonParamInfo``, or None for AdamW params.
-        model: the Newton-Schulz cost model (whole matrices and gang members).
-        window: Muon elements per exchange; None: one exchange per DP group.
-
-    Returns:
-        This DP rank's ``MuonExchangePlan``.
-    """
-    buckets, matrices = [], []
-    for buffer in distopt.buffers:
-        for bucket in buffer.buckets:
-            group = buffer.data_parallel_group
-            slot = BucketSlot(group=group, shard_size=bucket.grad_data.numel() // group.size())
-            for param in bucket.params_list:
-                info = tp_info_of(param)
-                if info is None:
-                    continue
-                start, end = in_bucket(buffer, bucket, param)
-                slot.matrices.append(len(matrices))
-                matrices.append(
-                    MatrixSlot(
-                        name=param_name(distopt, param),
-                        bucket=len(buckets),
-                        start=start,
-                        end=end,
-                        local_shape=tuple(param.shape),
-                        info=info,
-                        cost=model.whole(info),
-                    )
-                )
-            slot.matrices.sort(key=lambda i: matrices[i].start)
-            buckets.append(slot)
-    group = buckets[0].group if buckets else None
-    rank, world = (group.rank(), group.size()) if group is not None else (0, 1)
-    return MuonExchangePlan(buckets, matrices, rank, world, window, model)
-
-
-def shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
-    """{shard main param: ShardInfo} for the Muon params among DistOpt's shards.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` whose inner optimizer holds the shards.
-        plan: the exchange plan built from the same ``distopt``.
-        muon_params: the model params Muon steps.
-
-    Returns:
-        {1-D shard main param: its ``ShardInfo`` (global shape, QKV split, matrix, offset)}.
-    """
-    index = {slot.name: i for i, slot in enumerate(plan.matrices)}
-    out = {}
-    for param, (gi, order) in distopt.model_param_group_index_map.items():
-        if param not in muon_params:
-            continue
-        shard = distopt.optimizer.param_groups[gi]["params"][order]
-        i = index[param_name(distopt, param)]
-        info = plan.matrices[i].info
-        offset = distopt._get_model_param_range_map(param)["param"].start
-        out[shard] = ShardInfo(info.shape, info.qkv_split, i, offset)
-    return out
-
-
-def shard_location(distopt, shard) -> tuple[MatrixSlot, int]:
-    """(the matrix, the shard's first element within the flattened TP-local matrix) of a Muon
-    shard main param of ``distopt``: what e.g. QK-clip needs to find its rows.
-
-    Args:
-        distopt: a ``DistributedOptimizer`` with Muon attached (``attach``).
-        shard: one of its 1-D Muon shard main params.
-
-    Returns:
-        (matrix slot, element offset).
-    """
-    info = distopt.optimizer.param_info[shard]
-    return distopt.muon_plan.matrices[info.matrix], info.offset
-
-
-def cost_model(
-    inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8, form: str = "standard"
-):
-    """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
-
-    Args:
-        inner: Muon's orthogonalizer before ``attach`` wraps it (local or ``TPOrthogonalizer``).
-        steps: Newton-Schulz iterations.
-        ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
-        exchange_itemsizes: bytes per element of the forward plus the return exchange.
-        form: Newton-Schulz's form (``OrthoSpec.form``): counted where a matrix is
-            orthogonalized whole; gang blocks run (and are counted as) the standard steps.
-
-    Returns:
-        The ``NSCostModel`` the planner splits matrices with.
-    """
-    sizes = dict(ns_itemsize=ns_itemsize, exchange_itemsizes=exchange_itemsizes)
-    if not isinstance(inner, TPOrthogonalizer):
-        whole = lambda info: ns_cost(info, steps, form)  # noqa: E731
-        return NSCostModel(steps, whole, lambda info: 1, **sizes)
-
-    def tp_of(info) -> int:
-        group = inner._group(info)
-        return group.size() if group is not None else 1
-
-    whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info), form)  # noqa: E731
-    return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
-
-
-def attach(
-    distopt,
-    muon,
-    exchange_dtype: str = "fp32",
-    window: Optional[int] = None,
-    links: PlanLinks = DEFAULT_LINKS,
-) -> None:
-    """Make ``muon`` (the DistributedOptimizer's inner optimizer) step DP-sharded params exactly.
-
-    Called once from ``DistributedOptimizer.__init__`` after it replaced the inner optimizer's
-    params by 1-D shard main params. ``muon.param_info`` still maps the *model* params to their
-    TP-global infos; afterwards it maps the shards to ``ShardInfo``s, and ``muon.orthogonalizer``
-    routes whole matrices to their owners around the tensor-parallel orthogonalizer it had.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` being built.
-        muon: its inner Muon optimizer; modified in place.
-        exchange_dtype: the exchange's dtype where NS does not set it, in ``EXCHANGE_DTYPES``
-            ("fp32", "bf16"; ``exchange_dtypes``).
-        window: Muon elements per exchange; None: one exchange per DP group.
-        links: the machine the planner assumes and its efficiency floor (``muon_split.PlanLinks``).
-    """
-    specs = muon.ortho_specs()
-    if len(specs) > 1:
-        raise ValueError(
-            "with use_distributed_optimizer all Muon param groups must share the Newton-Schulz "
-            f"and scale settings (one owner runs each matrix); got {len(specs)} different ones"
-        )
-    steps = specs[0].steps if specs else 0
-    form = specs[0].form if specs else "standard"
-    ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
-    muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
-    dtype = exchange_dtype if exchange_dtype in DTYPES else "fp32"  # unknown: refused below
-    forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
-    sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
-    model = dataclasses.replace(
-        cost_model(muon.orthogonalizer, steps, *sizes, form=form),
-        **links.link_costs(),
-        min_efficiency=links.min_efficiency or 0.0,
-    )
-    if distopt.buffers:  # where gangs may ring
-        group = distopt.buffers[0].data_parallel_group
-        infos = [muon.param_info.get(p) for p in muon_params]
-        nodes = gang_nodes(group, links.nvlink_domain, muon.orthogonalizer, infos)
-        model = dataclasses.replace(model, nodes=nodes)
-    plan = build_plan(distopt, muon.param_info.get, model, window)
-    muon.param_info = shard_infos(distopt, plan, muon_params)
-    device = distopt.buffers[0].grad_data.device if distopt.buffers else None
-    muon.orthogonalizer = DistributedMuonOrthogonalizer(
-        plan, muon.orthogonalizer, exchange_dtype, ns_dtype, device=device
-    )
-    # A per-rank raise on a non-finite grad would leave the other DP ranks waiting in the
-    # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.
-    muon.on_nonfinite_grad = "ignore"
-    distopt.muon_plan = plan

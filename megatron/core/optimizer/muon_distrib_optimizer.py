@@ -5,8 +5,8 @@ asks for our Muon (``optimizer='muon'``, ``muon_impl='megatron_muon'``). Upstrea
 the params and steps the inner optimizer; this one adds what Muon needs on top:
 
 * the exchange: after upstream's ``__init__`` replaced the inner optimizer's params by 1-D shard
-  main params, ``muon_distopt.attach`` plans one owner per matrix and routes whole matrices
-  there (docs/muon_in_megatron.md, "DistributedOptimizer");
+  main params, ``attach`` (below) plans one owner per matrix (muon_plan.py) and routes whole
+  matrices there each step (muon_distopt.py; docs/muon_in_megatron.md, "DistributedOptimizer");
 * the layout: ``compute_full_param_layout`` gives DDP's buffers upstream's LayerWise layout
   (every Muon matrix whole in one DP shard) where that balances the Newton-Schulz work, so each
   holder owns its matrices and the exchange moves nothing; else DistOpt's (``muon_layout.py``);
@@ -15,16 +15,33 @@ the params and steps the inner optimizer; this one adds what Muon needs on top:
   (``muon_checkpoint.py``, ``muon_checkpoint_sharded.py``).
 """
 
+import dataclasses
 import logging
+from typing import Optional
 
+import torch
 from megatron.core.utils import log_single_rank
 
 from . import muon_checkpoint as checkpoint
 from . import muon_checkpoint_sharded as sharded
 from . import muon_layout
 from . import muon_plan_figures as plan_figures
+from .distopt_layout import in_bucket, param_name
 from .distrib_optimizer import DistributedOptimizer
-from .muon_distopt import attach
+from .muon_distopt import (
+    DTYPES,
+    BucketSlot,
+    DistributedMuonOrthogonalizer,
+    MatrixSlot,
+    ShardInfo,
+    exchange_dtypes,
+)
+from .muon_functional import LocalOrthogonalizer, Orthogonalizer
+from .muon_gangs import GangRunner, gang_nodes
+from .muon_plan import MuonExchangePlan, ns_cost, tp_ns_cost
+from .muon_split import DEFAULT_LINKS, NSCostModel, PlanLinks
+from .muon_tp import TPOrthogonalizer
+from .newton_schulz import compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +156,204 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             metadata: upstream's checkpoint metadata.
         """
         checkpoint.unsupported_format(self, "fully_sharded_model_space")
+
+
+# ------------------------------------------------------------------ the exchange, at construction
+
+
+def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExchangePlan:
+    """The exchange plan from DistOpt's range maps.
+
+    ``tp_info_of(model_param)`` gives the TP-global ``MuonParamInfo`` of a Muon model param and
+    None for AdamW params; ``model`` the NS FLOPs of owners and gang members. Every rank builds
+    the same plan: bucket layouts are identical across the DP group (and across TP ranks), and
+    owners are a pure function of them.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` (its buffers, buckets and param names).
+        tp_info_of: model param -> TP-global ``MuonParamInfo``, or None for AdamW params.
+        model: the Newton-Schulz cost model (whole matrices and gang members).
+        window: Muon elements per exchange; None: one exchange per DP group.
+
+    Returns:
+        This DP rank's ``MuonExchangePlan``.
+    """
+    buckets, matrices = [], []
+    for buffer in distopt.buffers:
+        for bucket in buffer.buckets:
+            group = buffer.data_parallel_group
+            slot = BucketSlot(group=group, shard_size=bucket.grad_data.numel() // group.size())
+            for param in bucket.params_list:
+                info = tp_info_of(param)
+                if info is None:
+                    continue
+                start, end = in_bucket(buffer, bucket, param)
+                slot.matrices.append(len(matrices))
+                matrices.append(
+                    MatrixSlot(
+                        name=param_name(distopt, param),
+                        bucket=len(buckets),
+                        start=start,
+                        end=end,
+                        local_shape=tuple(param.shape),
+                        info=info,
+                        cost=model.whole(info),
+                    )
+                )
+            slot.matrices.sort(key=lambda i: matrices[i].start)
+            buckets.append(slot)
+    group = buckets[0].group if buckets else None
+    rank, world = (group.rank(), group.size()) if group is not None else (0, 1)
+    return MuonExchangePlan(buckets, matrices, rank, world, window, model)
+
+
+def shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
+    """{shard main param: ShardInfo} for the Muon params among DistOpt's shards.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` whose inner optimizer holds the shards.
+        plan: the exchange plan built from the same ``distopt``.
+        muon_params: the model params Muon steps.
+
+    Returns:
+        {1-D shard main param: its ``ShardInfo`` (global shape, QKV split, matrix, offset)}.
+    """
+    index = {slot.name: i for i, slot in enumerate(plan.matrices)}
+    out = {}
+    for param, (gi, order) in distopt.model_param_group_index_map.items():
+        if param not in muon_params:
+            continue
+        shard = distopt.optimizer.param_groups[gi]["params"][order]
+        i = index[param_name(distopt, param)]
+        info = plan.matrices[i].info
+        offset = distopt._get_model_param_range_map(param)["param"].start
+        out[shard] = ShardInfo(info.shape, info.qkv_split, i, offset)
+    return out
+
+
+def shard_location(distopt, shard) -> tuple[MatrixSlot, int]:
+    """(the matrix, the shard's first element within the flattened TP-local matrix) of a Muon
+    shard main param of ``distopt``: what e.g. QK-clip needs to find its rows.
+
+    Args:
+        distopt: a ``DistributedOptimizer`` with Muon attached (``attach``).
+        shard: one of its 1-D Muon shard main params.
+
+    Returns:
+        (matrix slot, element offset).
+    """
+    info = distopt.optimizer.param_info[shard]
+    return distopt.muon_plan.matrices[info.matrix], info.offset
+
+
+def cost_model(
+    inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8, form: str = "standard"
+):
+    """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
+
+    Args:
+        inner: Muon's orthogonalizer before ``attach`` wraps it (local or ``TPOrthogonalizer``).
+        steps: Newton-Schulz iterations.
+        ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
+        exchange_itemsizes: bytes per element of the forward plus the return exchange.
+        form: Newton-Schulz's form (``OrthoSpec.form``): counted where a matrix is
+            orthogonalized whole; gang blocks run (and are counted as) the standard steps.
+
+    Returns:
+        The ``NSCostModel`` the planner splits matrices with.
+    """
+    sizes = dict(ns_itemsize=ns_itemsize, exchange_itemsizes=exchange_itemsizes)
+    if not isinstance(inner, TPOrthogonalizer):
+        whole = lambda info: ns_cost(info, steps, form)  # noqa: E731
+        return NSCostModel(steps, whole, lambda info: 1, **sizes)
+
+    def tp_of(info) -> int:
+        group = inner._group(info)
+        return group.size() if group is not None else 1
+
+    whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info), form)  # noqa: E731
+    return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
+
+
+def attach(
+    distopt,
+    muon,
+    exchange_dtype: str = "fp32",
+    window: Optional[int] = None,
+    links: PlanLinks = DEFAULT_LINKS,
+) -> None:
+    """Make ``muon`` (the DistributedOptimizer's inner optimizer) step DP-sharded params exactly.
+
+    Called once from ``DistributedOptimizer.__init__`` after it replaced the inner optimizer's
+    params by 1-D shard main params. ``muon.param_info`` still maps the *model* params to their
+    TP-global infos; afterwards it maps the shards to ``ShardInfo``s, and ``muon.orthogonalizer``
+    routes whole matrices to their owners around the tensor-parallel orthogonalizer it had.
+
+    Args:
+        distopt: the ``DistributedOptimizer`` being built.
+        muon: its inner Muon optimizer; modified in place.
+        exchange_dtype: the exchange's dtype where NS does not set it, in ``EXCHANGE_DTYPES``
+            ("fp32", "bf16"; ``exchange_dtypes``).
+        window: Muon elements per exchange; None: one exchange per DP group.
+        links: the machine the planner assumes and its efficiency floor (``muon_split.PlanLinks``).
+    """
+    specs = muon.ortho_specs()
+    if len(specs) > 1:
+        raise ValueError(
+            "with use_distributed_optimizer all Muon param groups must share the Newton-Schulz "
+            f"and scale settings (one owner runs each matrix); got {len(specs)} different ones"
+        )
+    steps = specs[0].steps if specs else 0
+    form = specs[0].form if specs else "standard"
+    ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
+    muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
+    dtype = exchange_dtype if exchange_dtype in DTYPES else "fp32"  # unknown: refused below
+    forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
+    sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
+    model = dataclasses.replace(
+        cost_model(muon.orthogonalizer, steps, *sizes, form=form),
+        **links.link_costs(),
+        min_efficiency=links.min_efficiency or 0.0,
+    )
+    if distopt.buffers:  # where gangs may ring
+        group = distopt.buffers[0].data_parallel_group
+        infos = [muon.param_info.get(p) for p in muon_params]
+        nodes = gang_nodes(group, links.nvlink_domain, muon.orthogonalizer, infos)
+        model = dataclasses.replace(model, nodes=nodes)
+    plan = build_plan(distopt, muon.param_info.get, model, window)
+    infos = [muon.param_info[p] for p in muon_params]
+    muon.param_info = shard_infos(distopt, plan, muon_params)
+    device = distopt.buffers[0].grad_data.device if distopt.buffers else None
+    muon.orthogonalizer = DistributedMuonOrthogonalizer(
+        plan,
+        owners_orthogonalizer(muon.orthogonalizer, infos),
+        exchange_dtype,
+        ns_dtype,
+        device=device,
+        gangs=GangRunner(muon.orthogonalizer, device),  # the TP one: gang blocks share TP
+    )
+    # A per-rank raise on a non-finite grad would leave the other DP ranks waiting in the
+    # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.
+    muon.on_nonfinite_grad = "ignore"
+    distopt.muon_plan = plan
+
+
+def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
+    """What owners orthogonalize whole matrices with: ``inner`` (Muon's TP orthogonalizer)
+    where TP shards one of ``infos``, else the local one (same numbers, with its timers): at
+    TP=1 the step never enters muon_tp.py.
+
+    Args:
+        inner: Muon's orthogonalizer before ``attach`` wraps it.
+        infos: the TP-global infos of the Muon params.
+
+    Returns:
+        ``inner``, or a ``LocalOrthogonalizer``.
+    """
+    if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
+        return inner
+    return LocalOrthogonalizer(getattr(inner, "timers", None))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8

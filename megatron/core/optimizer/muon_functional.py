@@ -207,7 +207,11 @@ def timed(timers: Optional[Callable], name: str):
 
 
 class LocalOrthogonalizer:
-    """Single process: every update already is its whole matrix."""
+    """Single process: every update already is its whole matrix. ``timers`` (Megatron's,
+    optional) times each call as ``NS_TIMER``."""
+
+    def __init__(self, timers: Optional[Callable] = None) -> None:
+        self.timers = timers
 
     def __call__(
         self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
@@ -219,7 +223,8 @@ class LocalOrthogonalizer:
                     f"MuonParamInfo.shape {info.shape}; sharded params need a distributed "
                     "orthogonalizer"
                 )
-        return matrix_fn(updates, infos)
+        with timed(self.timers, NS_TIMER):
+            return matrix_fn(updates, infos)
 
 
 def orthogonalize_matrices(
@@ -236,6 +241,15 @@ def orthogonalize_matrices(
         The scaled orthogonalized updates, laid out like ``updates``.
     """
     return [orthogonalize(u, info, spec) for u, info in zip(updates, infos)]
+
+
+def ortho_spec_of(matrix_fn: MatrixFn) -> OrthoSpec:
+    """The ``OrthoSpec`` a ``functools.partial(orthogonalize_matrices, spec=...)`` carries: what
+    a caller that runs its own iteration (sharded, or scaled elsewhere) needs of Muon's
+    ``matrix_fn``."""
+    ok = isinstance(matrix_fn, functools.partial) and matrix_fn.func is orthogonalize_matrices
+    assert ok, "needs Muon's orthogonalize_matrices partial (its OrthoSpec)"
+    return matrix_fn.keywords["spec"]
 
 
 BlocksFn = Callable[[list[Tensor]], list[Tensor]]

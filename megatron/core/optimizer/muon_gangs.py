@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 from torch.distributed import P2POp
 
-from .muon_functional import orthogonalize_sharded_steps
-from .muon_plan import Exchange
+from .muon_distopt import Exchange
+from .muon_functional import ortho_spec_of, orthogonalize_sharded_steps
 from .muon_split import cut, node_layout, ring_traffic
-from .muon_tp import TPOrthogonalizer, all_gather_ranges, ortho_spec_of
+from .muon_tp import TPOrthogonalizer, all_gather_ranges
 from .newton_schulz import GATHER, SUM
 
 

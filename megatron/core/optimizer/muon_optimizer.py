@@ -7,6 +7,7 @@ stepped through an ``Orthogonalizer`` handed in (``muon_tp.py``, ``muon_distopt.
 step, AdamW); the defaults in ``muon_config.py``.
 """
 
+import copy
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,18 @@ __all__ = ["Muon", "MuonParamInfo", "LocalOrthogonalizer", "Orthogonalizer"]
 RULE_SETTINGS = (
     "momentum",
     "nesterov",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_precision",
+    "ns_eps",
+    "ns_form",
+    "matched_adamw_rms",
+    "scale_mode",
+    "extra_scale_factor",
+)
+
+# The group keys ``OrthoSpec`` is built from (``_ortho_spec``): resolved again when they change.
+SPEC_SETTINGS = (
     "ns_steps",
     "ns_coefficients",
     "ns_precision",
@@ -123,6 +136,7 @@ class Muon(Optimizer):
         self.on_nonfinite_grad = on_nonfinite_grad
         self.orthogonalizer = orthogonalizer or LocalOrthogonalizer()
         self.skipped_steps = 0
+        self._specs: dict[int, tuple[list, OrthoSpec]] = {}  # by group index (``_spec``)
         self._given_info = dict(param_info or {})
         self.param_info: dict[Tensor, MuonParamInfo] = {}  # Muon params only
         defaults = dict(
@@ -155,6 +169,7 @@ class Muon(Optimizer):
             if group["use_muon"]:
                 for p in group["params"]:
                     self.param_info[p] = self._given_info.get(p) or MuonParamInfo.of(p)
+                self._spec(len(self.param_groups) - 1)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -199,8 +214,10 @@ class Muon(Optimizer):
         """
         given = [{k: g[k] for k in RULE_SETTINGS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, settings in zip(self.param_groups, given):
+        for i, (group, settings) in enumerate(zip(self.param_groups, given)):
             group.update(settings)
+            if group["use_muon"]:
+                self._spec(i)
         for param, state in self.state.items():
             declared = {*self.state_keys(param), *self.scalar_state_keys(param)}
             for key in [key for key in state if key not in declared]:
@@ -240,10 +257,20 @@ class Muon(Optimizer):
     def ortho_specs(self) -> list[OrthoSpec]:
         """The distinct Newton-Schulz/scale settings of the Muon groups, in group order."""
         specs: list[OrthoSpec] = []
-        for group in self.param_groups:
-            if group["use_muon"] and _ortho_spec(group) not in specs:
-                specs.append(_ortho_spec(group))
+        for i, group in enumerate(self.param_groups):
+            if group["use_muon"] and self._spec(i) not in specs:
+                specs.append(self._spec(i))
         return specs
+
+    def _spec(self, i: int) -> OrthoSpec:
+        """Group ``i``'s ``OrthoSpec``, resolved where the group is added or loaded (and again
+        should its settings change), so that a step does not re-run the config's scale rule."""
+        group = self.param_groups[i]
+        settings = [group[k] for k in SPEC_SETTINGS]
+        cached = self._specs.get(i)
+        if cached is None or cached[0] != settings:
+            cached = self._specs[i] = (copy.deepcopy(settings), _ortho_spec(group))
+        return cached[1]
 
     def _muon_steps(self) -> None:
         """Every Muon group, with one orthogonalizer call per distinct ``OrthoSpec``.
@@ -253,11 +280,11 @@ class Muon(Optimizer):
         all groups lets it exchange each bucket once.
         """
         batches: list[tuple[OrthoSpec, list]] = []
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             if not group["use_muon"]:
                 continue
             params = [p for p in group["params"] if p.grad is not None]
-            spec = _ortho_spec(group)
+            spec = self._spec(i)
             if not batches or batches[-1][0] != spec:
                 batches.append((spec, []))
             batches[-1][1].append((group, params, self._muon_momentum(group, params)))

@@ -8,10 +8,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+from .muon_distopt import Block, Unit
 from .muon_split import (
-    Block,
     NSCostModel,
-    Unit,
     critical_path,
     cut,
     exchange_schedule,

@@ -1,112 +1,18 @@
-"""The DistOpt Muon exchange plan: who orthogonalizes which matrix (or gang block) and what every
-rank sends where. Pure arithmetic on the layout (no collectives, no tensors); the piece order
-both sides of a link agree on: docs/distopt_exchange.md. Its counted figures (FLOPs, bytes,
-memory) are muon_plan_figures.py's.
+"""The DistOpt Muon exchange planner: who orthogonalizes which matrix (or gang block) and what
+every rank sends where. Pure arithmetic on the layout (no collectives, no tensors), run once at
+construction; the data it fills in and the step reads live with the exchange (muon_distopt.py).
+The piece order both sides of a link agree on: docs/distopt_exchange.md. Its counted figures
+(FLOPs, bytes, memory) are muon_plan_figures.py's.
 """
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Optional
 
+from .muon_distopt import BucketSlot, Exchange, MatrixSlot, Piece
 from .muon_functional import MuonParamInfo
 from .muon_placement import BUNDLES, TARGETS, Work, assign_units
-from .muon_split import NSCostModel, Unit
+from .muon_split import NSCostModel
 from .newton_schulz import ns_flops, splits_polynomial
-
-
-@dataclass
-class MatrixSlot:
-    """A Muon matrix as the DistributedOptimizer lays it out: a range of one bucket."""
-
-    name: str
-    bucket: int  # index into MuonExchangePlan.buckets
-    start: int  # element range within the bucket
-    end: int
-    local_shape: tuple[int, int]  # TP-local shape, as stored
-    info: MuonParamInfo  # TP-global shape and QKV split: what the math needs
-    cost: float  # Newton-Schulz FLOPs its owner executes when whole (per TP rank)
-    units: list[Unit] = field(default_factory=list)  # one owner, or one block per gang member
-
-    @property
-    def owner(self) -> int:
-        """The owner of a whole matrix; -1 for one split over a gang."""
-        return self.units[0].owner if len(self.units) == 1 else -1
-
-    def unit_of(self, rank: int) -> Optional[Unit]:
-        """The unit DP rank ``rank`` orthogonalizes of this matrix; None if it owns none."""
-        return next((u for u in self.units if u.owner == rank), None)
-
-
-@dataclass
-class BucketSlot:
-    """One DP-sharded bucket: its DP group (None in a projection) and its Muon matrices."""
-
-    group: object
-    shard_size: int
-    matrices: list[int] = field(default_factory=list)  # in bucket order
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part ``[lo, hi)`` of a flattened matrix that DP rank ``holder`` holds."""
-
-    matrix: int
-    holder: int
-    owner: int
-    lo: int
-    hi: int
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        """THE order of every exchange: senders group by destination, receivers by source."""
-        return (self.owner, self.holder, self.matrix)
-
-    @property
-    def size(self) -> int:
-        return self.hi - self.lo
-
-
-@dataclass
-class Exchange:
-    """One DP-wide sync point: a forward and a return ``all_to_all`` around owners' NS."""
-
-    group: object
-    buckets: list[int]
-    matrices: list[int]
-    pieces: list[Piece] = field(default_factory=list)  # sorted by Piece.key
-    gangs: list[int] = field(default_factory=list)  # split matrices, in the order all run them
-
-    @property
-    def moves(self) -> bool:
-        """Whether any piece leaves its holder; else every rank owns what it holds and both
-        all-to-alls are skipped (no sync point: the shard-aligned layout, muon_layout.py)."""
-        return any(p.holder != p.owner for p in self.pieces)
-
-    def sends(self, rank: int) -> list[Piece]:
-        """The pieces DP rank ``rank`` holds (sends to their owners, self-copies included)."""
-        return [p for p in self.pieces if p.holder == rank]
-
-    def receives(self, rank: int) -> list[Piece]:
-        """The pieces DP rank ``rank`` owns (receives from their holders, its own included)."""
-        return [p for p in self.pieces if p.owner == rank]
-
-    def split_sizes(self, rank: int, world: int) -> tuple[list[int], list[int]]:
-        """Forward (send, receive) elements per peer; the return exchange swaps them.
-
-        Args:
-            rank: this rank's index in the exchange's DP group.
-            world: the DP group's size.
-
-        Returns:
-            (send, receive): ``world`` element counts each, as ``all_to_all`` split sizes.
-        """
-        send, recv = [0] * world, [0] * world
-        for p in self.pieces:
-            if p.holder == rank:
-                send[p.owner] += p.size
-            if p.owner == rank:
-                recv[p.holder] += p.size
-        return send, recv
 
 
 def ns_cost(info: MuonParamInfo, steps: int, form: str = "standard") -> float:

@@ -6,8 +6,9 @@ these; they count the schedule the step runs (docs/distopt_exchange.md, "Counted
 import math
 from typing import Optional
 
-from .muon_plan import Exchange, MatrixSlot, MuonExchangePlan
-from .muon_split import ALL, Unit, critical_path, exchange_schedule, member_events
+from .muon_distopt import Exchange, MatrixSlot, Unit
+from .muon_plan import MuonExchangePlan
+from .muon_split import ALL, critical_path, exchange_schedule, member_events
 
 
 def with_window(plan: MuonExchangePlan, window: Optional[int]) -> MuonExchangePlan:

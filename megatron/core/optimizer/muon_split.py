@@ -1,6 +1,6 @@
-"""Splitting one matrix's Newton-Schulz over a gang of DP ranks: the blocks, their cost model and
-the schedule's critical path. Pure arithmetic; the three forms a member runs and the schedule:
-docs/gangs.md.
+"""Splitting one matrix's Newton-Schulz over a gang of DP ranks: the cost model of its blocks
+(``Block``, ``Unit``: muon_distopt.py) and the schedule's critical path. Pure arithmetic; the
+three forms a member runs and the schedule: docs/gangs.md.
 """
 
 import dataclasses
@@ -10,8 +10,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
-
-from torch import Tensor
 
 from .newton_schulz import packed_size, reassociates, splits_polynomial
 
@@ -55,105 +53,6 @@ class PlanLinks:
 
 
 DEFAULT_LINKS = PlanLinks()
-
-
-@dataclass(frozen=True)
-class Block:
-    """Rows ``[r0, r1)`` x columns ``[c0, c1)`` of a (TP-local, row-major) matrix."""
-
-    r0: int
-    r1: int
-    c0: int
-    c1: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.r1 - self.r0, self.c1 - self.c0)
-
-    def count_before(self, x: int, cols: int) -> int:
-        """Elements of the block at flat positions < ``x`` of the matrix.
-
-        Args:
-            x: a flat (row-major) element position in the TP-local matrix.
-            cols: the matrix's column count.
-
-        Returns:
-            How many of the block's elements lie before ``x``.
-        """
-        row, col = divmod(x, cols)
-        full = min(max(row, self.r0), self.r1) - self.r0
-        partial = min(max(col, self.c0), self.c1) - self.c0 if self.r0 <= row < self.r1 else 0
-        return full * (self.c1 - self.c0) + partial
-
-    def range_of(self, lo: int, hi: int, cols: int) -> tuple[int, int]:
-        """The block's elements among flat positions ``[lo, hi)``, as a range of the block's own
-        row-major order: contiguous, since a flat range cuts the block's rows only at its ends.
-
-        Args:
-            lo: first flat position of the range (e.g. a DistOpt shard's start).
-            hi: end of the range, exclusive.
-            cols: the matrix's column count.
-
-        Returns:
-            (start, end) in the block's own row-major element order.
-        """
-        return self.count_before(lo, cols), self.count_before(hi, cols)
-
-
-def block_views(flat: Tensor, start: int, cols: int, block: Block) -> list[Tensor]:
-    """Views of ``flat`` (flat positions ``[start, start + len)`` of a matrix with ``cols``
-    columns) covering the block's elements there, in the block's row-major order.
-
-    Args:
-        flat: a 1-D piece of the matrix (e.g. this rank's DistOpt shard of it).
-        start: the flat position of ``flat[0]`` in the matrix.
-        cols: the matrix's column count.
-        block: the block whose elements are wanted.
-
-    Returns:
-        Views (no copies) of ``flat``; empty where the piece holds none of the block.
-    """
-    end = start + flat.numel()
-    if (block.c0, block.c1) == (0, cols):  # whole rows: one contiguous slice
-        lo, hi = max(start, block.r0 * cols), min(end, block.r1 * cols)
-        return [flat[lo - start : hi - start]] if hi > lo else []
-    out, row = [], max(block.r0, start // cols)
-    last = min(block.r1, -(-end // cols))
-    while row < last:
-        if row * cols >= start and (row + 1) * cols <= end:  # a run of whole rows
-            n = min(last, end // cols) - row
-            at = row * cols - start
-            out.append(flat[at : at + n * cols].view(n, cols)[:, block.c0 : block.c1])
-            row += n
-            continue
-        lo, hi = max(start, row * cols + block.c0), min(end, row * cols + block.c1)
-        if hi > lo:
-            out.append(flat[lo - start : hi - start])
-        row += 1
-    return out
-
-
-@dataclass(frozen=True)
-class Unit:
-    """The part of a matrix one rank orthogonalizes: all of it, or one block of a gang."""
-
-    owner: int
-    block: Block
-    cost: float  # matmul FLOPs the owner executes for it
-    gang: tuple[int, ...] = ()  # the members, in block order (empty for a whole matrix)
-    axis: Optional[int] = None  # None: whole; 0: row blocks; 1: column blocks
-    lines: int = 0  # rows (columns) of the member's TP-gathered block
-    splits: bool = False  # the gang splits its polynomials by rows (``NSCostModel.splits``)
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """The gang as a sorted tuple: who takes part in its sums."""
-        return tuple(sorted(self.gang))
-
-    @property
-    def part(self) -> tuple[int, int, bool]:
-        """(place among the sorted members, gang size, whether polynomials split by rows)."""
-        return (self.members.index(self.owner), len(self.gang), self.splits)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from .muon_functional import (
     NS_TIMER,
     MuonParamInfo,
     OrthoSpec,
-    orthogonalize_matrices,
+    ortho_spec_of,
     orthogonalize_sharded,
     timed,
 )
@@ -115,6 +115,7 @@ class TPOrthogonalizer:
             full = all_gather_dim(u, dim, group)
             orth = matrix_fn([full], [info])[0]
             return orth.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+        # the distributed mode runs its own iteration: it needs the group's settings
         return distributed_orthogonalize(u, info, ortho_spec_of(matrix_fn), group)
 
 
@@ -140,15 +141,6 @@ def all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
     shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, x.contiguous(), group=group)
     return torch.cat(shards, dim=dim)
-
-
-def ortho_spec_of(matrix_fn) -> OrthoSpec:
-    """The ``OrthoSpec`` a ``functools.partial(orthogonalize_matrices, spec=...)`` carries."""
-    # Muon hands us functools.partial(orthogonalize_matrices, spec=...): the distributed mode
-    # runs its own iteration, so it needs the group's settings rather than the local function.
-    ok = isinstance(matrix_fn, functools.partial) and matrix_fn.func is orthogonalize_matrices
-    assert ok, "distributed TP mode needs Muon's orthogonalize_matrices partial (its OrthoSpec)"
-    return matrix_fn.keywords["spec"]
 
 
 def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor:
