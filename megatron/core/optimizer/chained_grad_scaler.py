@@ -1,13 +1,5 @@
-"""One loss scale for the sub-optimizers of a ChainedOptimizer (fp16 with dynamic loss scaling).
-
-With expert parallelism megatron-core builds one Megatron optimizer for the dense params and one
-for the expert params, each with its own grad scaler, while the loss is scaled by the first
-one's scale (``ChainedOptimizer.get_loss_scale``). Upstream updates each scaler with its own
-optimizer's inf/NaN check: an inf only in expert grads skips the step (rightly, the chain ORs
-the checks) but backs off the expert scaler alone, and from then on the expert grads are
-unscaled by a scale the loss was not scaled by (twice too large after one backoff; the growth
-intervals drift apart the same way). Here every scaler starts the unscale from the first one's
-state and takes the chain's verdict, so all of them hold one loss scale at all times.
+"""One loss scale for the sub-optimizers of a ChainedOptimizer (fp16, dynamic loss scaling;
+patch 0021): upstream lets an expert-only inf back off one scaler alone. docs/upstream_repairs.md.
 """
 
 from collections.abc import Sequence
@@ -20,8 +12,7 @@ def prepare_grads_with_one_scale(optimizers: Sequence) -> bool:
         optimizers: the chained Megatron optimizers; the first one's grad scaler scales the loss.
 
     Returns:
-        Whether any of them found an inf or NaN (the same verdict on every rank: each check is
-        reduced over its optimizer's grad-stats group, and replicas hold the same grads).
+        Whether any of them found an inf or NaN (the same on every rank).
     """
     lead = getattr(optimizers[0], "grad_scaler", None)
     if lead is None:  # no loss scaling (fp32, bf16)

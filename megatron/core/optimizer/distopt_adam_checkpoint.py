@@ -1,9 +1,5 @@
-"""torch Adam/AdamW under the DistributedOptimizer: upstream's checkpoint format, resumable.
-
-Without Transformer Engine or Apex plain megatron-core cannot resume torch's Adam from any DistOpt
-checkpoint (a fresh state_dict asserts, a per-param ``step`` is lost or shared, fully_reshardable
-slices at padded offsets: NVIDIA/Megatron-LM#5077). Patch 0009 calls these repairs from
-``distrib_optimizer.py``; the format stays upstream's. The four defects: docs/checkpoints.md.
+"""torch Adam/AdamW under the DistributedOptimizer, resumable in upstream's checkpoint format:
+the repairs patch 0009 calls. The four defects: docs/checkpoints.md.
 """
 
 import torch
@@ -26,9 +22,8 @@ def unshare_steps(optimizer: torch.optim.Optimizer) -> None:
 
 @torch.no_grad()
 def copy_state(destination: dict, source: dict) -> None:
-    """Copy a param's main param and state tensors from ``source``; ``step`` is not one of them
-    (load_state_dict restores it from the param groups), nor is a non-tensor source value
-    (megatron-core 0.19's loaders pass some).
+    """Copy a param's main param and state tensors from ``source``, without ``step`` (restored
+    from the param groups) or non-tensor values (0.19's loaders pass some).
 
     Args:
         destination: {key: tensor} of this rank's shard, written in place.

@@ -1,16 +1,5 @@
-"""Where the DistributedOptimizer keeps each model param: one home for the DistOpt shard layout.
-
-The Muon exchange (``muon_distopt.py``), the declared-state checkpoints
-(``muon_checkpoint*.py``) and the torch Adam checkpoint repairs (``distopt_adam_checkpoint.py``)
-all read megatron-core's layout from here, so that they agree on it:
-
-* DDP packs params into per-buffer, per-bucket flat tensors; ``param_index_map[p] = (start, end,
-  bucket_id)`` counts from the buffer's start, *with* the padding that ends every bucket (to a
-  multiple of lcm(dp, 128)) and aligns param starts (64 elements).
-* DistOpt cuts each bucket into ``dp`` equal contiguous pieces that ignore param boundaries: a
-  rank holds, per param, at most one contiguous range (``gbuf_range_map["param_map"]``) as one
-  1-D shard main param of its inner optimizer.
-* Checkpoints name params by model-space names (``param_names``), independent of the DP size.
+"""Where the DistributedOptimizer keeps each model param: the one reading of megatron-core's
+shard layout that the Muon exchange and the checkpoints share (docs/checkpoints.md, "Layout").
 """
 
 from dataclasses import dataclass
@@ -19,9 +8,8 @@ from torch import Tensor
 
 
 def param_names(distopt) -> dict:
-    """{model param: name}, unique over the model chunks: upstream's names for one chunk (expert
-    indices global, as ``handle_experts_in_state_dict`` makes them); with virtual pipeline stages
-    the chunks share local names, so each chunk's names get a ``chunk{i}.`` prefix."""
+    """{model param: name}: upstream's names (expert indices global), ``chunk{i}.``-prefixed
+    where virtual pipeline chunks share local names."""
     if getattr(distopt, "muon_param_names", None) is None:
         from ..transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 
@@ -37,14 +25,14 @@ def param_names(distopt) -> dict:
 
 
 def param_name(distopt, param) -> str:
-    """The checkpoint name of a model param of ``distopt`` (see ``param_names``).
+    """The checkpoint name of a model param of ``distopt``.
 
     Args:
         distopt: the ``DistributedOptimizer`` whose model chunks hold ``param``.
         param: a model param (not its fp32 main copy).
 
     Returns:
-        The model-space name, ``chunk{i}.`` prefixed when there are several model chunks.
+        Its name in ``param_names``.
     """
     return param_names(distopt)[param]
 
@@ -70,20 +58,19 @@ def in_bucket(buffer, bucket, param) -> tuple[int, int]:
 
     Args:
         buffer: the DDP ``_ParamAndGradBuffer`` holding ``param``.
-        bucket: the bucket of ``buffer`` that holds ``param``.
+        bucket: its bucket.
         param: a model param.
 
     Returns:
-        Element offsets into the bucket's flat tensor, end exclusive.
+        Element offsets, end exclusive.
     """
     start, end, _ = buffer.param_index_map[param]
     return start - bucket.offset, end - bucket.offset
 
 
 def unpadded_index_map(buffer) -> dict:
-    """``param_index_map`` with the padding that ends each bucket removed: the offsets of params
-    in a buffer-wide tensor that concatenates the buckets' unpadded parts, as DistOpt's dp-zero
-    gather builds it (its ``numel_unpadded`` is the sum of the buckets')."""
+    """``param_index_map`` without the padding ending each bucket: the offsets in DistOpt's
+    dp-zero gather, which concatenates the buckets' unpadded parts."""
     out, removed = {}, 0
     for bucket in buffer.buckets:
         for param in bucket.params_list:

@@ -1,32 +1,17 @@
-"""DistributedOptimizer checkpoints for an inner optimizer that declares its state (Muon): the
-``torch`` format and the common part. Every format is keyed by model param name, so none depends
-on the DP size or bucket padding; the formats and the upstream defects they avoid:
-docs/checkpoints.md.
+"""MuonDistributedOptimizer checkpoints: the ``torch`` format and the common part, keyed by
+param name (no dependence on DP size or bucket padding). Formats and why: docs/checkpoints.md.
 """
 
 import torch
 from torch import Tensor
 
 from .distopt_layout import ShardPiece, buckets, in_bucket, param_name, param_shapes, shard_pieces
+from .muon_megatron import MegatronMuon
 from .optimizer import param_group_identifier_keys
 
 FORMAT = "declared-state-distopt/1"
 MARK = "declared_state_checkpoint"  # key of the format marker in DistOpt.state_dict()
 GROUP_IDENTITY = param_group_identifier_keys  # use_muon among them (patch 0012)
-
-
-def declared(distopt):
-    """The object declaring the inner optimizer's state, or None (upstream's code applies)."""
-    if distopt.ddp_config.use_megatron_fsdp or distopt.optimizer is None:
-        return None
-    if hasattr(distopt.optimizer, "state_keys"):
-        return distopt.optimizer
-    return None
-
-
-def handles(distopt) -> bool:
-    """True when the inner optimizer declares its state (Muon); upstream's code serves the rest."""
-    return declared(distopt) is not None
 
 
 def is_ours(state_dict) -> bool:
@@ -37,56 +22,38 @@ def is_ours(state_dict) -> bool:
 # ------------------------------------------------------------------ the pieces a rank holds
 
 
-def keys_of(distopt, shard: Tensor) -> tuple[str, ...]:
-    """The param-shaped tensors a checkpoint carries for a shard: main param plus state.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
-        shard: one of its 1-D shard main params.
-
-    Returns:
-        ``("param", *declared state keys)``.
-    """
-    return ("param", *declared(distopt).state_keys(shard))
+def _keys_of(distopt, shard: Tensor) -> tuple[str, ...]:
+    """The param-shaped tensors a checkpoint carries for a shard: ``("param", *state keys)``."""
+    return ("param", *distopt.optimizer.state_keys(shard))
 
 
 def tensors_of(distopt, piece: ShardPiece) -> dict[str, Tensor]:
-    """The declared param-shaped state tensors of ``piece``'s shard (created if absent).
+    """The param-shaped state of ``piece``'s shard, created if absent (live tensors, not copies).
 
     Args:
-        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
-        piece: the shard piece (``distopt_layout.shard_pieces``).
+        distopt: the ``MuonDistributedOptimizer``.
+        piece: the shard piece (distopt_layout.py).
 
     Returns:
-        {key: tensor}, the shard itself under "param"; the live tensors, not copies.
+        {key: tensor}, the shard itself under "param".
     """
-    state = declared(distopt).init_state(piece.shard)
-    return {
-        "param": piece.shard,
-        **{k: state[k] for k in declared(distopt).state_keys(piece.shard)},
-    }
+    muon = distopt.optimizer
+    state = muon.init_state(piece.shard)
+    return {"param": piece.shard, **{k: state[k] for k in muon.state_keys(piece.shard)}}
 
 
-def scalars_of(distopt, piece: ShardPiece) -> dict[str, float]:
-    """The declared per-param scalar state of ``piece``'s shard, as floats.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
-        piece: the shard piece.
-
-    Returns:
-        {key: value}, e.g. {"step": 3.0} for AdamW params.
-    """
-    state = declared(distopt).init_state(piece.shard)
-    return {k: float(state[k]) for k in declared(distopt).scalar_state_keys(piece.shard)}
+def _scalars_of(distopt, piece: ShardPiece) -> dict[str, float]:
+    """The per-param scalar state of ``piece``'s shard as floats, e.g. {"step": 3.0}."""
+    state = distopt.optimizer.init_state(piece.shard)
+    return {k: float(state[k]) for k in distopt.optimizer.scalar_state_keys(piece.shard)}
 
 
 def local_meta(distopt) -> dict[str, dict]:
     """Per model param: shape, declared keys and scalars, as this rank sees them."""
     return {
         p.name: {
-            "keys": keys_of(distopt, p.shard),
-            "scalars": scalars_of(distopt, p),
+            "keys": _keys_of(distopt, p.shard),
+            "scalars": _scalars_of(distopt, p),
             "shape": tuple(p.model_param.shape),
         }
         for p in shard_pieces(distopt)
@@ -104,11 +71,11 @@ def _comm(distopt):
 
 
 def all_gather_object(distopt, obj) -> list:
-    """``obj`` from every rank of the DP group (gloo group where the DistOpt has one).
+    """``obj`` from every rank of the DP group (its gloo group where there is one).
 
     Args:
-        distopt: the ``DistributedOptimizer`` whose DP group gathers.
-        obj: a picklable object; every DP rank must call this.
+        distopt: the ``MuonDistributedOptimizer``; every DP rank must call this.
+        obj: a picklable object.
 
     Returns:
         The objects in DP-rank order.
@@ -119,16 +86,8 @@ def all_gather_object(distopt, obj) -> list:
     return out
 
 
-def broadcast_object(distopt, obj):
-    """``obj`` of DP rank 0, on every rank of the DP group.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` whose DP group broadcasts.
-        obj: a picklable object on DP rank 0 (ignored elsewhere); every DP rank must call this.
-
-    Returns:
-        DP rank 0's ``obj``.
-    """
+def _broadcast_object(distopt, obj):
+    """DP rank 0's ``obj`` on every rank of the DP group."""
     group, _ = _comm(distopt)
     box = [obj]
     src = torch.distributed.get_process_group_ranks(group)[0]
@@ -140,8 +99,8 @@ def check_compatible(distopt, meta: dict) -> None:
     """ValueError on every rank (collectively) if the checkpoint's params or keys differ.
 
     Args:
-        distopt: the ``DistributedOptimizer`` being loaded into.
-        meta: the checkpoint's {param name: {"keys", "scalars", "shape"}}, the same on every rank.
+        distopt: the ``MuonDistributedOptimizer`` loaded into.
+        meta: the checkpoint's {param name: {"keys", "scalars", "shape"}}, same on every rank.
     """
     errors = []
     names = param_shapes(distopt)
@@ -154,10 +113,10 @@ def check_compatible(distopt, meta: dict) -> None:
             continue
         if tuple(saved["shape"]) != names[p.name]:
             errors.append(f"{p.name}: shape {tuple(saved['shape'])} saved, {names[p.name]} now")
-        if tuple(saved["keys"]) != keys_of(distopt, p.shard):
+        if tuple(saved["keys"]) != _keys_of(distopt, p.shard):
             errors.append(
                 f"{p.name}: checkpoint has state {tuple(saved['keys'])}, this optimizer "
-                f"({type(distopt.optimizer).__name__}) keeps {keys_of(distopt, p.shard)}"
+                f"({type(distopt.optimizer).__name__}) keeps {_keys_of(distopt, p.shard)}"
             )
     found = sorted({e for errs in all_gather_object(distopt, errors) for e in errs})
     if found:
@@ -186,17 +145,17 @@ def _by_bucket(distopt) -> dict:
 
 
 def gather_state(distopt, everywhere: bool = False):
-    """``{name: {key: whole flat fp32 tensor, "scalars": {...}}}`` on DP rank 0 (or all ranks).
+    """Every param's state, whole, by name, on DP rank 0 (or every rank).
 
-    Per bucket and key, ranks send their contiguous piece (zeros where a param lacks the key)
-    and the receiver cuts params out of the *padded* bucket, at ``param_index_map`` offsets.
+    Per bucket and key, ranks send their piece (zeros where a param lacks the key); the receiver
+    cuts params out of the *padded* bucket, at ``param_index_map`` offsets.
 
     Args:
-        distopt: the ``DistributedOptimizer``; every DP rank must call this.
-        everywhere: gather on every DP rank (all-gather) instead of DP rank 0 only.
+        distopt: the ``MuonDistributedOptimizer``; every DP rank must call this.
+        everywhere: all-gather instead of gathering to DP rank 0.
 
     Returns:
-        The whole state on the receivers; None on the other ranks.
+        ``{name: {key: flat fp32 tensor, "scalars": {...}}}`` on receivers, else None.
     """
     group, device = _comm(distopt)
     meta = {}
@@ -242,16 +201,16 @@ def _cut(distopt, buffer, bucket, world: Tensor, key: str, meta: dict, out: dict
 
 
 def scatter_state(distopt, state) -> None:
-    """Inverse of ``gather_state``: ``state`` on DP rank 0 (None elsewhere).
+    """Inverse of ``gather_state``.
 
     Args:
-        distopt: the ``DistributedOptimizer`` loaded into; every DP rank must call this.
-        state: what ``get_parameter_state_dp_zero`` wrote, on DP rank 0; ignored elsewhere.
+        distopt: the ``MuonDistributedOptimizer``; every DP rank must call this.
+        state: ``get_parameter_state_dp_zero``'s output on DP rank 0; ignored elsewhere.
     """
     group, device = _comm(distopt)
     # DP rank 0 alone reads the file: its verdict travels with the broadcast, so that a file
     # of another format raises on every rank instead of leaving the others in a collective.
-    meta = broadcast_object(distopt, _checked_meta(state) if group.rank() == 0 else None)
+    meta = _broadcast_object(distopt, _checked_meta(state) if group.rank() == 0 else None)
     if isinstance(meta, str):
         raise ValueError(meta)
     check_compatible(distopt, meta)
@@ -260,7 +219,7 @@ def scatter_state(distopt, state) -> None:
         for key in _union(meta):
             local = _scatter(distopt, buffer, bucket, state, key, group, device)
             for p in held.get(where, []):
-                if key in keys_of(distopt, p.shard):
+                if key in _keys_of(distopt, p.shard):
                     set_piece_key(distopt, p, key, local[p.local[0] : p.local[1]])
     for p in shard_pieces(distopt):
         set_scalars(distopt, p, meta[p.name]["scalars"])
@@ -311,24 +270,24 @@ def set_piece_key(distopt, piece: ShardPiece, key: str, value: Tensor) -> None:
     """Copy ``value`` into state ``key`` of ``piece``'s shard.
 
     Args:
-        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
+        distopt: the ``MuonDistributedOptimizer``.
         piece: the shard piece.
-        key: "param" or a declared state key.
+        key: "param" or a state key.
         value: 1-D, the piece's elements.
     """
     tensors_of(distopt, piece)[key].copy_(value)
 
 
 def set_scalars(distopt, piece: ShardPiece, scalars: dict) -> None:
-    """Restore the declared scalar state of ``piece``'s shard (each param its own tensor).
+    """Restore the scalar state of ``piece``'s shard, one tensor per param.
 
     Args:
-        distopt: the ``DistributedOptimizer`` whose inner optimizer declares its state.
+        distopt: the ``MuonDistributedOptimizer``.
         piece: the shard piece.
-        scalars: {key: value} as ``scalars_of`` saved them.
+        scalars: {key: value} as saved.
     """
     state = distopt.optimizer.state[piece.shard]
-    for key in declared(distopt).scalar_state_keys(piece.shard):
+    for key in distopt.optimizer.scalar_state_keys(piece.shard):
         # one tensor per param: torch-style optimizers increment ``step`` in place
         state[key] = torch.tensor(scalars[key], dtype=torch.float32)
 
@@ -344,10 +303,10 @@ def _require_ours(state, what: str) -> None:
 
 
 def get_parameter_state_dp_zero(distopt, everywhere: bool = False):
-    """What ``save_parameter_state`` writes (DP rank 0; None elsewhere unless everywhere).
+    """What ``save_parameter_state`` writes.
 
     Args:
-        distopt: the ``DistributedOptimizer``; every DP rank must call this.
+        distopt: the ``MuonDistributedOptimizer``; every DP rank must call this.
         everywhere: build it on every DP rank, not only DP rank 0.
 
     Returns:
@@ -368,11 +327,8 @@ def get_parameter_state_dp_zero(distopt, everywhere: bool = False):
 
 
 def state_dict(distopt) -> dict:
-    """Param groups (hyper-parameters), grad scaler and the format marker; no tensors.
-
-    Unlike upstream, reads no per-param ``step`` (which a fresh optimizer lacks): scalars travel
-    with the parameter state.
-    """
+    """Param groups, grad scaler and the format marker; no per-param ``step`` (a fresh
+    optimizer lacks it, unlike upstream's assumption): scalars travel with the param state."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in distopt.optimizer.param_groups]
     out = {"optimizer": {"param_groups": groups}, MARK: {"format": FORMAT}}
     out[MARK]["optimizer"] = type(distopt.optimizer).__name__
@@ -387,14 +343,17 @@ def group_identity(group: dict) -> tuple:
 
 
 def require_marker(distopt, state: dict) -> None:
-    """ValueError unless ``state`` was saved by an optimizer of this one's kind.
+    """ValueError unless ``state`` was saved by an optimizer of this one's kind; upstream's
+    ``DistributedOptimizer`` (patch 0011) calls it too, to refuse ours by name.
 
     Args:
-        distopt: the ``DistributedOptimizer`` being loaded into.
-        state: the loaded common state dict (``state_dict``'s output or upstream's).
+        distopt: the ``DistributedOptimizer`` loaded into (ours or upstream's).
+        state: the loaded common state dict.
     """
     mark = state.get(MARK)
-    ours = type(distopt.optimizer).__name__ if handles(distopt) else None
+    # MuonDistributedOptimizer's inner optimizer is a MegatronMuon (the factory, patch 0002)
+    inner = distopt.optimizer
+    ours = type(inner).__name__ if isinstance(inner, MegatronMuon) else None
     if mark is not None and ours is None and mark.get("optimizer") in ("Adam", "AdamW"):
         raise ValueError(
             f"DistributedOptimizer checkpoint of {mark['optimizer']} in this fork's earlier "
@@ -411,10 +370,10 @@ def require_marker(distopt, state: dict) -> None:
 
 
 def unsupported_format(distopt, name: str):
-    """NotImplementedError naming the format and the ones that are supported.
+    """NotImplementedError naming the format and the supported ones.
 
     Args:
-        distopt: the ``DistributedOptimizer`` (its inner optimizer is named).
+        distopt: the ``MuonDistributedOptimizer``.
         name: the requested format, e.g. a sharding_type.
     """
     raise NotImplementedError(

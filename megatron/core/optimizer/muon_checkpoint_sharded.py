@@ -1,5 +1,5 @@
-"""torch_dist formats (``fully_reshardable``, ``dp_reshardable``) for declared-state optimizers,
-and ``load_state_dict``, which dispatches to every format's loader: docs/checkpoints.md.
+"""MuonDistributedOptimizer's torch_dist formats and ``load_state_dict`` (every format's
+loader): docs/checkpoints.md.
 """
 
 from dataclasses import replace
@@ -14,7 +14,6 @@ from .group_matching import match_groups
 from .muon_checkpoint import (
     all_gather_object,
     check_compatible,
-    declared,
     gather_state,
     group_identity,
     local_meta,
@@ -39,10 +38,8 @@ def _holds_experts(distopt) -> bool:
 
 
 def _meta_key(distopt) -> str:
-    """The dense and the expert DistOpt of an MoE model can share a ``dp_group_idx`` (the
-    model-parallel and the expert-model-parallel rank are both 0 on rank 0), and with
-    ``chained_optim_avoid_prefix=True`` (Megatron-LM's checkpointing passes it) the
-    ChainedOptimizer adds no prefix for fully_reshardable: the expert one's key says so."""
+    """The meta object's key; an MoE model's dense and expert DistOpts can share a
+    ``dp_group_idx`` with no ChainedOptimizer prefix, so the expert one's key says so."""
     return f"{_prefix(distopt)}{'.expert' if _holds_experts(distopt) else ''}.declared_state_meta"
 
 
@@ -105,16 +102,13 @@ def _model_space(meta_sh, key: str, tensor: torch.Tensor):
 
 
 def sharded_fully_reshardable(distopt, model_sharded_state_dict, is_loading: bool, metadata=None):
-    """Model-space state: each param's keys shaped like the param, keyed by the model's keys.
-
-    Saving gathers whole params on every rank (the model's replica ids pick DP rank 0 as the
-    writer); loading requests only the params this rank holds a piece of.
+    """Model-space state: each key shaped like its param, under the model's keys.
 
     Args:
-        distopt: the ``DistributedOptimizer``; every DP rank must call this.
+        distopt: the ``MuonDistributedOptimizer``; every DP rank must call this.
         model_sharded_state_dict: the model's sharded state dict (keys and replica ids).
         is_loading: build empty tensors to load into instead of the state to save.
-        metadata: upstream's sharded_state_dict metadata; unused, part of its signature.
+        metadata: upstream's metadata; unused.
 
     Returns:
         {"tensors": {param name: {key: sharded tensor}}, "meta": the scalars and keys object}.
@@ -138,13 +132,8 @@ def sharded_fully_reshardable(distopt, model_sharded_state_dict, is_loading: boo
     return {"tensors": out, "meta": _meta_object(distopt, meta)}
 
 
-def load_fully_reshardable(distopt, param_state) -> None:
-    """Load a ``fully_reshardable`` param state into this rank's shards.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` loaded into.
-        param_state: what the matching ``sharded_*`` built, filled by the load.
-    """
+def _load_fully_reshardable(distopt, param_state) -> None:
+    """Load what ``sharded_fully_reshardable`` built, filled by the load, into the shards."""
     meta = _load_meta(distopt, param_state)
     for p in shard_pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():
@@ -156,16 +145,14 @@ def load_fully_reshardable(distopt, param_state) -> None:
 
 
 def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, metadata=None):
-    """One flat ShardedTensor per param and key; each rank writes/reads exactly its piece.
-
-    The global tensor of a key is the whole flattened param, so full coverage holds without
-    padding entries and a different DP size reads other ranges of the same tensors.
+    """One flat ShardedTensor per param and key (the whole flattened param: no padding, any
+    DP size reads it); each rank writes and reads exactly its piece.
 
     Args:
-        distopt: the ``DistributedOptimizer``; every DP rank must call this.
-        model_sharded_state_dict: the model's sharded state dict (keys and replica ids).
+        distopt: the ``MuonDistributedOptimizer``; every DP rank must call this.
+        model_sharded_state_dict: the model's sharded state dict; unused (the names are ours).
         is_loading: build empty tensors to load into instead of the state to save.
-        metadata: upstream's sharded_state_dict metadata; unused, part of its signature.
+        metadata: upstream's metadata; unused.
 
     Returns:
         {"tensors": {param name: {key: sharded tensor}}, "meta": the scalars and keys object}.
@@ -193,13 +180,8 @@ def sharded_dp_reshardable(distopt, model_sharded_state_dict, is_loading: bool, 
     return {"tensors": out, "meta": _meta_object(distopt, meta)}
 
 
-def load_dp_reshardable(distopt, param_state) -> None:
-    """Load a ``dp_reshardable`` param state into this rank's shards.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` loaded into.
-        param_state: what the matching ``sharded_*`` built, filled by the load.
-    """
+def _load_dp_reshardable(distopt, param_state) -> None:
+    """Load what ``sharded_dp_reshardable`` built, filled by the load, into the shards."""
     meta = _load_meta(distopt, param_state)
     for p in shard_pieces(distopt):
         for key, value in param_state["tensors"][p.name].items():
@@ -208,14 +190,12 @@ def load_dp_reshardable(distopt, param_state) -> None:
 
 
 def load_state_dict(distopt, state: dict) -> None:
-    """``DistributedOptimizer.load_state_dict`` for declared-state optimizers (every format).
-
-    Matches groups by identity (incl. ``use_muon``), in order among groups of one identity
-    (``group_matching``), creates state, then loads param state.
+    """``load_state_dict`` of every format: groups matched by identity (incl. ``use_muon``,
+    group_matching.py), state created, then the param state loaded.
 
     Args:
-        distopt: the ``DistributedOptimizer``.
-        state: the state dict ``state_dict()`` (or a sharded load) produced.
+        distopt: the ``MuonDistributedOptimizer``.
+        state: what ``state_dict()`` (or a sharded load) produced.
     """
     require_marker(distopt, state)
     groups = distopt.optimizer.param_groups
@@ -224,7 +204,7 @@ def load_state_dict(distopt, state: dict) -> None:
     for group, saved_group in zip(groups, saved):
         group.update({k: v for k, v in saved_group.items() if k not in kept})
         for param in group["params"]:
-            declared(distopt).init_state(param)
+            distopt.optimizer.init_state(param)
     if "grad_scaler" in state and distopt.grad_scaler:
         distopt.grad_scaler.load_state_dict(state["grad_scaler"])
     if "param_state" in state:
@@ -234,8 +214,8 @@ def load_state_dict(distopt, state: dict) -> None:
 def _load_param_state(distopt, param_state, sharding_type: str) -> None:
     loaders = {
         "dp_zero_gather_scatter": scatter_state,
-        "fully_reshardable": load_fully_reshardable,
-        "dp_reshardable": load_dp_reshardable,
+        "fully_reshardable": _load_fully_reshardable,
+        "dp_reshardable": _load_dp_reshardable,
     }
     if sharding_type not in loaders:
         raise NotImplementedError(

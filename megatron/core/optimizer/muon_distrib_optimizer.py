@@ -1,18 +1,8 @@
-"""Megatron's DistributedOptimizer (ZeRO-1) with our Muon as its inner optimizer.
-
-The factory (patch 0002) builds this class instead of ``DistributedOptimizer`` when the config
-asks for our Muon (``optimizer='muon'``, ``muon_impl='megatron_muon'``). Upstream's class shards
-the params and steps the inner optimizer; this one adds what Muon needs on top:
-
-* the exchange: after upstream's ``__init__`` replaced the inner optimizer's params by 1-D shard
-  main params, ``attach`` (below) plans one owner per matrix (muon_plan.py) and routes whole
-  matrices there each step (muon_distopt.py; docs/muon_in_megatron.md, "DistributedOptimizer");
-* the layout: ``compute_full_param_layout`` gives DDP's buffers upstream's LayerWise layout
-  (every Muon matrix whole in one DP shard) where that balances the Newton-Schulz work, so each
-  holder owns its matrices and the exchange moves nothing; else DistOpt's (``muon_layout.py``);
-* checkpoints: the inner optimizer declares its state (``state_keys``), so every DistOpt format
-  (``torch``, ``torch_dist`` fully/dp-reshardable) saves and loads it by name
-  (``muon_checkpoint.py``, ``muon_checkpoint_sharded.py``).
+"""Megatron's DistributedOptimizer (ZeRO-1) with ``MegatronMuon`` inside, built by the factory
+(patch 0002) for ``muon_impl='megatron_muon'``. On top of upstream's class: the exchange plan,
+built here once (``attach``: muon_plan.py) and run each step (muon_distopt.py), DDP's buffer
+layout (muon_layout.py) and checkpoints of Muon's state in every DistOpt format
+(muon_checkpoint.py, muon_checkpoint_sharded.py); docs/distopt_exchange.md.
 """
 
 import dataclasses
@@ -47,11 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 class MuonDistributedOptimizer(DistributedOptimizer):
-    """``DistributedOptimizer`` whose inner optimizer is ``MegatronMuon``: exact Muon on DP
-    shards, checkpoints of its declared state in every DistOpt format.
-
-    Args: those of ``DistributedOptimizer``; ``optimizer`` is a ``MegatronMuon``.
-    """
+    """``DistributedOptimizer`` whose inner optimizer is a ``MegatronMuon``: exact Muon on DP
+    shards. Args: those of ``DistributedOptimizer``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -66,42 +53,33 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     compute_full_param_layout = staticmethod(muon_layout.compute_full_param_layout)
 
     def start_param_sync_for_bucket_group_subset(self) -> None:
-        """Start the param all-gather of every bucket group: the shard-aligned Muon buffers
-        are this optimizer's too (upstream's skips them, leaving them to a LayerWise sibling)."""
+        """Start every bucket group's param all-gather, the shard-aligned Muon buffers included
+        (upstream's leaves those to a LayerWise sibling)."""
         for chunk in self.model_chunks:
             for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
                 if group.buckets:
                     chunk._start_bucket_group_param_sync(group, force_sync=False)
 
     def state_dict(self):
-        """The common state: param groups, grad scaler and the format marker.
-
-        Returns:
-            The state dict ``load_state_dict`` takes (param state apart, per format).
-        """
+        """Param groups, grad scaler and format marker (muon_checkpoint.py)."""
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict):
-        """Load a state dict of any DistOpt format this class saves; one of another optimizer
-        is refused, naming it.
-
-        Args:
-            state_dict: the common state dict, with the param state of its format.
-        """
+        """Load any format this class saves; another optimizer's is refused by name."""
         sharded.load_state_dict(self, state_dict)
 
     def get_parameter_state_dp_zero(
         self, use_gloo_comm: bool = True, empty_data: bool = False, return_on_all_ranks=False
     ):
-        """Every param's main param and state, gathered by name (``torch`` format).
+        """Every param's main param and state by name (``torch`` format).
 
         Args:
-            use_gloo_comm: upstream's argument; the gather uses the DP group's own backend.
-            empty_data: upstream's argument; unused (the state is always gathered).
+            use_gloo_comm: unused (the DP group's gloo twin is used where there is one).
+            empty_data: unused (the state is always gathered).
             return_on_all_ranks: gather to every DP rank, not DP rank 0 only.
 
         Returns:
-            ``{"format", "optimizer", "shapes", "params"}`` on the receiving ranks, else None.
+            ``{"format", "optimizer", "shapes", "params"}`` on the receivers, else None.
         """
         return checkpoint.get_parameter_state_dp_zero(self, return_on_all_ranks)
 
@@ -110,7 +88,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
         Args:
             state_dict: ``get_parameter_state_dp_zero``'s output (on DP rank 0).
-            update_legacy_format: upstream's argument; no legacy format of this one exists.
+            update_legacy_format: unused (this format has no legacy version).
         """
         checkpoint.scatter_state(self, state_dict)
 
@@ -120,9 +98,9 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         """``torch_dist`` fully reshardable param state: model-space tensors by name.
 
         Args:
-            model_sharded_state_dict: the model's sharded state dict (names, TP/PP placement).
+            model_sharded_state_dict: the model's sharded state dict.
             is_loading: build the placeholders a load fills.
-            metadata: upstream's checkpoint metadata; unused.
+            metadata: unused.
 
         Returns:
             The sharded param state.
@@ -132,12 +110,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def sharded_param_state_dp_reshardable(
         self, model_sharded_state_dict, is_loading: bool = False, metadata=None
     ):
-        """``torch_dist`` DP-reshardable param state: buffer-space tensors.
+        """``torch_dist`` DP-reshardable param state: one flat tensor per param and key.
 
         Args:
             model_sharded_state_dict: the model's sharded state dict.
             is_loading: build the placeholders a load fills.
-            metadata: upstream's checkpoint metadata; unused.
+            metadata: unused.
 
         Returns:
             The sharded param state.
@@ -147,13 +125,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def sharded_param_state_fs_model_space(
         self, model_sharded_state_dict, is_loading: bool = False, metadata=None
     ):
-        """Refused (NotImplementedError): no ``fully_sharded_model_space`` format of a declared
-        state.
+        """NotImplementedError: no ``fully_sharded_model_space`` format of Muon's state.
 
         Args:
-            model_sharded_state_dict: the model's sharded state dict.
-            is_loading: whether for a load.
-            metadata: upstream's checkpoint metadata.
+            model_sharded_state_dict: unused.
+            is_loading: unused.
+            metadata: unused.
         """
         checkpoint.unsupported_format(self, "fully_sharded_model_space")
 

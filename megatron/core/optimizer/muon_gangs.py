@@ -1,9 +1,5 @@
-"""Gangs: a matrix split over several DP ranks, each orthogonalizing one block of it.
-
-Entered from muon_distopt.py only where the plan splits a matrix (DP past ~ the matrix count).
-Each member iterates its block on the main thread; the gang's sums and gathers run on a
-communication thread as rings of point-to-point messages inside the DP group (no process group
-per gang: making one is a collective over the whole world). Design: docs/gangs.md.
+"""Running gangs: a matrix split over several DP ranks, each orthogonalizing one block; the
+gang's sums and gathers are point-to-point rings on a communication thread. docs/gangs.md.
 """
 
 import functools
@@ -27,8 +23,8 @@ from .newton_schulz import GATHER, SUM
 
 
 class GangRunner:
-    """Runs this rank's gang blocks of one exchange, all in flight together; counts the bytes
-    its gang collectives move (``sum_bytes``, ring model) for the step's figures."""
+    """Runs this rank's gang blocks of one exchange, all in flight together; ``sum_bytes``:
+    the bytes its gang collectives moved."""
 
     def __init__(self, inner, device=None):
         self.inner = inner  # the TP orthogonalizer (``duplicated``: TP ranks share a block)
@@ -38,21 +34,18 @@ class GangRunner:
         self.streams: Optional[CommStreams] = None  # made at the first run
 
     def run(self, plan, ex: Exchange, gangs: list[int], blocks: list[Tensor], matrix_fn):
-        """``s * NS`` of this rank's gang blocks, all in flight together: each block's iteration
-        runs on this thread, its sums and gathers over the gang on a communication thread
-        (``_interleave``), so one block's collective overlaps the others' matmuls. In the
-        ``duplicated`` TP mode the blocks are TP-gathered all first and sliced after
-        (``TPOrthogonalizer.together``): no collective on the main thread meanwhile.
+        """``s * NS`` of this rank's gang blocks, their collectives overlapping the others'
+        matmuls (in the ``duplicated`` TP mode, TP-gathered all first).
 
         Args:
             plan: the ``MuonExchangePlan`` ``ex`` belongs to.
             ex: the exchange.
             gangs: the split matrices this rank holds a block of, in the plan's gang order.
-            blocks: this rank's assembled block of each, in the update dtype.
-            matrix_fn: Muon's ``orthogonalize_matrices`` partial (its ``OrthoSpec``).
+            blocks: this rank's block of each, in the update dtype.
+            matrix_fn: Muon's ``orthogonalize_matrices`` partial.
 
         Returns:
-            The orthogonalized (and scaled) blocks, in ``gangs`` order.
+            The orthogonalized, scaled blocks, in ``gangs`` order.
         """
         self.plan, self.sum_bytes = plan, 0.0
         slots = [self.plan.matrices[i] for i in gangs]
@@ -80,9 +73,8 @@ class GangRunner:
         return gang_fn(blocks, infos)
 
     def _interleave(self, steps: list, serve: list[dict], members: list[tuple]) -> list[Tensor]:
-        """Run the generators ``steps`` (gang order) in rounds, each posting its next request to
-        a communication thread that serves posts in post order (``muon_split.pipelined``): one
-        global order on every member, so no two gangs' rings wait in a circle (docs/gangs.md)."""
+        """Run the generators ``steps`` in rounds, posting each request to the communication
+        thread: one global order on every member, so no two gangs wait in a circle."""
         out: list = [None] * len(steps)
         pending: list = [None] * len(steps)
         live = list(range(len(steps)))
@@ -109,26 +101,24 @@ class GangRunner:
         pool.close(wait=True)
         return out
 
-    def _post(self, pool, serve, t: Tensor, members: tuple) -> "Posted":
+    def _post(self, pool, serve, t: Tensor, members: tuple) -> "_Posted":
         """Hand ``serve(t)`` (a gang collective over ``members``) to the communication thread."""
-        return Posted(pool.submit(self.streams.serve, serve, t, self.streams.ready()), t, members)
+        return _Posted(pool.submit(self.streams.serve, serve, t, self.streams.ready()), t, members)
 
-    def _wait(self, posted: "Posted") -> None:
+    def _wait(self, posted: "_Posted") -> None:
         """Wait until a posted collective is done (re-raising what it raised)."""
         self.streams.done(posted.future.result())
 
     def _sharing(self, info):
-        """The TP group whose ranks orthogonalize the same gathered block (``duplicated`` mode),
-        so that each sums only a slice of a gang's tensors over DP; None where there is none."""
+        """The TP group sharing the gathered block (``duplicated`` mode), each rank summing a
+        slice over DP; else None."""
         inner = self.inner
         if isinstance(inner, TPOrthogonalizer) and inner.mode == "duplicated":
             return inner._group(info)
         return None
 
     def _gang_sum(self, ex: Exchange, members: tuple[int, ...], tp, t: Tensor) -> None:
-        """A gang's sum: ``t`` summed in place over its members by point-to-point rings inside
-        the DP group (``node_all_reduce``); TP ranks sharing the block (``tp``) each sum one slice
-        and all-gather the slices over TP (docs/gangs.md)."""
+        """``t`` summed in place over the gang (per TP slice where TP ranks share the block)."""
         flat = t.view(-1)
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
         nodes = self.plan.model.nodes
@@ -139,10 +129,8 @@ class GangRunner:
         self.sum_bytes += 2 * sum(moved)
 
     def _gang_gather(self, ex: Exchange, members: tuple[int, ...], tp, poly: Tensor) -> None:
-        """A gang's other collective: the rows of a split polynomial (``newton_schulz.
-        splits_polynomial``) that the other members computed, gathered in place by a ring, or,
-        across nodes (``node_all_reduce``), summed with the other rows zeroed (exact); per TP
-        slice where TP ranks share the block, as ``_gang_sum``."""
+        """A split polynomial's rows gathered in place over the gang (across nodes: summed with
+        the other rows zeroed, exact); per TP slice as ``_gang_sum``."""
         flat, cols = poly.view(-1), poly.shape[1]
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
         rows = [
@@ -157,7 +145,7 @@ class GangRunner:
             flat[b:hi].zero_()
             node_all_reduce(flat[lo:hi], members, self.plan.rank, ex.group, nodes)
         else:
-            ring_all_gather(flat, rows, members, self.plan.rank, ex.group)
+            _ring_all_gather(flat, rows, members, self.plan.rank, ex.group)
         if slices:
             all_gather_ranges(flat, slices, p, tp)
         moved = ring_traffic(hi - lo, poly.element_size(), 1, (m, n))
@@ -165,17 +153,15 @@ class GangRunner:
 
 
 def node_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group, nodes) -> None:
-    """``ring_all_reduce``, hierarchical where ``members`` are ``m > 1`` ranks on each of
-    ``n > 1`` nodes: reduce-scatter within a node, all-reduce each chunk over the nodes, all-gather
-    within the node, so the slow links carry ``1 / m`` of the tensor. One summation order: all
-    members end with the same bits.
+    """``ring_all_reduce``, hierarchical over nodes where each has ``m > 1`` members (the slow
+    links carry ``1 / m``); one summation order, so all members get the same bits.
 
     Args:
-        flat: the 1-D tensor to sum, same size on every member; summed in place.
+        flat: the 1-D tensor, same size on every member; summed in place.
         members: the gang's ranks within ``group``, sorted.
-        rank: this process's rank within ``group`` (one of ``members``).
-        group: the DP process group the members belong to.
-        nodes: the node of every rank of ``group`` (empty: unknown, one flat ring).
+        rank: this process's rank within ``group``.
+        group: the DP process group.
+        nodes: the node of every rank of ``group`` (empty: one flat ring).
     """
     m, n = node_layout(members, nodes)
     if m == 1 or n == 1:
@@ -195,15 +181,14 @@ def node_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group, no
 
 
 def ring_all_reduce(flat: Tensor, members: tuple[int, ...], rank: int, group) -> None:
-    """Sum ``flat`` in place over ``members`` (ranks of ``group``, sorted) with a ring: k - 1
-    reduce-scatter steps, then k - 1 all-gather steps; each chunk summed once, so all members
-    end with the same bits. Only the members take part (docs/gangs.md: why torch allows it).
+    """Sum ``flat`` in place over ``members`` with a ring; each chunk summed once, so all
+    members get the same bits.
 
     Args:
-        flat: the 1-D fp32 tensor to sum, same size on every member; summed in place.
+        flat: the 1-D tensor, same size on every member; summed in place.
         members: the gang's ranks within ``group``, sorted.
-        rank: this process's rank within ``group`` (one of ``members``).
-        group: the DP process group the members belong to.
+        rank: this process's rank within ``group``.
+        group: the DP process group.
     """
     k, p = len(members), members.index(rank)
     nxt, prev = members[(p + 1) % k], members[(p - 1) % k]
@@ -222,17 +207,8 @@ def _ring_reduce_scatter(chunks: list[Tensor], p: int, nxt: int, prev: int, grou
     return (p + 1) % k
 
 
-def ring_all_gather(flat: Tensor, bounds, members: tuple[int, ...], rank: int, group) -> None:
-    """Fill ``flat`` in place: the ``p``-th member holds ``flat[bounds[p][0]:bounds[p][1]]`` and
-    receives every other member's range, passed along a ring (k - 1 steps).
-
-    Args:
-        flat: the 1-D tensor, same size on every member; this member's range is filled.
-        bounds: ``k`` (start, end) ranges of ``flat``, one per member in ``members`` order.
-        members: the gang's ranks within ``group``, sorted.
-        rank: this process's rank within ``group`` (one of ``members``).
-        group: the DP process group the members belong to.
-    """
+def _ring_all_gather(flat: Tensor, bounds, members: tuple[int, ...], rank: int, group) -> None:
+    """Member ``p`` holds ``flat``'s range ``bounds[p]``; a ring fills in the others in place."""
     k, p = len(members), members.index(rank)
     chunks = [flat[a:b] for a, b in bounds]
     _ring_gather(chunks, p, members[(p + 1) % k], members[(p - 1) % k], group)
@@ -246,9 +222,8 @@ def _ring_gather(chunks: list[Tensor], own: int, nxt: int, prev: int, group) -> 
 
 
 def _tp_slice(n: int, group) -> tuple[int, int, Optional[list], int]:
-    """(start, end) of the slice of an ``n``-element gang tensor this TP rank sums over DP, the
-    slices of all TP ranks (None: no TP sharing, or fewer elements than ranks: sum it all) and
-    this rank's index in ``group``."""
+    """(start, end) of this TP rank's slice of ``n`` elements, all ranks' slices (None: sum it
+    all) and this rank's index in ``group``."""
     k = group.size() if group is not None else 1
     if k == 1 or n < k:
         return 0, n, None, 0
@@ -258,8 +233,8 @@ def _tp_slice(n: int, group) -> tuple[int, int, Optional[list], int]:
 
 
 def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
-    """Send to one peer while receiving from another; an empty chunk is not sent (its receiver
-    sees the same empty chunk: both cut the same tensor the same way)."""
+    """Send to one peer while receiving from another; empty chunks are skipped (on both ends:
+    both cut the same tensor alike)."""
     ops = []
     if send.numel():
         ops.append(P2POp(torch.distributed.isend, send, group=group, group_peer=to))
@@ -270,8 +245,7 @@ def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> None:
 
 
 class CommThread:
-    """The communication thread of one ``_interleave`` call: serves submitted calls one at a
-    time in submission order. A daemon, so a rank whose main thread failed exits with its error
+    """Serves submitted calls one at a time, in order; a daemon, so that a failed rank exits
     while a posted collective still waits for peers (docs/gangs.md)."""
 
     def __init__(self, initializer: Callable[[], None]):
@@ -285,7 +259,7 @@ class CommThread:
         """``fn(*args)`` on the thread, after every call submitted before it.
 
         Args:
-            fn: the call (e.g. ``CommStreams.serve``).
+            fn: the call.
             *args: its arguments.
 
         Returns:
@@ -318,9 +292,8 @@ class CommThread:
 
 
 @dataclass(frozen=True)
-class Posted:
-    """A gang collective handed to the communication thread: its future (an event or None),
-    the tensor it works on in place, the gang's members."""
+class _Posted:
+    """A posted gang collective: its future, its in-place tensor, the gang's members."""
 
     future: Future
     tensor: Tensor
@@ -328,9 +301,8 @@ class Posted:
 
 
 class CommStreams:
-    """The communication thread's own stream on an accelerator, ordered against the main
-    thread's by an event at each post and one after each collective (docs/gangs.md, "Streams").
-    On CPU (``compute`` None) every method is a no-op: gloo's collectives are done on return."""
+    """The communication thread's stream, ordered against the main thread's by events
+    (docs/gangs.md, "Streams"); on CPU every method is a no-op."""
 
     def __init__(self, compute=None, comm=None):
         self.compute, self.comm = compute, comm
@@ -355,12 +327,12 @@ class CommStreams:
         """Communication thread: ``serve(t)`` after ``ready``.
 
         Args:
-            serve: the collective, in place on ``t`` (``_gang_sum`` or ``_gang_gather``).
-            t: the tensor the main thread posted.
-            ready: the event ``ready()`` gave at the post (None on CPU).
+            serve: the collective, in place on ``t``.
+            t: the posted tensor.
+            ready: ``ready()``'s event (None on CPU).
 
         Returns:
-            An event recorded after the collective (None on CPU), for ``done``.
+            An event after the collective, for ``done`` (None on CPU).
         """
         if ready is not None:
             self.comm.wait_event(ready)
@@ -377,9 +349,8 @@ class CommStreams:
 
 
 def gang_nodes(group, nvlink_domain: Optional[int], inner, infos: list) -> tuple[int, ...]:
-    """The node of every rank of the DP ``group``, as the planner places gangs (within a node,
-    or spread evenly over nodes, to ring over NVLink): ``nvlink_domain`` consecutive global
-    ranks per node, or else ranks on one host; the same on the TP peers of a DP rank.
+    """The node of every rank of the DP ``group`` as the planner sees it, the same on the TP
+    peers of a DP rank.
 
     Args:
         group: the DP process group.
@@ -390,20 +361,12 @@ def gang_nodes(group, nvlink_domain: Optional[int], inner, infos: list) -> tuple
     Returns:
         One node id per rank of ``group``, in group rank order.
     """
-    nodes = domain_nodes(group, nvlink_domain) if nvlink_domain else host_nodes(group)
+    nodes = _domain_nodes(group, nvlink_domain) if nvlink_domain else _host_nodes(group)
     return shared_layout(nodes, _tp_groups(inner, infos))
 
 
-def host_nodes(group) -> tuple[int, ...]:
-    """The node of every rank of ``group``: ranks on one host share an id (first-seen order).
-    One ``all_gather_object`` of the host names: every rank gets the same tuple.
-
-    Args:
-        group: the DP process group.
-
-    Returns:
-        One node id per rank of ``group``, in group rank order.
-    """
+def _host_nodes(group) -> tuple[int, ...]:
+    """The node of every rank of ``group``, by host name (one collective)."""
     names: list = [None] * group.size()
     torch.distributed.all_gather_object(names, socket.gethostname(), group=group)
     first = {name: i for i, name in reversed(list(enumerate(names)))}
@@ -411,32 +374,18 @@ def host_nodes(group) -> tuple[int, ...]:
     return tuple(ids[name] for name in names)
 
 
-def domain_nodes(group, size: int) -> tuple[int, ...]:
-    """The NVLink domain of every rank of ``group`` where ``size`` consecutive global ranks
-    share one (``--muon-plan-nvlink-domain``; ranks numbered node-major, as torchrun and Slurm
-    number them). No collective.
-
-    Args:
-        group: the DP process group.
-        size: GPUs per NVLink domain.
-
-    Returns:
-        One domain id per rank of ``group``, in group rank order.
-    """
+def _domain_nodes(group, size: int) -> tuple[int, ...]:
+    """The NVLink domain of every rank of ``group``: ``size`` consecutive global ranks each."""
     return tuple(r // size for r in torch.distributed.get_process_group_ranks(group))
 
 
 def shared_layout(nodes: tuple[int, ...], groups: list) -> tuple[int, ...]:
-    """The node layout TP rank 0 of each of ``groups`` found, on all its ranks. The TP ranks of
-    a DP rank must run one plan (the ``duplicated`` and ``distributed`` modes gather or sum over
-    TP inside it), but a layout from global ranks or host names can differ between them: an
-    NVLink domain that is not a multiple of the TP size, a TP group across hosts. One
-    ``all_gather_object`` per group of more than one rank; every TP peer calls it at the same
-    point (``attach``, with the same params).
+    """TP rank 0's node layout on every rank of ``groups``: a DP rank's TP peers must run one
+    plan, but their layouts can differ (a domain not a multiple of TP, TP across hosts).
 
     Args:
-        nodes: this rank's layout of its DP group (``domain_nodes`` or ``host_nodes``).
-        groups: the TP groups sharding this optimizer's Muon params (``_tp_groups``).
+        nodes: this rank's layout of its DP group.
+        groups: the TP groups sharding this optimizer's Muon params.
 
     Returns:
         The layout every rank of those groups plans with.
@@ -449,8 +398,7 @@ def shared_layout(nodes: tuple[int, ...], groups: list) -> tuple[int, ...]:
 
 
 def _tp_groups(inner, infos: list) -> list:
-    """The TP (or expert TP) groups of more than one rank that shard ``infos``' params
-    (``TPOrthogonalizer._group``), in one order on every rank (dense, then expert)."""
+    """The (expert) TP groups of more than one rank sharding ``infos``' params, dense first."""
     if not isinstance(inner, TPOrthogonalizer):
         return []
     groups = {}

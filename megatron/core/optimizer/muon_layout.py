@@ -1,13 +1,6 @@
-"""The DDP buffer layout of our Muon's DistributedOptimizer: shard-aligned where that balances.
-
-Upstream's LayerWise layout (``LayerWiseDistributedOptimizer.compute_full_param_layout``) puts
-the Muon matrices in buffers of their own, bin-packed so that every matrix lies whole inside one
-DP shard; the rest keeps DistOpt's byte-level layout. Where that keeps the Newton-Schulz work
-balanced, our planner lets each matrix's holder own it and the exchange moves nothing, or moves
-the few matrices that even the load (``muon_placement.holder_owners``); where whole matrices
-cannot balance (DP near the matrix count, a few dominant matrices), DistOpt's byte-level layout
-is kept and the exchange (and gangs) balance the work.
-Exact either way; checkpoints name params, so both layouts load each other's.
+"""The DDP buffer layout of our Muon's DistributedOptimizer: upstream's LayerWise layout (each
+Muon matrix whole in one DP shard) where the holders' Newton-Schulz loads balance, else
+DistOpt's byte-level one. Why and when: docs/distopt_exchange.md.
 """
 
 from ..distributed.param_and_grad_buffer import group_params_for_buffers
@@ -22,13 +15,11 @@ TAG = "is_managed_by_layer_wise_optimizer"
 def compute_full_param_layout(
     params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None
 ):
-    """The layout DDP builds its buffers from (``DistributedOptimizer.compute_full_param_layout``'s
-    signature): per (dtype, expert) group, the Muon matrices shard-aligned where their holders'
-    NS loads balance, else every param byte-level. Tags the matrices so laid out (``TAG``); DDP
-    must be built from the same params.
+    """DDP's buffer layout (upstream's signature), per (dtype, expert) group; tags the
+    shard-aligned matrices (``TAG``), so DDP must be built from the same params.
 
     Args:
-        params: every param to lay out (a model chunk's, requires_grad).
+        params: every param to lay out.
         bucket_size: approximate elements per bucket (None: one bucket).
         data_parallel_world_size: the dense params' DP size.
         ddp_config: DDP's config.
@@ -67,12 +58,11 @@ def _apart(key, per_buffer, sizes) -> bool:
 
 
 def holder_costs(per_buffer, dp: int) -> tuple[list[float], list[int]]:
-    """(NS cost, holding DP rank) of each matrix of a shard-aligned buffer. The cost is
-    ``m n min(m, n)`` of its TP-local shape (one Newton-Schulz step's FLOPs up to a constant);
-    the planner's costs split Q/K/V and see TP, so it may still move a few more matrices.
+    """(NS cost ``m n min(m, n)``, holding DP rank) of each matrix of a shard-aligned buffer;
+    the planner's finer costs (Q/K/V, TP) may still move a few more.
 
     Args:
-        per_buffer: upstream's ``PerBufferParamLayout`` (every param whole in one shard).
+        per_buffer: upstream's ``PerBufferParamLayout``.
         dp: its DP size.
 
     Returns:
@@ -88,12 +78,5 @@ def holder_costs(per_buffer, dp: int) -> tuple[list[float], list[int]]:
 
 
 def is_shard_aligned(buffer) -> bool:
-    """Whether a DDP buffer holds matrices laid out shard-aligned by ``compute_full_param_layout``.
-
-    Args:
-        buffer: a DDP ``_ParamAndGradBuffer``.
-
-    Returns:
-        True for the Muon matrices' own buffer.
-    """
+    """Whether a DDP buffer holds the shard-aligned Muon matrices."""
     return bool(buffer.params) and getattr(buffer.params[0], TAG, False)

@@ -1,9 +1,6 @@
-"""Muon inside Megatron: which params take Muon, their groups, and the optimizer factory.
-
-Upstream's ``get_megatron_optimizer`` machinery runs unchanged; patch 0002 calls
-``check_muon_supported`` (refusals, on every rank) and ``build_muon`` (one ``MegatronMuon`` per
-Megatron optimizer, each group split into a Muon and an AdamW half) from it. Also upstream's
-``TensorParallelMuon`` constructor. Map of the modules: docs/muon_in_megatron.md.
+"""Muon inside Megatron: which params take Muon, their groups, the factory hooks patch 0002
+calls (``check_muon_supported``, ``build_muon``) and upstream's ``TensorParallelMuon``
+constructor. Map of the modules: docs/muon_in_megatron.md.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -30,29 +27,16 @@ from .muon_tp import TPOrthogonalizer
 
 @dataclass(frozen=True)
 class MegatronMuonParamInfo(MuonParamInfo):
-    """``MuonParamInfo`` (global shape, QKV split) plus how the param is sharded over TP.
-
-    ``partition_dim`` is Megatron's ``param.partition_dim`` (0: rows of W = outputs, a
-    ColumnParallelLinear; 1: columns, a RowParallelLinear), None for a param TP does not split.
-    ``expert`` selects the expert-TP group instead of the TP group.
-    """
+    """``MuonParamInfo`` plus Megatron's ``partition_dim`` (0 rows, 1 columns, None: not TP
+    split) and ``expert`` (sharded over the expert-TP group); docs/tp_modes.md."""
 
     partition_dim: Optional[int] = None
     expert: bool = False
 
 
-def is_muon_param(param: Tensor, name: str = "") -> bool:
-    """Muon takes 2-D weights (expert weights too) except embeddings and the output layer: the
-    word embeddings and output layer Megatron marks, and learned absolute position embeddings
-    (``name``), which it does not mark.
-
-    Args:
-        param: a model param.
-        name: its name in the model chunk (``named_parameters``).
-
-    Returns:
-        True where Muon steps it, False where AdamW does.
-    """
+def _is_muon_param(param: Tensor, name: str = "") -> bool:
+    """2-D weights except embeddings and the output layer (Megatron marks those, but not the
+    learned position embeddings: ``name`` tells them)."""
     if param.ndim != 2 or getattr(param, "is_embedding_or_output_parameter", False):
         return False
     return not name.endswith("embedding.position_embeddings.weight")
@@ -73,20 +57,9 @@ def tp_groups(pg_collection=None) -> dict[bool, Any]:
     }
 
 
-def agree_across(local_ok: bool, groups: dict, device=None) -> bool:
-    """True iff ``local_ok`` holds on every rank of the given TP groups ({expert?: group}).
-
-    Both groups of size > 1 and different: one all-reduce over all ranks (Megatron steps every
-    rank's optimizer together), so that no chain of overlapping groups can disagree.
-
-    Args:
-        local_ok: this rank's verdict.
-        groups: {expert?: TP process group} (``tp_groups``); None or size-1 groups are skipped.
-        device: where the flag tensor lives (the NCCL device on GPU); None: the default.
-
-    Returns:
-        The same verdict on every rank: True only if every rank's ``local_ok`` is.
-    """
+def _agree_across(local_ok: bool, groups: dict, device=None) -> bool:
+    """True iff ``local_ok`` holds on every rank of the TP ``groups``; with two distinct groups,
+    over all ranks, so that no chain of overlapping groups can disagree."""
     active = [g for g in {id(g): g for g in groups.values() if g is not None}.values()]
     active = [g for g in active if torch.distributed.get_world_size(g) > 1]
     if not active:
@@ -100,15 +73,15 @@ def agree_across(local_ok: bool, groups: dict, device=None) -> bool:
 def param_info(
     param: Tensor, tp_size: int, qkv_split: Optional[Sequence[int]]
 ) -> MegatronMuonParamInfo:
-    """Global info of a (possibly TP-sharded) 2-D param: the local shape times TP on its dim.
+    """TP-global info of a 2-D param: the local shape times TP on its ``partition_dim``.
 
     Args:
-        param: a 2-D model param, with Megatron's ``partition_dim`` attributes where TP-sharded.
-        tp_size: the size of its TP group (the expert TP group for an expert param).
+        param: a 2-D model param (Megatron's TP attributes where TP-sharded).
+        tp_size: the size of its (expert) TP group.
         qkv_split: row counts of one query group's Q/K/V blocks, or None.
 
     Returns:
-        Its ``MegatronMuonParamInfo`` (TP-global shape, partition_dim, expert).
+        Its ``MegatronMuonParamInfo``.
     """
     if param.ndim != 2:
         raise ValueError(
@@ -134,21 +107,9 @@ def qkv_split_rows(model_config) -> tuple[int, int, int]:
     return (heads_per_group * kv, kv, kv)
 
 
-def check_qkv_layout(model_config, tp_mode: str, tp: int) -> None:
-    """ValueError where ``muon_split_qkv`` cannot split ``linear_qkv.weight`` per Q/K/V block:
-    with ``attention_output_gate`` a query group's rows are ``[q; gate; k; v]``, which
-    ``qkv_split_rows`` does not describe; with fewer query groups than TP ranks a TP shard
-    holds part of a query group, which only the ``duplicated`` mode (it gathers the matrix)
-    can split.
-
-    Args:
-        model_config: the model's ``TransformerConfig``.
-        tp_mode: ``OptimizerConfig.muon_tp_mode``.
-        tp: the tensor-parallel size.
-
-    Raises:
-        ValueError: naming the model setting and the ways out.
-    """
+def _check_qkv_layout(model_config, tp_mode: str, tp: int) -> None:
+    """ValueError where ``linear_qkv.weight`` cannot be split per Q/K/V block: an attention
+    output gate, or a TP shard holding part of a query group (outside the ``duplicated`` mode)."""
     if getattr(model_config, "attention_output_gate", False):
         raise ValueError(
             "TransformerConfig.attention_output_gate=True with optimizer='muon' and "
@@ -166,16 +127,11 @@ def check_qkv_layout(model_config, tp_mode: str, tp: int) -> None:
 
 
 def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
-    """{param: MegatronMuonParamInfo} for every Muon param of the model chunks.
-
-    QKV: with ``muon_split_qkv`` a 2-D ``linear_qkv.weight`` is orthogonalized per Q/K/V block.
-    TP splits its rows by whole query groups, so the global matrix is the row concatenation of
-    the shards in TP-rank order: exact TP modes see the TP=1 layout. (Each Q block spans all
-    query groups, hence all TP ranks: splitting does not make the exchange unnecessary.)
+    """The info of every Muon param of the model chunks (QKV split: docs/tp_modes.md).
 
     Args:
-        config: the ``OptimizerConfig`` (``muon_split_qkv``).
-        model_chunks: the model chunks (one per virtual pipeline stage).
+        config: the ``OptimizerConfig``.
+        model_chunks: the model chunks.
         pg_collection: the process groups, or None for ``parallel_state``'s.
 
     Returns:
@@ -186,29 +142,18 @@ def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
     infos = {}
     for chunk in model_chunks:
         if config.muon_split_qkv:
-            check_qkv_layout(chunk.config, config.muon_tp_mode, sizes[False])
+            _check_qkv_layout(chunk.config, config.muon_tp_mode, sizes[False])
         split = qkv_split_rows(chunk.config) if config.muon_split_qkv else None
         for name, param in chunk.named_parameters():
-            if is_muon_param(param, name):
+            if _is_muon_param(param, name):
                 qkv = split if name.endswith("linear_qkv.weight") else None
                 infos[param] = param_info(param, sizes[is_expert_param(param)], qkv)
     return infos
 
 
-def split_param_groups(param_groups: list[dict], muon_params) -> list[dict]:
-    """Each Megatron group -> a Muon half (its params in ``muon_params``) and an AdamW half,
-    same settings otherwise.
-
-    Both halves are kept even when empty, so every rank has the same group structure (Megatron
-    aligns groups across ranks for checkpoints).
-
-    Args:
-        param_groups: Megatron's param groups (``_get_param_groups``).
-        muon_params: the params Muon steps (``muon_param_infos``' keys).
-
-    Returns:
-        Two groups per Megatron group, ``use_muon`` True then False.
-    """
+def _split_param_groups(param_groups: list[dict], muon_params) -> list[dict]:
+    """Each group -> a Muon half (``use_muon``) and an AdamW half, both kept even when empty:
+    every rank keeps the same group structure (Megatron aligns groups for checkpoints)."""
     out = []
     for group in param_groups:
         for use_muon in (True, False):
@@ -218,16 +163,11 @@ def split_param_groups(param_groups: list[dict], muon_params) -> list[dict]:
 
 
 def check_muon_supported(config, model_chunks) -> None:
-    """Validate a Muon config where Muon is built; ValueError for what Muon does not support.
+    """ValueError naming the field and what is allowed, for what this Muon does not support.
 
     Args:
-        config: the ``OptimizerConfig``; nothing is checked unless it asks for this Muon
-            (``is_megatron_muon``: ``optimizer == 'muon'``, and ``muon_impl='megatron_muon'``
-            where upstream has its own Muon).
+        config: the ``OptimizerConfig``; checked only if it asks for this Muon.
         model_chunks: the DDP-wrapped model chunks.
-
-    Raises:
-        ValueError: naming the field, its value and what is allowed (never a silent fallback).
     """
     if not is_megatron_muon(config):
         return
@@ -251,8 +191,7 @@ def check_muon_supported(config, model_chunks) -> None:
 
 
 def _check_not_upstream_muon_only(config) -> None:
-    """Refuse, by name, the settings of upstream's emerging-optimizers Muon that this Muon does
-    not have."""
+    """Refuse, by name, upstream Muon's settings this Muon lacks."""
     refused = {
         "use_layer_wise_distributed_optimizer": (
             True,
@@ -275,17 +214,8 @@ def _check_not_upstream_muon_only(config) -> None:
 
 
 def check_experts_apart(model_chunks) -> None:
-    """ValueError where one param holds several experts' matrices: Muon orthogonalizes each
-    expert's weight on its own (as over SequentialMLP in one process), but
-    ``moe_single_grouped_weight`` keeps all local experts in one param, whose Newton-Schulz
-    would mix the experts (and depend on EP).
-
-    Args:
-        model_chunks: the model chunks.
-
-    Raises:
-        ValueError: naming the module and the ways out.
-    """
+    """ValueError where one param holds all local experts (``moe_single_grouped_weight``):
+    its Newton-Schulz would mix the experts and depend on EP."""
     configs = [getattr(c, "config", None) for c in model_chunks]
     if any(getattr(cfg, "moe_single_grouped_weight", False) for cfg in configs):
         raise ValueError(
@@ -317,21 +247,20 @@ def muon_kwargs(config) -> dict:
 
 
 def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=None):
-    """(inner optimizer, init_state_fn) for upstream's wrappers; called by the patched factory.
+    """The inner optimizer and its ``init_state_fn``, for the patched factory.
 
     Args:
-        config: the ``OptimizerConfig`` (Muon and Adam settings).
+        config: the ``OptimizerConfig``.
         model_chunks: the model chunks whose params the groups hold.
-        param_groups: Megatron's param groups (``_get_param_groups``), split here into Muon and
-            AdamW halves.
+        param_groups: Megatron's param groups, each split here into a Muon and an AdamW half.
         pg_collection: the process groups, or None for ``parallel_state``'s.
 
     Returns:
-        (``MegatronMuon``, ``init_muon_state``).
+        (``MegatronMuon``, its init_state_fn).
     """
     infos = muon_param_infos(config, model_chunks, pg_collection)
     optimizer = MegatronMuon(
-        split_param_groups(param_groups, infos),
+        _split_param_groups(param_groups, infos),
         distopt_exchange_dtype=config.muon_distopt_exchange_dtype,
         distopt_plan_links=PlanLinks(
             config.muon_plan_tflops,
@@ -346,28 +275,19 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
         ),
         **muon_kwargs(config),
     )
-    return optimizer, init_muon_state
+    return optimizer, _init_muon_state
 
 
-def init_muon_state(optimizer, config=None) -> None:
-    """Megatron's ``init_state_fn``: create every param's state (checkpoint loading needs it).
-
-    Args:
-        optimizer: the inner ``MegatronMuon``.
-        config: the ``OptimizerConfig``; unused, part of upstream's signature.
-    """
+def _init_muon_state(optimizer, config=None) -> None:
+    """Megatron's ``init_state_fn``: every param's state, which checkpoint loading needs."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             optimizer.init_state(param)
 
 
 class _PositionalInfo(dict):
-    """``Muon.param_info`` that survives Megatron swapping params inside the groups.
-
-    ``Float16OptimizerWithFloat16Params`` replaces each bf16/fp16 param in the inner optimizer's
-    groups by its fp32 main param *after* the optimizer is built; the info of a group's i-th
-    param is that of whatever tensor now sits at position i.
-    """
+    """``Muon.param_info`` by position in the groups: Megatron's fp16 wrapper swaps each
+    16-bit param for its fp32 main param after the optimizer is built."""
 
     def __init__(self, optimizer: "MegatronMuon") -> None:
         super().__init__()
@@ -390,15 +310,12 @@ class _PositionalInfo(dict):
 
 
 class MegatronMuon(Muon):
-    """``Muon`` inside Megatron's optimizer wrappers and DistributedOptimizer.
-
-    Its per-param infos follow the fp32 main-param swap (``_PositionalInfo``); under the
-    DistributedOptimizer, ``MuonDistributedOptimizer`` attaches its shard layout and exchange.
+    """``Muon`` inside Megatron's wrappers; muon_distrib_optimizer.py attaches the exchange.
 
     Args:
-        params: param groups (``use_muon`` picks the rule), as for ``Muon``.
-        distopt_exchange_dtype: dtype of the momentum exchanged over DP ranks ('fp32', 'bf16').
-        distopt_plan_links: the machine the DistOpt planner assumes (``muon_split.PlanLinks``).
+        params: param groups (``use_muon`` picks the rule).
+        distopt_exchange_dtype: dtype of the momentum exchanged over DP ('fp32', 'bf16').
+        distopt_plan_links: the machine the DistOpt planner assumes (muon_split.py).
         **kwargs: ``Muon``'s settings.
     """
 
@@ -431,24 +348,9 @@ class MegatronMuon(Muon):
 
 
 class TensorParallelMuon(Muon):
-    """Upstream's constructor on our Muon (no emerging_optimizers): megatron-core 0.19's
-    argument names and order, and 0.16.1's names for the same arguments (``momentum_beta``,
-    ``use_nesterov``, ``mode``; keyword only; giving both names of one argument is an error).
-
-    Every param here is a Muon param (upstream keeps AdamW in a separate optimizer). Upstream's
-    names map as: ``momentum``, ``nesterov`` as is, ``fp32_matmul_prec`` -> ns_precision
-    ('highest' fp32, 'high' TF32 allowed on CUDA, 'medium' bf16), ``coefficient_type`` ->
-    ns_coefficients, ``num_ns_steps`` -> ns_steps, ``scale_mode`` and ``extra_scale_factor`` as
-    is (matched_adamw_rms is None), ``use_decoupled_weight_decay=False`` -> L2 decay added to the
-    gradient. ``split_qkv`` orthogonalizes params for which ``is_qkv_fn(p)`` holds per
-    ``qkv_split_shapes`` block. Upstream's momentum buffer is an EMA, ``(1 - momentum)`` times
-    ours; Newton-Schulz is scale invariant, so the updates are the same.
-
-    Tensor parallelism (``muon_tp.py``): params carry Megatron's ``tensor_model_parallel`` and
-    ``partition_dim``; ``duplicated`` and ``distributed`` are exact over ``pg_collection.tp``
-    (``expt_tp`` for expert params), ``blockwise`` orthogonalizes each TP-local slice. Without a
-    ``pg_collection``, Megatron's ``parallel_state`` groups are used when initialized, else TP=1.
-    """
+    """Upstream's constructor (megatron-core 0.19's arguments, and 0.16.1's names
+    ``momentum_beta``, ``use_nesterov``, ``mode`` keyword-only) on our Muon; every param is a
+    Muon param. How the arguments map, and why the updates equal upstream's: docs/muon.md."""
 
     def __init__(
         self,
@@ -512,7 +414,7 @@ class TensorParallelMuon(Muon):
         """One all-reduce so that all TP peers raise or skip together: a rank that raised
         alone would leave its peers waiting in the TP all-gather."""
         params = [p for g in self.param_groups for p in g["params"]]
-        return agree_across(local_ok, self._tp_group_map, params[0].device if params else None)
+        return _agree_across(local_ok, self._tp_group_map, params[0].device if params else None)
 
 
 def _one_name(name: str, value: Any, old_name: str, old_value: Any, default: Any) -> Any:

@@ -1,6 +1,5 @@
-"""Where the Newton-Schulz work of an exchange runs: whole matrices and gangs placed on DP ranks
-(stacked or disjoint gangs, chosen for time at an assumed link, then for FLOPs). Pure arithmetic,
-deterministic on every rank; the candidates and the choice: docs/gangs.md.
+"""Where an exchange's Newton-Schulz work runs: whole matrices and gangs on DP ranks. Pure
+arithmetic, the same on every rank; the candidates and the choice: docs/gangs.md.
 """
 
 import math
@@ -50,25 +49,20 @@ def assign_units(
     targets=TARGETS,
     bundles=BUNDLES,
 ):
-    """Units of each matrix and the gang order (matrix indices) of the best choice; no model:
-    no splits. Candidates: stacked gangs at each split target (``_assign``) and disjoint gangs
-    of at most ``n`` matrices for each ``n`` in ``bundles`` (``bundle_units``); among those whose
-    critical path (gang collectives charged at the model's link cost, ``span``) is within
-    ``TIME_SLACK`` of the shortest, the one with the shortest FLOP critical path (the better
-    balanced) wins, the first on ties. With ``model.min_efficiency`` only the candidates at
-    least that balanced take part (``_balanced_enough``).
+    """The best placement: holders where they balance, else the candidate fastest within
+    ``TIME_SLACK``, then shortest in FLOPs (docs/gangs.md).
 
     Args:
-        works: the Muon matrices of one exchange, as the planner sees them.
-        world: the DP group's size (ranks that can own units).
+        works: the Muon matrices of one exchange.
+        world: the DP group's size.
         model: the Newton-Schulz cost model, or None for whole matrices only.
-        targets: per-rank FLOP targets to try, as fractions of the mean load.
+        targets: per-rank FLOP targets for stacked gangs, as fractions of the mean load.
         bundles: the most matrices one disjoint gang may hold, one candidate each.
 
     Returns:
         (units, gangs): per matrix its ``Unit`` list, and the split matrices' indices in order.
     """
-    held = holder_units(works, world, model.min_efficiency if model is not None else 0.0)
+    held = _holder_units(works, world, model.min_efficiency if model is not None else 0.0)
     if held is not None:
         return held
     if model is None:
@@ -89,19 +83,9 @@ def assign_units(
     return near[flops.index(min(flops))]  # the first of the best balanced
 
 
-def holder_units(works: list[Work], world: int, min_efficiency: float = 0.0):
-    """Every matrix whole on the rank holding it, a few moved where that balances
-    (``holder_owners``).
-
-    Args:
-        works: the Muon matrices of one exchange.
-        world: the DP group's size.
-        min_efficiency: the planner's efficiency floor (0: none).
-
-    Returns:
-        (units, gangs) as ``assign_units``, or None where a matrix lies on several ranks or
-        moving whole matrices cannot balance.
-    """
+def _holder_units(works: list[Work], world: int, min_efficiency: float = 0.0):
+    """``assign_units``' answer with every matrix whole on its holder (``holder_owners``), or
+    None where a matrix lies on several ranks or moves cannot balance."""
     if any(len(w.held) != 1 for w in works):
         return None
     holders = [next(iter(w.held)) for w in works]
@@ -112,16 +96,14 @@ def holder_units(works: list[Work], world: int, min_efficiency: float = 0.0):
 
 
 def holder_owners(costs: list[float], holders: list[int], world: int, min_efficiency=0.0):
-    """Owners of whole matrices: each its holder (nothing to exchange) while the busiest rank's
-    NS load stays within ``HOLDER_SLACK`` of the mean (and the efficiency, mean / busiest, at
-    least ``min_efficiency``); else, one at a time, the busiest rank's matrix whose move to the
-    least-loaded rank best evens those two moves there (few moves: few bytes).
+    """Owners of whole matrices: their holders, with few moves to balance the NS load within
+    ``HOLDER_SLACK`` (docs/distopt_exchange.md).
 
     Args:
-        costs: NS cost of each matrix (FLOPs, or anything proportional to them).
+        costs: NS cost of each matrix (or anything proportional).
         holders: the DP rank holding each matrix whole.
         world: the DP group's size.
-        min_efficiency: the planner's efficiency floor (``--muon-plan-min-efficiency``; 0: none).
+        min_efficiency: the planner's efficiency floor (0: none).
 
     Returns:
         The owner of each matrix, or None where no move helps before the loads balance.
@@ -142,28 +124,26 @@ def holder_owners(costs: list[float], holders: list[int], world: int, min_effici
 
 
 def _balanced_enough(timed: list, works: list[Work], world: int, model, ideal: float) -> list:
-    """The timed candidates whose counted FLOP efficiency (``ideal`` over their FLOP critical
-    path) reaches ``model.min_efficiency`` (``--muon-plan-min-efficiency``); where none does,
-    the best balanced alone, so a floor out of reach still gets the closest plan."""
+    """The candidates whose FLOP efficiency reaches ``model.min_efficiency``; where none does,
+    the best balanced alone."""
     flops = [span(works, *c, world, model, link=False) for _, c in timed]
     enough = [pair for pair, f in zip(timed, flops) if ideal >= model.min_efficiency * f]
     return enough or [timed[flops.index(min(flops))]]
 
 
 def span(works: list[Work], units, gangs: list[int], world: int, model, link=True) -> float:
-    """The critical path of an assignment, gang collectives at ``model.sync_flops``: every rank
-    runs its gang units interleaved, then its whole matrices (``exchange_schedule``).
+    """The critical path of an assignment, as the exchange runs it (muon_split.py).
 
     Args:
         works: the matrices.
         units: per matrix its ``Unit`` list.
-        gangs: the split matrices' indices, in the order every rank runs them.
+        gangs: the split matrices' indices, in run order.
         world: the DP group's size.
-        model: the cost model (None: no gangs, no link cost).
+        model: the cost model (None: no link cost).
         link: charge the gang collectives and the all-to-all (else: FLOPs only).
 
     Returns:
-        FLOP units: matmul FLOPs plus link time expressed in FLOPs.
+        Matmul FLOPs plus link time expressed in FLOPs.
     """
     traces = exchange_schedule([w.info for w in works], units, gangs, world, model)
     if model is None or not link:
@@ -174,11 +154,10 @@ def span(works: list[Work], units, gangs: list[int], world: int, model, link=Tru
 
 
 def exchange_elements(works: list[Work], units, world: int) -> tuple[list[int], list[int]]:
-    """Elements each rank sends and receives in the forward all-to-all (the return swaps them),
-    self-copies excluded: every holder sends each owner the part of its shard in their unit.
+    """Elements each rank sends and receives in the forward all-to-all, self-copies excluded.
 
     Args:
-        works: the matrices (``held``: each holder's flat range).
+        works: the matrices.
         units: per matrix its ``Unit`` list.
         world: the DP group's size.
 
@@ -198,17 +177,14 @@ def exchange_elements(works: list[Work], units, world: int) -> tuple[list[int], 
 
 
 def _shapers(model: Optional[NSCostModel]) -> list:
-    """The cost models candidates are shaped with: ``model``, and where its links cost
-    anything the same model with free links (placements shortest in FLOPs, which the
-    communication thread's overlap can make the fastest too); all are timed with ``model``."""
+    """``model``, and the same with free links where its links cost anything."""
     if model is None or model == model.free_links():
         return [model]
     return [model, model.free_links()]
 
 
 def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
-    """Stacked gangs: matrices above ``target`` split over the least-loaded ranks (a rank may
-    join several gangs: its load adds them up), then whole matrices by LPT greedy."""
+    """Stacked gangs for matrices above ``target``, then whole matrices by LPT greedy."""
     loads = [0.0] * world
     units: list = [None] * len(works)
     gangs = []
@@ -228,9 +204,7 @@ def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
 
 
 def _gang(w: Work, k: int, axis: int, loads: list[float], model: NSCostModel) -> list[Unit]:
-    """``k`` least-loaded ranks (holders first on ties; of one node, ``_least_loaded``), blocks
-    in the order the members hold the matrix; they all start when the last is free and end
-    together (one sum per step)."""
+    """A gang on ``k`` least-loaded ranks; its members start and end together."""
     none = (math.inf, 0)
     members = _least_loaded(w, k, loads, model.nodes)
     members.sort(key=lambda r: (w.held.get(r, none)[0], r))
@@ -242,9 +216,7 @@ def _gang(w: Work, k: int, axis: int, loads: list[float], model: NSCostModel) ->
 
 
 def _least_loaded(w: Work, k: int, loads: list[float], nodes: tuple) -> list[int]:
-    """The ``k`` least-loaded ranks (holders of more of ``w`` first on ties); where the nodes
-    are known and one holds ``k`` ranks, from the node where the ``k``-th least-loaded is least
-    loaded, so the gang's collectives stay on the node's fast link."""
+    """The ``k`` least-loaded ranks (holders first on ties), of one node where one fits."""
     none = (math.inf, 0)
 
     def order(ranks):
@@ -260,7 +232,7 @@ def _least_loaded(w: Work, k: int, loads: list[float], nodes: tuple) -> list[int
 
 
 def whole_unit(w: Work, owner: int) -> Unit:
-    """The unit of a matrix orthogonalized whole by ``owner``.
+    """The unit of ``w`` orthogonalized whole.
 
     Args:
         w: the matrix.
@@ -273,14 +245,13 @@ def whole_unit(w: Work, owner: int) -> Unit:
 
 
 def gang_units(w: Work, members: list[int], axis: int, model: NSCostModel) -> list[Unit]:
-    """Equal consecutive blocks of ``w`` along ``axis``, in ``members`` order (the order they
-    hold the matrix in, so a member's block is mostly its own shard).
+    """Equal consecutive blocks of ``w`` along ``axis``, one per member.
 
     Args:
         w: the matrix.
         members: the gang's ranks, in block order.
         axis: the split axis (0: rows, 1: columns).
-        model: the cost model (member FLOPs, whether the gang splits its polynomials).
+        model: the cost model.
 
     Returns:
         One ``Unit`` per member.
@@ -301,12 +272,8 @@ def gang_units(w: Work, members: list[int], axis: int, model: NSCostModel) -> li
 
 
 def bundle_units(works: list[Work], world: int, model: NSCostModel, most: int):
-    """Disjoint gangs: the matrices in decreasing cost, cut into consecutive runs; a run is
-    orthogonalized whole by one rank (cost <= the bound) or, at most ``most`` matrices, by a
-    gang of its own ranks, each member an equal block of every matrix of the run (so no rank
-    waits for a gang it is not in). The bound is the smallest (bisection) whose runs need at
-    most ``world`` ranks (``_Runs.cover``); ranks left over first lower that bound, then
-    balance FLOPs under it (``_Runs._spread``).
+    """Disjoint gangs: runs of matrices, each whole on one rank or on a gang of its own
+    (docs/gangs.md).
 
     Args:
         works: the Muon matrices of one exchange.
@@ -337,9 +304,8 @@ def bundle_units(works: list[Work], world: int, model: NSCostModel, most: int):
 
 
 def _members(works: list[Work], ids: list[int], k: int, taken: set, world: int, model) -> list:
-    """``k`` free ranks, those holding most of the run first (fewer bytes), then the lowest;
-    where the nodes are known (``NSCostModel.nodes``), from one node or spread evenly over whole
-    nodes (``_node_members``), so that the gang's collectives stay on or split by node."""
+    """``k`` free ranks, those holding most of the run first; on one node or evenly over
+    whole nodes where the nodes are known."""
     held: dict[int, int] = {}
     for i in ids:
         for r, (_, n) in works[i].held.items():
@@ -356,8 +322,8 @@ def _members(works: list[Work], ids: list[int], k: int, taken: set, world: int, 
 
 
 def _node_members(nodes: tuple, taken: set, held: dict, k: int) -> Optional[list[int]]:
-    """``k`` free ranks on one node (the node holding most of the run), or ``m`` on each of
-    ``k / m`` nodes with ``m`` the largest divisor of ``k`` that fits; None where none fits."""
+    """``k`` free ranks on one node, or ``m`` on each of ``k / m`` nodes (``m`` the largest
+    divisor of ``k`` that fits); None where none fits."""
     free: dict[int, list[int]] = {}
     for r, node in enumerate(nodes):
         if r not in taken:
@@ -374,9 +340,8 @@ def _node_members(nodes: tuple, taken: set, held: dict, k: int) -> Optional[list
 
 
 class _Runs:
-    """The partition search of ``bundle_units``: minimum ranks for a bound, by dynamic
-    programming over the cost-ordered matrices (a run: at most ``most`` matrices, or any
-    number orthogonalized whole by one rank)."""
+    """``bundle_units``' search: fewest ranks for a bound, by dynamic programming over the
+    cost-ordered matrices."""
 
     def __init__(self, works: list[Work], world: int, model: NSCostModel, most: int):
         self.works, self.world, self.model, self.most = works, world, model, most
@@ -386,9 +351,7 @@ class _Runs:
         self._busiest: dict[tuple[int, int, bool], float] = {}
 
     def load(self, ids: list[int], k: int, link: bool = True) -> float:
-        """FLOPs of the busiest member of a run over ``k`` ranks, its gangs' link time
-        included unless ``link`` is False (``NSCostModel.busiest``; FLOPs alone with a free
-        link)."""
+        """FLOPs of a run's busiest member over ``k`` ranks (plus link time if ``link``)."""
         if k == 1:
             return sum(self.works[i].cost for i in ids)
         out = 0.0
@@ -407,15 +370,13 @@ class _Runs:
         return min([self.world] + [self.works[i].local_shape[self.axes[i]] for i in ids])
 
     def sizes(self, most: int) -> list[int]:
-        """Gang sizes tried, up to ``most``: all where nodes are unknown, else those that fit
-        one node or fill whole nodes (hierarchical collectives, ``node_layout``)."""
+        """Gang sizes tried, up to ``most``: those fitting one node or filling whole nodes."""
         if self.per_node <= 1:
             return list(range(2, most + 1))
         return [k for k in range(2, most + 1) if k <= self.per_node or k % self.per_node == 0]
 
     def ranks(self, ids: list[int], bound: float) -> Optional[int]:
-        """Fewest ranks whose busiest member works <= bound (bisection over ``sizes``: the
-        load falls with k)."""
+        """Fewest ranks whose busiest member works <= bound (bisection over ``sizes``)."""
         if self.load(ids, 1) <= bound:
             return 1
         sizes = self.sizes(self.most_ranks(ids))
@@ -464,10 +425,7 @@ class _Runs:
         return runs
 
     def _spread(self, runs: list, spare: int) -> None:
-        """Give spare ranks to runs: first, one at a time, to the run whose busiest member
-        works most while that lowers it (the time bound); then, in steps to the next gang size
-        (``sizes``), to the run whose busiest member executes the most FLOPs, where that lowers
-        them and keeps its load within the bound: the same modeled time, better balanced."""
+        """Spare ranks: first to lower the time bound, then to balance FLOPs under it."""
         while spare:
             load, n = max((self.load(ids, k), n) for n, (ids, k) in enumerate(runs))
             ids, k = runs[n]

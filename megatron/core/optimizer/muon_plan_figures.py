@@ -1,6 +1,5 @@
-"""Counted figures of a DistOpt Muon plan (muon_plan.py), for benches, logs and tests: FLOPs per
-rank and on the critical path, bytes moved, sync points, transient memory. The step never calls
-these; they count the schedule the step runs (docs/distopt_exchange.md, "Counted figures").
+"""Counted figures of a DistOpt Muon plan (muon_plan.py) for benches, logs and tests; the step
+never calls these (docs/distopt_exchange.md, "Counted figures").
 """
 
 import math
@@ -12,15 +11,14 @@ from .muon_split import ALL, critical_path, exchange_schedule, member_events
 
 
 def with_window(plan: MuonExchangePlan, window: Optional[int]) -> MuonExchangePlan:
-    """The same layout under a former schedule, to compare with: one owner per matrix (no
-    gangs), one exchange per ``window`` (1: bucket by bucket). Matrix indices are kept.
+    """The same layout with one owner per matrix and one exchange per ``window``, to compare.
 
     Args:
         plan: the plan.
-        window: Muon elements per exchange (``muon_plan.group_exchanges``).
+        window: Muon elements per exchange (1: bucket by bucket).
 
     Returns:
-        A new plan.
+        A new plan, matrix indices kept.
     """
     return plan.rebuilt(window, None)
 
@@ -49,10 +47,8 @@ def ns_flops_per_rank(plan: MuonExchangePlan) -> list[float]:
 
 
 def trace(plan: MuonExchangePlan, rank: int) -> list[tuple]:
-    """What ``rank``'s main thread executes in a step (``muon_split.exchange_schedule``): per
-    exchange the forward all-to-all, the posts of its gang collectives and the waits for them,
-    then its whole matrices and the return all-to-all. Where an exchange moves nothing its
-    all-to-alls are skipped (``Exchange.moves``): they stay as the rank's own (no wait).
+    """What ``rank``'s main thread executes in a step (an exchange moving nothing skips its
+    all-to-alls: they stay as the rank's own, no wait).
 
     Args:
         plan: the plan.
@@ -84,8 +80,7 @@ def _schedule(plan: MuonExchangePlan, ex: Exchange) -> list[list[tuple]]:
 
 
 def critical_path_flops(plan: MuonExchangePlan) -> float:
-    """NS FLOPs on the step's critical path: the ``trace``s run by ``muon_split.critical_path``
-    (without gangs: per exchange, the busiest rank); computed once per plan."""
+    """NS FLOPs on the step's critical path (the ``trace``s run); cached on the plan."""
     if "_critical" not in plan.__dict__:
         plan._critical = critical_path([trace(plan, r) for r in range(plan.world)])
     return plan._critical
@@ -117,16 +112,13 @@ def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...
 
 
 def sync_points(plan: MuonExchangePlan) -> int:
-    """Exchanges that move anything (DP-wide; the others skip their all-to-alls,
-    ``Exchange.moves``) plus gang collectives (within a gang) per step."""
+    """Exchanges that move anything plus gang collectives, per step."""
     moving = sum(ex.moves for ex in plan.exchanges)
     return moving + sum(len(gang_sums(plan, ex)) for ex in plan.exchanges)
 
 
 def summary(plan: MuonExchangePlan, layout: str = "") -> str:
-    """The plan in one line, for a log: the layout (``layout``, e.g. "shard-aligned"), matrices,
-    DP ranks (and nodes), exchanges, matrices split over gangs, the counted NS FLOP efficiency
-    (and where no plan reaches the floor) and the sync points per step.
+    """The plan in one line, for a log.
 
     Args:
         plan: the plan.
@@ -150,8 +142,7 @@ def summary(plan: MuonExchangePlan, layout: str = "") -> str:
 
 
 def _moved(plan: MuonExchangePlan) -> str:
-    """Where every matrix lies whole on one rank (the shard-aligned layout): how many move to
-    another owner (the rest stay, moving no bytes). Empty otherwise."""
+    """How many matrices move, where each lies whole on one rank; else empty."""
     holders: dict[int, set] = {}
     for ex in plan.exchanges:
         for p in ex.pieces:
@@ -163,8 +154,7 @@ def _moved(plan: MuonExchangePlan) -> str:
 
 
 def _short_of_floor(plan: MuonExchangePlan) -> str:
-    """Where the efficiency floor (``--muon-plan-min-efficiency``) was out of reach, say so (the
-    planner then kept the best balanced plan). Empty otherwise."""
+    """A note where the efficiency floor was out of reach; else empty."""
     floor = plan.model.min_efficiency if plan.model is not None else 0.0
     if not floor or efficiency(plan) >= floor:
         return ""
@@ -172,8 +162,7 @@ def _short_of_floor(plan: MuonExchangePlan) -> str:
 
 
 def _unsplittable(plan: MuonExchangePlan) -> str:
-    """Why some matrices cannot split over DP: a TP-sharded matrix splits only in the
-    ``duplicated`` TP mode, so elsewhere ``--muon-plan-*`` only weigh the exchange."""
+    """A note on TP-sharded matrices, which split over DP only in the ``duplicated`` mode."""
     model = plan.model
     if model is None:
         return ""
@@ -187,8 +176,8 @@ def _unsplittable(plan: MuonExchangePlan) -> str:
 
 
 def traffic(plan: MuonExchangePlan, ex: Exchange) -> tuple[list[int], list[int]]:
-    """Elements each rank sends and receives in the forward direction of ``ex`` (the return
-    direction swaps them), self-copies excluded.
+    """Elements each rank sends and receives in ``ex``'s forward all-to-all, self-copies
+    excluded.
 
     Args:
         plan: the plan.
@@ -205,17 +194,8 @@ def traffic(plan: MuonExchangePlan, ex: Exchange) -> tuple[list[int], list[int]]
     return sent, received
 
 
-def sum_traffic(plan: MuonExchangePlan, ex: Exchange) -> list[float]:
-    """Bytes each rank sends (and as many receives) in the gang collectives of ``ex``, as rings
-    move them, over both links (``NSCostModel.ring_bytes``).
-
-    Args:
-        plan: the plan.
-        ex: one of its exchanges.
-
-    Returns:
-        Bytes per DP rank.
-    """
+def _sum_traffic(plan: MuonExchangePlan, ex: Exchange) -> list[float]:
+    """Bytes each rank sends (as many received) in ``ex``'s gang collectives, ring model."""
     out = [0.0] * plan.world
     for members, n in gang_sums(plan, ex):
         for m in members:
@@ -224,13 +204,12 @@ def sum_traffic(plan: MuonExchangePlan, ex: Exchange) -> list[float]:
 
 
 def bytes_per_step(plan: MuonExchangePlan, forward_itemsize: int, return_itemsize: int, rank=None):
-    """Bytes ``rank`` sends plus receives per step in the all-to-alls, both directions,
-    self-copies excluded (gang collectives: ``sum_bytes_per_step``).
+    """Bytes ``rank`` sends plus receives per step in the all-to-alls, self-copies excluded.
 
     Args:
         plan: the plan.
-        forward_itemsize: bytes per element of the forward exchange (update dtype).
-        return_itemsize: bytes per element of the return exchange (result dtype).
+        forward_itemsize: bytes per element of the forward exchange.
+        return_itemsize: bytes per element of the return exchange.
         rank: a DP rank; None: the plan's rank.
 
     Returns:
@@ -255,13 +234,12 @@ def sum_bytes_per_step(plan: MuonExchangePlan, rank=None) -> float:
         Bytes per optimizer step.
     """
     rank = plan.rank if rank is None else rank
-    return 2 * sum(sum_traffic(plan, ex)[rank] for ex in plan.exchanges)
+    return 2 * sum(_sum_traffic(plan, ex)[rank] for ex in plan.exchanges)
 
 
 def transient_bytes(plan, forward_itemsize, return_itemsize, working_set, rank=None) -> int:
     """Upper bound of the exchange's transient memory on ``rank`` (docs/distopt_exchange.md,
-    "Memory"): the largest phase of one exchange, plus the working sets of all its gang blocks
-    together (they are in flight at once, muon_gangs.py) or of its largest whole matrix.
+    "Memory").
 
     Args:
         plan: the plan.
@@ -296,10 +274,8 @@ def transient_bytes(plan, forward_itemsize, return_itemsize, working_set, rank=N
 def working_set_bytes(
     slot: MatrixSlot, update_itemsize: int, ns_itemsize: int, tp: int, unit: Optional[Unit] = None
 ) -> int:
-    """Bytes live while one owned matrix (or gang block, ``unit``) is orthogonalized: the
-    assembled block, its TP-global gather and result (update dtype), NS's input copy and two X
-    buffers (a gang block also an fp32 copy for its norm), Gram and polynomial (a gang sums the
-    Gram in fp32), plus the QKV path's block copies. An upper bound; measured in the tests.
+    """Upper bound of the bytes live while one owned matrix (or gang block) is orthogonalized:
+    the block, its TP gather and result, NS's copies, Gram and polynomial (fp32 in a gang).
 
     Args:
         slot: the matrix.
@@ -325,8 +301,7 @@ def working_set_bytes(
 
 
 def _gram_side(slot: MatrixSlot, unit: Unit) -> int:
-    """The largest Gram side of a gang block: columns of row blocks; rows of (the largest Q/K/V
-    block of) column blocks."""
+    """The largest Gram side of a gang block (columns of row blocks, else rows of a block)."""
     rows, cols = slot.info.shape
     if unit.axis == 0:
         return cols

@@ -1,12 +1,6 @@
-"""QK-clip (Kimi K2's MuonClip, arXiv 2507.20534) on every layout, without Transformer Engine.
-
-After each optimizer step, with S_h the step's max pre-softmax logit of query head h (recorded by
-megatron/core/transformer/max_attention_logit.py) and threshold tau: eta_h = min(1, tau / S_h);
-query rows of head h scale by eta_g ** alpha (eta_g the group's min eta: upstream 0.19's rule;
-``qk_clip_per_head``: eta_h ** alpha), key rows of group g by eta_g ** (1 - alpha), biases with
-their rows. Each rank clips the heads it holds, in the model params and the fp32 main params
-(DistOpt shards included); one MAX all-reduce over DP x CP; no state. Rules, layouts, tests:
-docs/qk_clip.md.
+"""QK-clip (Kimi K2's MuonClip, arXiv 2507.20534) on every layout, without Transformer Engine:
+after each optimizer step, query and key rows scale so every head's max logit ends <= tau, in
+the model params and the fp32 main params (DistOpt shards included). Rules: docs/qk_clip.md.
 """
 
 from typing import Optional
@@ -27,20 +21,18 @@ def head_scales(
     alpha: float,
     per_head: bool = False,
 ):
-    """(query scale per head [np], key scale per key head [ng]) from the per-head maxima [np]
-    (heads ordered group by group, as Megatron lays them out). A non-finite max (an fp16
-    overflow, whose step the loss scaler skips) leaves its head alone rather than zeroing it.
+    """Query and key scales from the per-head maxima; a non-finite max (fp16 overflow, a
+    skipped step) leaves its head alone.
 
     Args:
-        max_logits: [np] max pre-softmax attention logit per query head (this TP rank's).
-        num_groups: ng, the query groups among those heads (GQA; ng == np for MHA).
-        threshold: tau: heads whose max exceeds it are clipped to it.
-        alpha: the share of the clip put on the query side (the key side gets ``1 - alpha``).
-        per_head: False (upstream's rule, ``qk_clip_per_head`` off): every query head of a group
-            takes the group's eta ** alpha; True: each query head its own eta ** alpha.
+        max_logits: [np] max pre-softmax logit per query head, grouped as Megatron lays them out.
+        num_groups: ng, the query groups among those heads.
+        threshold: tau.
+        alpha: the query side's share of the clip.
+        per_head: each query head its own eta (else its group's: upstream's rule).
 
     Returns:
-        (query scale [np], key scale [ng]), each 1 where nothing is clipped.
+        (query scale [np], key scale [ng]), 1 where nothing is clipped.
     """
     clip = (max_logits > threshold) & torch.isfinite(max_logits)
     eta = torch.where(clip, threshold / max_logits, torch.ones_like(max_logits))
@@ -51,12 +43,12 @@ def head_scales(
 
 
 def qkv_row_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """One scale per output row of Megatron's fused QKV: per group [q heads, k, v] x head_dim.
+    """One scale per output row of Megatron's fused QKV (per group: q heads, k, v).
 
     Args:
-        q_scale: [np] per query head (``head_scales``).
+        q_scale: [np] per query head.
         k_scale: [ng] per key head.
-        head_dim: rows per head (kv_channels).
+        head_dim: rows per head.
 
     Returns:
         [ng * (np / ng + 2) * head_dim] row scales; the V rows get 1.
@@ -69,12 +61,10 @@ def qkv_row_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) 
 
 
 def scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, row_len: int, start: int) -> None:
-    """Scale in place the elements ``flat`` holds of a row-major matrix (``row_len`` elements per
-    row) flattened, ``flat`` starting at element ``start``: each by its row's scale. Three slices
-    (the end of a cut first row, whole rows, the start of a cut last row), no index tensor.
+    """Scale in place each element of a flattened row-major matrix's piece by its row's scale.
 
     Args:
-        flat: 1-D piece of the flattened matrix (the whole param, or a DistOpt shard of it).
+        flat: 1-D piece of the flattened matrix (the whole param, or a DistOpt shard).
         row_scale: one scale per row of the whole (TP-local) matrix.
         row_len: elements per row.
         start: the flat position of ``flat[0]`` in the matrix.
@@ -98,19 +88,17 @@ def scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, row_len: int, start
 
 @torch.no_grad()
 def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float]:
-    """After the optimizer step: clip every attention layer (``config.qk_clip``, unless
-    ``log_max_only``) and return the model-wide max attention logit (same on every rank), or
-    None where neither ``qk_clip`` nor ``log_max_attention_logit`` is set (then nothing runs).
-
-    Collective over the whole world: call it on every rank.
+    """After the optimizer step, clip every attention layer (``config.qk_clip``); collective
+    over the whole world.
 
     Args:
         model: the list of model chunks.
-        log_max_only: only measure (and return) the max, clip nothing.
+        log_max_only: only measure the max, clip nothing.
         optimizer: Megatron's optimizer; needed with the DistributedOptimizer.
 
     Returns:
-        The model-wide max attention logit, or None when both settings are off.
+        The model-wide max attention logit (same on every rank), or None where neither
+        ``qk_clip`` nor ``log_max_attention_logit`` is set (then nothing runs).
     """
     config = get_model_config(model[0])
     if not (config.qk_clip or config.log_max_attention_logit):
@@ -135,8 +123,7 @@ def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float
 
 
 def _clips_itself(module) -> bool:
-    """An attention module other than SelfAttention that has its own upstream ``clip_qk`` and
-    recorded maxima this step (upstream's ``clip_qk`` skips one without)."""
+    """Another attention module with upstream's own ``clip_qk`` and maxima this step (MLA)."""
     if isinstance(module, SelfAttention) or not isinstance(module, Attention):
         return False
     own = getattr(type(module), "clip_qk", None) not in (None, getattr(Attention, "clip_qk", None))
@@ -212,16 +199,8 @@ def _scale_param(param, rows: torch.Tensor, optimizer) -> None:
 
 
 def _main_copy(optimizer, param) -> tuple:
-    """(this rank's main copy of ``param`` or None, its element offset in the flattened param).
-
-    A DistributedOptimizer marks its 16-bit params ``main_param_sharded`` and sets
-    ``main_param`` to this rank's fp32 shard, or to None where this rank holds none of the
-    param. Every other case is an error, never a silent skip: a main shard that no given
-    DistributedOptimizer owns (its offset is unknown), or a DistOpt range on this rank without
-    a ``main_param`` to scale (e.g. the precision-aware optimizer, whose main copy lives in
-    Transformer Engine's FusedAdam: the next step would overwrite the clipped model param with
-    the unclipped main copy).
-    """
+    """(this rank's main copy of ``param`` or None, its offset in the flattened param); a main
+    shard it cannot place is a ValueError, never a skip (docs/qk_clip.md)."""
     main = getattr(param, "main_param", None)
     if not getattr(param, "main_param_sharded", False):
         return main, 0  # Float16Optimizer's whole fp32 copy, or none (fp32 params)
@@ -247,8 +226,7 @@ def _main_copy(optimizer, param) -> tuple:
 
 
 def _distributed_optimizers(optimizer):
-    """Every optimizer under ``optimizer`` (chains nested at any depth) that shards main params
-    by range (a DistributedOptimizer: ``model_param_gbuf_map``)."""
+    """Every DistributedOptimizer under ``optimizer``, chains nested at any depth."""
     if optimizer is None:
         return
     if hasattr(optimizer, "model_param_gbuf_map"):
@@ -270,19 +248,15 @@ def _distributed_optimizer_of(optimizer, param):
 
 
 def shard_start(optimizer, param) -> int:
-    """Where this rank's DistributedOptimizer main shard of ``param`` starts in the flattened
-    param (the DistOpt's own per-param range, ``param_range_map['param']``).
+    """Where this rank's DistOpt main shard of ``param`` starts in the flattened param;
+    ValueError where no DistributedOptimizer under ``optimizer`` holds a range of it.
 
     Args:
-        optimizer: Megatron's optimizer (chains nested at any depth) holding a
-            DistributedOptimizer.
+        optimizer: Megatron's optimizer (chains nested at any depth).
         param: a model param whose main param is a DistOpt shard on this rank.
 
     Returns:
-        The element offset of this rank's shard in the flattened param.
-
-    Raises:
-        ValueError: no DistributedOptimizer under ``optimizer`` holds a range of ``param`` here.
+        The element offset.
     """
     owner = _distributed_optimizer_of(optimizer, param)
     if owner is None:

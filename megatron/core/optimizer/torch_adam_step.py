@@ -1,22 +1,17 @@
-"""torch Adam's per-param ``step`` where megatron-core seeds or checkpoints its state.
-
-torch's Adam creates ``step`` only for an empty state; megatron-core 0.19.2 seeds
-``exp_avg``/``exp_avg_sq`` for checkpoint loading and drops a saved step of 0, so the next
-``step()`` is a ``KeyError: 'step'``. Patch 0042 calls ``seed_step`` and keeps a step of 0
-(docs/checkpoints.md, "torch_adam_step.py").
+"""torch Adam's per-param ``step`` where megatron-core seeds its state (patch 0042; why:
+docs/checkpoints.md, "torch_adam_step.py").
 """
 
 import torch
 
 
 def seed_step(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
-    """Give a torch Adam state seeded without one the ``step`` torch's own ``_init_group`` makes:
-    the step the optimizer's other params are at (they share one), else 0. Other optimizers (TE
-    and Apex keep the step in their param groups) are left alone.
+    """Give a seeded torch Adam state the ``step`` torch would: the other params' (shared),
+    else 0. Other optimizers keep their step in their groups: left alone.
 
     Args:
         optimizer: the inner torch optimizer whose state was seeded.
-        group: ``param``'s param group (``capturable``/``fused`` put the step on its device).
+        group: ``param``'s param group (``capturable``/``fused``: the step on its device).
         param: the param whose state gets the step.
     """
     state = optimizer.state[param]
