@@ -108,6 +108,15 @@ SERIES = [
         ["0015-local-norm-zero-centered-gamma.patch"],
     ),
     (
+        "transformer: sequence parallelism with the local torch norms",
+        "WrappedTorchNorm asserted sequence_parallel off, so MoE at TP > 1 (which requires it)\n"
+        "could not run without Transformer Engine or Apex. With sequence_parallel its norms'\n"
+        "params are marked sequence_parallel as TE's and Apex's are, and finalize_model_grads\n"
+        "all-reduces their grads over TP; without it nothing changes.",
+        [],
+        ["0017-torch-norm-sequence-parallel.patch"],
+    ),
+    (
         "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
         "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
         "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"

@@ -7,9 +7,11 @@ pipeline, MTP), shrunk to 2 CPU ranks, through the fork's pretrain_gpt.py (issue
 CHECKOUT as tools/upstream_muon_recipes.py's (whose reader, shrink and launcher this reuses):
 each recipe's model_config.yaml is read from it at ``--ref``. A recipe's MODEL_ARGS become
 upstream's command line, then ``CPU_CHANGES`` (CPU stand-ins, shared with the Muon tool),
-``PLAIN`` (a plain run) and the recipe's own ``SAMPLE`` entry (sizes, parallelism on 2 ranks)
-rewrite what a CPU cannot run or what is too large; every other flag stays upstream's. A run
-passes when every iteration logs a finite lm loss (and the MTP loss where the recipe has MTP).
+``PLAIN`` (a plain run; ``RESUME`` for a ckpt-resume recipe) and the recipe's own ``SAMPLE``
+entry (sizes, parallelism on 2 ranks) rewrite what a CPU cannot run or what is too large; every
+other flag stays upstream's. A run passes when every iteration logs a finite lm loss (and the MTP
+loss where the recipe has MTP); a ckpt-resume recipe when the run resumed at N/2 logs the
+uninterrupted run's scalars bit for bit.
 tests/e2e/test_upstream_recipes_sample.py holds the flags this prints, frozen.
 """
 
@@ -49,6 +51,14 @@ PLAIN = {  # a plain run that trains: no checkpoint (suite time), so no save wor
     "--async-save": (None, "plain run: no checkpoint"),
     "--use-persistent-ckpt-worker": (None, "plain run: no checkpoint"),
 }
+# A ckpt-resume recipe (upstream's TEST_TYPE) keeps its checkpoint flags and runs upstream's
+# ckpt-resume test (tools/upstream_muon_recipes.py's ckpt_resume): N iterations saving at N/2,
+# then a run resumed from N/2 whose scalars must equal the first run's bit for bit
+RESUME = {
+    "--save": (RUNNER, "a temporary folder"),
+    "--load": (RUNNER, "a temporary folder"),
+    "--save-interval": (str(ITERS // 2), "ckpt-resume saves at N/2 (upstream: 50 of 100)"),
+}
 TWO_RANKS = "2 CPU ranks (world size 2) instead of {}"
 # Upstream's defaults a CPU cannot run, set where a recipe leaves them: flag -> (value, why)
 CPU_DEFAULTS = {
@@ -71,8 +81,6 @@ SAMPLE = {
             "--expert-model-parallel-size": ("2", TWO_RANKS.format("EP 4")),
             "--num-experts": ("4", "size: 2 experts per EP rank"),
             "--moe-ffn-hidden-size": ("128", "size (upstream: 2 x hidden)"),
-            "--ckpt-assume-constant-structure": (None, "plain run: no checkpoint"),
-            "--async-strategy": (None, "plain run: no checkpoint"),
         },
     ),
     "vpp": (
@@ -85,19 +93,21 @@ SAMPLE = {
     "mtp": (
         "moe/gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed",
         {
-            "--tensor-model-parallel-size": (
+            "--pipeline-model-parallel-size": (
                 "1",
-                "EP 2 fills the 2 ranks; MoE at TP 2 needs sequence parallelism, which the local "
-                "spec's torch norm refuses (Apex's or TE's norm takes it: CUDA only)",
+                "TP 2 (with the recipe's sequence parallelism) and EP 2 fill the 2 ranks (PP: "
+                "the vpp recipe)",
             ),
-            "--pipeline-model-parallel-size": ("1", "EP 2 fills the 2 ranks (PP: the vpp recipe)"),
             "--num-virtual-stages-per-pipeline-rank": (None, "no pipeline (PP 1)"),
             "--multi-latent-attention": (
                 None,
                 "the local spec's DotProductAttention takes no k_channels (MLA's): TE's attention "
                 "only; its --q-lora-rank... stay, unread",
             ),
-            "--expert-model-parallel-size": ("2", TWO_RANKS.format("16 GPUs (EP 4)")),
+            "--expert-model-parallel-size": (
+                "2",
+                TWO_RANKS.format("16 GPUs (EP 4): TP 2 x EP 2, ETP 1 as the recipe's"),
+            ),
             "--num-experts": ("4", "size: 2 experts per EP rank"),
             "--moe-layer-freq": ("([0]*1+[1]*1)", "2 layers: the dense first one, then MoE"),
             "--moe-ffn-hidden-size": ("64", "size"),
@@ -120,10 +130,15 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+|nan|in
 MTP_LOSS = re.compile(r"iteration\s+(\d+)/.*?\| mtp_1 loss: ([0-9.E+-]+|nan|inf) \|", re.I)
 
 
-def tables(kind: str, model_args: dict) -> tuple:
+def resumes(recipe: dict) -> bool:
+    """Whether upstream tests this recipe by ckpt-resume (else one plain run)."""
+    return recipe.get("TEST_TYPE") == "ckpt-resume"
+
+
+def tables(kind: str, model_args: dict, resume: bool = False) -> tuple:
     """(changes, added) of one recipe of SAMPLE for muon.shrink: an added flag the recipe
-    already gives becomes a change."""
-    table = {**muon.CPU_CHANGES, **SIZE, **PLAIN, **SAMPLE[kind][1]}
+    already gives becomes a change. ``resume``: its checkpoint flags stay (``RESUME``)."""
+    table = {**muon.CPU_CHANGES, **SIZE, **(RESUME if resume else PLAIN), **SAMPLE[kind][1]}
     extra = {**muon.CPU_ADDED, **CPU_DEFAULTS}
     added = {f: v for f, v in extra.items() if f not in model_args}
     table.update({f: v for f, v in extra.items() if f in model_args and f not in table})
@@ -133,7 +148,7 @@ def tables(kind: str, model_args: dict) -> tuple:
 def recipe_flags(checkout: Path, ref: str, kind: str) -> tuple:
     """(flags, changes, env vars, commit) of one recipe of SAMPLE shrunk to 2 CPU ranks."""
     recipe, commit = muon.read_recipe(checkout, ref, SAMPLE[kind][0])
-    table, added = tables(kind, recipe["MODEL_ARGS"])
+    table, added = tables(kind, recipe["MODEL_ARGS"], resumes(recipe))
     flags, changes = muon.shrink(recipe["MODEL_ARGS"], kind, table, added)
     return flags, changes, recipe.get("ENV_VARS") or {}, commit
 
@@ -150,6 +165,17 @@ def trained(out: str, iters: int, mtp: bool) -> str:
         if not all(math.isfinite(v) for v in got.values()):
             return f"{name} not finite: {got}"
     return ""
+
+
+def check(flags: dict, env_vars: dict, work: Path, timeout: int = 480) -> tuple:
+    """Upstream's test of one shrunk recipe on 2 CPU ranks: (why it failed or '', seconds).
+    A recipe with ``--save`` (a ckpt-resume one) runs upstream's ckpt-resume test, which must
+    compare every scalar of the resumed iterations; any other one run that must train."""
+    if "--save" not in flags:
+        out, seconds = run(flags, env_vars, work, timeout)
+        return trained(out, int(flags["--train-iters"]), "--mtp-num-layers" in flags), seconds
+    result = muon.ckpt_resume(flags, RANKS, work, env_vars, timeout)
+    return ("" if result["ok"] and result["compared"] else result["detail"]), result["seconds"]
 
 
 def run(flags: dict, env_vars: dict, work: Path, timeout: int = 480) -> tuple:
@@ -188,8 +214,7 @@ def main(argv=None) -> int:
         work = base / kind
         work.mkdir()
         try:
-            out, seconds = run(flags, env_vars, work)
-            why = trained(out, int(flags["--train-iters"]), "--mtp-num-layers" in flags)
+            why, seconds = check(flags, env_vars, work)
         except RuntimeError as err:
             why, seconds = str(err), float("nan")
         failed += bool(why)

@@ -6,7 +6,7 @@ Engine or Apex.
 
 The stored weight is gamma, as in TE's and Apex's zero-centered norms, so weight decay pulls the
 scale towards 1 rather than 0 and checkpoints hold the same numbers as those backends.
-megatron-core's ``WrappedTorchNorm`` asserts the field is off; patch 0015 returns these
+megatron-core's ``WrappedTorchNorm`` asserts the field is off; patch 0015 builds these
 modules instead.
 """
 
@@ -46,21 +46,19 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
 ZERO_CENTERED_NORMS = {"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenteredRMSNorm}
 
 
-def zero_centered_norm(normalization: str, hidden_size: int, eps: float) -> torch.nn.Module:
-    """The zero-centered module for ``config.normalization``; ValueError for one without a
+def zero_centered_norm_class(normalization: str) -> type:
+    """The zero-centered module class for ``config.normalization``; ValueError for one without a
     learned scale to center (L2Norm).
 
     Args:
         normalization: ``TransformerConfig.normalization``, "LayerNorm" or "RMSNorm".
-        hidden_size: size of the normalized (last) dimension.
-        eps: added to the variance for numerical stability.
 
     Returns:
-        A ``ZeroCenteredLayerNorm`` or ``ZeroCenteredRMSNorm``.
+        ``ZeroCenteredLayerNorm`` or ``ZeroCenteredRMSNorm`` (torch's constructor arguments).
     """
     if normalization not in ZERO_CENTERED_NORMS:
         raise ValueError(
             f"layernorm_zero_centered_gamma needs normalization LayerNorm or RMSNorm, "
             f"got {normalization!r}"
         )
-    return ZERO_CENTERED_NORMS[normalization](hidden_size, eps=eps)
+    return ZERO_CENTERED_NORMS[normalization]
