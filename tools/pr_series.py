@@ -117,6 +117,15 @@ SERIES = [
         ["0017-torch-norm-sequence-parallel.patch"],
     ),
     (
+        "transformer: multi-latent attention with the local core attention",
+        "MLASelfAttention builds its core attention with k_channels (query/key head dim) and\n"
+        "v_channels (value head dim); the local DotProductAttention took neither, so MLA needed\n"
+        "Transformer Engine. It now sizes its output by v_channels and its default softmax\n"
+        "scale by k_channels; without them, kv_channels as before.",
+        [],
+        ["0018-local-attention-mla-head-dims.patch"],
+    ),
+    (
         "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
         "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
         "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"
