@@ -99,11 +99,6 @@ SAMPLE = {
                 "the vpp recipe)",
             ),
             "--num-virtual-stages-per-pipeline-rank": (None, "no pipeline (PP 1)"),
-            "--multi-latent-attention": (
-                None,
-                "the local spec's DotProductAttention takes no k_channels (MLA's): TE's attention "
-                "only; its --q-lora-rank... stay, unread",
-            ),
             "--expert-model-parallel-size": (
                 "2",
                 TWO_RANKS.format("16 GPUs (EP 4): TP 2 x EP 2, ETP 1 as the recipe's"),

@@ -1,7 +1,8 @@
 """A sample of Megatron-LM core_v0.19.0's pretraining functional-test recipes, shrunk to 2 CPU
 ranks, launched through the fork's pretrain_gpt.py (issue 30): dense (PP 2), MoE (EP 2, torch_dist
 DistributedOptimizer checkpoints: upstream's ckpt-resume test), virtual pipeline (PP 2 x 2
-virtual stages) and MTP (MoE at TP 2 with sequence parallelism x EP 2, ETP 1, one MTP layer).
+virtual stages) and MTP (MoE at TP 2 with sequence parallelism x EP 2, ETP 1, multi-latent
+attention, one MTP layer).
 
 ``RECIPES`` holds, per kind, the test case (tests/functional_tests/test_cases/CASE/
 model_config.yaml at core_v0.19.0, 5be9626709af) and what tools/upstream_recipes_sample.py makes
@@ -256,6 +257,7 @@ RECIPES = {
             "--norm-epsilon": "1e-6",
             "--swiglu": True,
             "--untie-embeddings-and-output-weights": True,
+            "--multi-latent-attention": True,
             "--mtp-num-layers": 1,
             "--mtp-loss-scaling-factor": 0.1,
             "--attention-dropout": 0.0,
@@ -337,6 +339,7 @@ FEATURE = {  # what the run's log must show (upstream's args printout for the pa
             ("sequence_parallel", True),
             ("expert_model_parallel_size", 2),
             ("expert_tensor_parallel_size", 1),
+            ("multi_latent_attention", True),
         ]
     ],
 }
