@@ -6,7 +6,8 @@
 3. ``muon_apply_``     elementwise: ``W = W (1 - lr wd)``; ``W = W - lr O``.
 
 Stages 1 and 3 run on any shard; the scale ``s`` comes from ``MuonParamInfo`` (global), never
-from the local tensor, so a shard's stage 2 can be fed the global layout."""
+from the local tensor, so a shard's stage 2 can be fed the global layout.
+"""
 
 import contextlib
 import functools

@@ -2,7 +2,8 @@
 
 Upstream megatron-core's coefficient sets, normalization and matmul precision (the same numbers
 for a setting both name); ours, opt-in: the Gram form and sharded steps that yield their sums
-and gathers to the caller. Algebra, costs, numerics: docs/newton_schulz.md."""
+and gathers to the caller. Algebra, costs, numerics: docs/newton_schulz.md.
+"""
 
 import contextlib
 from collections.abc import Callable, Generator, Sequence
