@@ -208,14 +208,7 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One step of every group: AdamW groups, then Muon groups (see the class docstring).
-
-        Args:
-            closure: re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-        """
+        """One step of every group: AdamW groups, then Muon groups; returns the closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -167,15 +167,7 @@ class NSCostModel:
         return local * (self.tp_of(info) if info.partition_dim == axis else 1)
 
     def _grams(self, info, axis: int) -> list[int]:
-        """Gram side of each NS block, in ``orthogonalize``'s order (muon_functional.py).
-
-        Args:
-            info: the matrix's TP-global ``MuonParamInfo``.
-            axis: the split axis (0: rows, 1: columns).
-
-        Returns:
-            One Gram side per block.
-        """
+        """Gram side of each NS block (muon_functional.py's ``orthogonalize`` order)."""
         if axis == 0:
             return [info.shape[1]]
         split = info.qkv_split or (info.shape[0],)
