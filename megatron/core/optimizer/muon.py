@@ -1,25 +1,8 @@
 """Muon for megatron-core: the public names (upstream's, kept for its callers).
 
-Replaces upstream's shim of the same name (megatron-core 0.19.2): ``get_megatron_muon_optimizer``
-keeps upstream's behaviour unless the config asks for this Muon (``muon_impl='megatron_muon'``).
-The layering, leaves first:
-
-* ``muon_config.py``: vocabularies and defaults (one home), config validation;
-* ``newton_schulz.py``: pure Newton-Schulz;
-* ``muon_functional.py``: the three stages of a Muon step (Q/K/V split, scale), AdamW;
-* ``muon_optimizer.py``: ``Muon``, a plain torch optimizer (no Megatron, no DistOpt);
-* ``muon_tp.py``: tensor-parallel orthogonalizers; ``muon_distopt.py``: the DistOpt exchange
-  and the plan's data it runs; ``muon_plan.py``: the planner (gangs: ``muon_split.py``,
-  ``muon_placement.py``, ``muon_gangs.py``);
-* ``muon_distrib_optimizer.py``: ``MuonDistributedOptimizer``, which builds the plan and
-  attaches the exchange;
-* ``muon_megatron.py``: Megatron glue: the factory hooks, ``TensorParallelMuon``;
-* here: ``get_megatron_muon_optimizer`` and the names upstream exported.
-
-A DistOpt step at TP=1 reads five of these: ``muon_distrib_optimizer.py``,
-``muon_optimizer.py`` (the optimizer), ``muon_functional.py``, ``newton_schulz.py`` (the math),
-``muon_distopt.py`` (the exchange); ``muon_tp.py`` and ``muon_gangs.py`` are entered only where
-TP shards a matrix or the plan splits one (docs/muon_in_megatron.md).
+Replaces upstream's shim of the same name (megatron-core 0.19.2); upstream's behaviour unless
+the config asks for this Muon (``muon_impl='megatron_muon'``). The files a step reads and the
+layering, leaves first: docs/muon_in_megatron.md.
 """
 
 import dataclasses
@@ -50,30 +33,18 @@ def get_megatron_muon_optimizer(
     *,
     layer_wise_distributed_optimizer: bool = False,
 ):
-    """Upstream's Muon entry point, on ``get_megatron_optimizer``.
-
-    Takes what upstream 0.19's shim takes: ``get_megatron_optimizer``'s parameters (in its
-    order, so positional calls bind alike) and the keyword ``layer_wise_distributed_optimizer``.
-    A config with ``muon_impl`` other than ``'megatron_muon'`` (the default, ``'emerging'``)
-    gets upstream 0.19's behaviour: the config as given to ``get_megatron_optimizer``, and
-    ``layer_wise_distributed_optimizer=True`` needs a ``dist_`` optimizer name.
-
-    Returns the same optimizer as ``get_megatron_optimizer(config, ...)`` with
-    ``config.optimizer='muon'`` (a copy of ``config`` is made if it names another optimizer;
-    upstream instead mutated it to 'adam'). Unlike upstream, Muon and AdamW params share one
-    optimizer per dense/expert part, and fp16 and the DistributedOptimizer are supported.
+    """Upstream's Muon entry point, on ``get_megatron_optimizer``, with upstream 0.19's
+    parameters; ``muon_impl`` other than ``'megatron_muon'`` keeps upstream's behaviour. Else the
+    config (copied, not mutated as upstream did) gets ``optimizer='muon'``.
 
     Args:
         config: the ``OptimizerConfig``.
         model_chunks: the DDP-wrapped model chunks.
-        config_overrides: per-param-group overrides, as for ``get_megatron_optimizer``.
+        config_overrides: as for ``get_megatron_optimizer``.
         use_gloo_process_groups: as for ``get_megatron_optimizer``.
-        layer_wise_distributed_optimizer: deprecated (upstream's ``dist_muon``). Muon's state is
-            sharded by Megatron's DistributedOptimizer instead: with chunks wrapped by
-            ``DistributedDataParallelConfig(use_distributed_optimizer=True)`` it is used (the
-            same numbers as one process); otherwise Muon runs unsharded. Either way a
-            ``DeprecationWarning`` says so.
-        pg_collection: process groups, as for ``get_megatron_optimizer``.
+        layer_wise_distributed_optimizer: deprecated (``dist_muon``): DistOpt shards where DDP
+            does, else unsharded; a ``DeprecationWarning`` says which.
+        pg_collection: as for ``get_megatron_optimizer``.
         dump_param_to_param_group_map: as for ``get_megatron_optimizer``.
 
     Returns:

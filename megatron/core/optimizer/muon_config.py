@@ -1,12 +1,8 @@
 """Muon's vocabularies and defaults: the one home of every Muon default, and its validation.
 
-A leaf module (no torch, nothing of ours): ``OptimizerConfig`` (patch
-``0001-optimizer-config-muon.patch``) takes its ``muon_*`` defaults from here, and so do the
-``Muon`` optimizer and the Newton-Schulz functions. Fields that upstream megatron-core
-defines keep upstream's defaults and meanings; the fields we add default to off.
-
-The seed's recipe (matched AdamW RMS 0.2, Nesterov, Keller Jordan's ``simple`` coefficients,
-the exact ``duplicated`` TP mode) is not a default: it is a set of flags, see the README.
+A leaf module (no torch): ``OptimizerConfig`` (patch 0001), ``Muon`` and newton_schulz.py take
+their defaults from here. Upstream's fields keep upstream's defaults; ours default to off. The
+seed's recipe is a set of flags, not a default (README.md).
 """
 
 from typing import Literal, Optional, get_args
@@ -63,30 +59,23 @@ DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / max(||X||_F, eps), as ups
 
 
 def is_megatron_muon(config) -> bool:
-    """True where ``config`` asks for this fork's Muon: ``optimizer='muon'`` and
-    ``muon_impl='megatron_muon'`` (upstream's emerging-optimizers Muon otherwise)."""
+    """True where ``config`` asks for this fork's Muon (``muon_impl='megatron_muon'``)."""
     return config.optimizer == "muon" and config.muon_impl == "megatron_muon"
 
 
 def resolve_scale(
     matched_adamw_rms: Optional[float], scale_mode: str, extra_scale_factor: float
 ) -> tuple[str, float]:
-    """Map the two ways to name Muon's update scale onto one ``(scale_mode, factor)`` pair.
-
-    ``matched_adamw_rms=r`` means ``s = r sqrt(max(m, n))``, i.e. exactly ``('spectral', r)``;
-    it fixes the scale, so giving it together with a non-default ``scale_mode`` or
-    ``extra_scale_factor`` is an error (two rules for one number). Giving either rule alone is not.
+    """Map the two ways to name Muon's update scale onto one ``(scale_mode, factor)``:
+    ``matched_adamw_rms=r`` is ``('spectral', r)``, an error with a non-default scale rule.
 
     Args:
-        matched_adamw_rms: ``r`` of the matched-AdamW-RMS rule, or None for upstream's rule.
+        matched_adamw_rms: ``r``, or None for upstream's rule.
         scale_mode: one of ``SCALE_MODES``.
         extra_scale_factor: a float > 0 multiplying the ``scale_mode`` scale.
 
     Returns:
-        ``(scale_mode, factor)``: the scale is ``SCALE_FNS[scale_mode](m, n) * factor``.
-
-    Raises:
-        ValueError: naming the bad value and what is allowed.
+        ``(scale_mode, factor)``; ValueError naming a bad value.
     """
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; allowed: {list(SCALE_MODES)}")
@@ -116,18 +105,8 @@ _CHOICES = {
 
 
 def validate_muon_config(config) -> None:
-    """Check the ``muon_*`` fields of an ``OptimizerConfig`` that is used for Muon.
-
-    Called where Muon is built (``get_megatron_optimizer`` with ``optimizer='muon'``,
-    ``get_megatron_muon_optimizer``), not in every ``OptimizerConfig.__post_init__``: an Adam
-    user's config never pays for, or trips over, Muon's checks.
-
-    Args:
-        config: an ``OptimizerConfig``.
-
-    Raises:
-        ValueError: naming the field, its value and what is allowed.
-    """
+    """Check the ``muon_*`` fields of an ``OptimizerConfig`` used for Muon (ValueError naming
+    the field); called where Muon is built, so an Adam user's config never trips over them."""
     for name, allowed in _CHOICES.items():
         value = getattr(config, name)
         _require(value in allowed, name, value, f"be one of {list(allowed)}")
@@ -155,8 +134,7 @@ def validate_muon_config(config) -> None:
 
 
 def _validate_plan(config) -> None:
-    """The planner's machine: a rate in (0, ``MAX_PLAN_TFLOPS``], bandwidths of at least
-    ``MIN_PLAN_GBPS`` (inf: a free link), a domain of GPUs; an efficiency floor in (0, 1]."""
+    """The planner's machine figures and efficiency floor within their ranges."""
     rate = config.muon_plan_tflops
     ok = rate is None or (_is_number(rate) and 0 < rate <= MAX_PLAN_TFLOPS)
     _require(ok, "muon_plan_tflops", rate, f"be None or a number in (0, {MAX_PLAN_TFLOPS:g}]")

@@ -1,13 +1,9 @@
 """Muon inside Megatron's DistributedOptimizer (ZeRO-1): exact, balanced, one exchange per step.
 
-DistOpt shards ignore param boundaries; Newton-Schulz needs whole matrices. Per step and DP group
-one ``all_to_all`` sends every shard piece of every Muon matrix to its owner (or to the members
-of its gang: muon_gangs.py, entered only where the plan splits a matrix), owners orthogonalize,
-one ``all_to_all`` returns the pieces. The only collective here is ``_all_to_all``; the math
-comes in as ``matrix_fn``. Here too the plan's data a step reads (``Exchange``, ``Piece``,
-``MatrixSlot``, ``Unit``, ``Block``): muon_plan.py fills it in once, at construction
-(muon_distrib_optimizer.py's ``attach``). Schedule, precision, memory and bytes:
-docs/distopt_exchange.md.
+Per exchange one ``all_to_all`` sends every shard piece of a Muon matrix to its owner (or gang:
+muon_gangs.py), owners orthogonalize, one ``all_to_all`` returns the pieces; ``_all_to_all`` is
+the only collective here. Also the plan's step-time data, filled in by muon_plan.py. Schedule,
+precision, memory and bytes: docs/distopt_exchange.md.
 """
 
 import dataclasses
@@ -50,39 +46,30 @@ class Block:
     def shape(self) -> tuple[int, int]:
         return (self.r1 - self.r0, self.c1 - self.c0)
 
-    def count_before(self, x: int, cols: int) -> int:
-        """Elements of the block at flat positions < ``x`` of the matrix.
-
-        Args:
-            x: a flat (row-major) element position in the TP-local matrix.
-            cols: the matrix's column count.
-
-        Returns:
-            How many of the block's elements lie before ``x``.
-        """
+    def _count_before(self, x: int, cols: int) -> int:
+        """Elements of the block at flat positions < ``x`` of the matrix."""
         row, col = divmod(x, cols)
         full = min(max(row, self.r0), self.r1) - self.r0
         partial = min(max(col, self.c0), self.c1) - self.c0 if self.r0 <= row < self.r1 else 0
         return full * (self.c1 - self.c0) + partial
 
     def range_of(self, lo: int, hi: int, cols: int) -> tuple[int, int]:
-        """The block's elements among flat positions ``[lo, hi)``, as a range of the block's own
-        row-major order: contiguous, since a flat range cuts the block's rows only at its ends.
+        """The block's elements among flat positions ``[lo, hi)`` as a range of its own row-major
+        order (contiguous: a flat range cuts the block's rows only at its ends).
 
         Args:
-            lo: first flat position of the range (e.g. a DistOpt shard's start).
+            lo: first flat position of the range.
             hi: end of the range, exclusive.
             cols: the matrix's column count.
 
         Returns:
-            (start, end) in the block's own row-major element order.
+            (start, end) in the block's own element order.
         """
-        return self.count_before(lo, cols), self.count_before(hi, cols)
+        return self._count_before(lo, cols), self._count_before(hi, cols)
 
 
 def block_views(flat: Tensor, start: int, cols: int, block: Block) -> list[Tensor]:
-    """Views of ``flat`` (flat positions ``[start, start + len)`` of a matrix with ``cols``
-    columns) covering the block's elements there, in the block's row-major order.
+    """Views (no copies) of ``flat`` covering the block's elements there, in the block's order.
 
     Args:
         flat: a 1-D piece of the matrix (e.g. this rank's DistOpt shard of it).
@@ -91,7 +78,7 @@ def block_views(flat: Tensor, start: int, cols: int, block: Block) -> list[Tenso
         block: the block whose elements are wanted.
 
     Returns:
-        Views (no copies) of ``flat``; empty where the piece holds none of the block.
+        Views; empty where the piece holds none of the block.
     """
     end = start + flat.numel()
     if (block.c0, block.c1) == (0, cols):  # whole rows: one contiguous slice
@@ -200,8 +187,7 @@ class Exchange:
 
     @property
     def moves(self) -> bool:
-        """Whether any piece leaves its holder; else every rank owns what it holds and both
-        all-to-alls are skipped (no sync point: the shard-aligned layout, muon_layout.py)."""
+        """Whether any piece leaves its holder (else no all-to-all: muon_layout.py)."""
         return any(p.holder != p.owner for p in self.pieces)
 
     def sends(self, rank: int) -> list[Piece]:
@@ -220,7 +206,7 @@ class Exchange:
             world: the DP group's size.
 
         Returns:
-            (send, receive): ``world`` element counts each, as ``all_to_all`` split sizes.
+            (send, receive), ``world`` counts each.
         """
         send, recv = [0] * world, [0] * world
         for p in self.pieces:
@@ -240,9 +226,8 @@ class ShardInfo(MuonParamInfo):
 
 
 class DistributedMuonOrthogonalizer:
-    """Orthogonalizer for DP-sharded Muon params; wraps the orthogonalizer owners run (the local
-    one, or the TP one where TP shards a matrix). ``gangs`` (muon_gangs.py's ``GangRunner``) runs
-    the blocks of matrices the plan splits: a plug-in, entered only where a gang exists."""
+    """Orthogonalizer for DP-sharded Muon params around the one owners run (local, or TP);
+    ``gangs`` (muon_gangs.py's ``GangRunner``) runs split matrices only where one exists."""
 
     def __init__(
         self,
@@ -294,9 +279,7 @@ class DistributedMuonOrthogonalizer:
         return results
 
     def _scale_info(self, i: int) -> MuonParamInfo:
-        """The info the owner's orthogonalizer scales matrix ``i``'s result by: the TP-local
-        slice's in the ``blockwise`` TP mode (``TPOrthogonalizer.scale_info``), else the
-        whole matrix's (its plan slot's TP-global info, which says how TP shards it)."""
+        """The info the owner scales matrix ``i``'s result by (``TPOrthogonalizer.scale_info``)."""
         slot = self.plan.matrices[i]
         scale_info = getattr(self.inner, "scale_info", None)
         return slot.info if scale_info is None else scale_info(slot.info, slot.local_shape)
@@ -324,8 +307,7 @@ class DistributedMuonOrthogonalizer:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _held_results(self, sends: list[Piece], back: Tensor, by_matrix: dict) -> dict:
-        """Each held shard's result: a slice of ``back`` for a whole matrix, assembled from the
-        gang members' pieces for a split one."""
+        """Each held shard's result: a slice of ``back``, or assembled from gang members' pieces."""
         out, at = {}, 0
         for p in sends:
             part, at = back[at : at + p.size], at + p.size
@@ -344,9 +326,8 @@ class DistributedMuonOrthogonalizer:
     def _orthogonalize_owned(
         self, ex: Exchange, receives: list[Piece], received: Tensor, matrix_fn
     ):
-        """NS of the owned units: gang blocks together (muon_gangs.py), then whole matrices
-        one at a time; results laid out like ``received`` (same pieces, same order), in the
-        return dtype: over ``received`` itself when the dtypes agree."""
+        """NS of the owned units (gang blocks together, then whole matrices), laid out like
+        ``received``, in the return dtype (over ``received`` where the dtypes agree)."""
         same = self.return_dtype == self.forward_dtype
         results = received if same else torch.empty_like(received, dtype=self.return_dtype)
         at = _offsets_by_matrix(receives)
@@ -404,17 +385,14 @@ class DistributedMuonOrthogonalizer:
 
 
 def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: torch.dtype):
-    """The dtypes the exchange moves: (forward, return, whether holders apply the scale).
-
-    Forward: the narrower of ``exchange_dtype`` and the NS dtype (NS casts its input first: the
-    same rounding, earlier). Return: with NS narrower than the update, its unscaled output in the
-    NS dtype, scaled by the holders (bit-identical); else the scaled update in
-    ``exchange_dtype`` (docs/distopt_exchange.md, "Precision").
+    """The exchange's (forward dtype, return dtype, whether holders apply the scale): the narrower
+    dtype each way, and an NS-dtype unscaled return where NS is narrower than the update
+    (docs/distopt_exchange.md, "Precision").
 
     Args:
         exchange_dtype: ``muon_distopt_exchange_dtype`` ("fp32" or "bf16").
         ns_dtype: Newton-Schulz's compute dtype.
-        update_dtype: the dtype of the updates (DistOpt's fp32 main params).
+        update_dtype: the updates' dtype (DistOpt's fp32 main params).
 
     Returns:
         (forward dtype, return dtype, scale at the holder).

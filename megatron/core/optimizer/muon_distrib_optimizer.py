@@ -1,8 +1,7 @@
-"""Megatron's DistributedOptimizer (ZeRO-1) with ``MegatronMuon`` inside, built by the factory
-(patch 0002) for ``muon_impl='megatron_muon'``. On top of upstream's class: the exchange plan,
-built here once (``attach``: muon_plan.py) and run each step (muon_distopt.py), DDP's buffer
-layout (muon_layout.py) and checkpoints of Muon's state in every DistOpt format
-(muon_checkpoint.py, muon_checkpoint_sharded.py); docs/distopt_exchange.md.
+"""Megatron's DistributedOptimizer (ZeRO-1) with ``MegatronMuon`` inside
+(``muon_impl='megatron_muon'``, patch 0002): adds the exchange plan (built here, run by
+muon_distopt.py), DDP's buffer layout (muon_layout.py) and Muon's state in every DistOpt
+checkpoint format (muon_checkpoint*.py); docs/distopt_exchange.md.
 """
 
 import dataclasses
@@ -37,8 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class MuonDistributedOptimizer(DistributedOptimizer):
-    """``DistributedOptimizer`` whose inner optimizer is a ``MegatronMuon``: exact Muon on DP
-    shards. Args: those of ``DistributedOptimizer``."""
+    """``DistributedOptimizer`` with a ``MegatronMuon`` inside: exact Muon, DP-sharded."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -53,8 +51,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     compute_full_param_layout = staticmethod(muon_layout.compute_full_param_layout)
 
     def start_param_sync_for_bucket_group_subset(self) -> None:
-        """Start every bucket group's param all-gather, the shard-aligned Muon buffers included
-        (upstream's leaves those to a LayerWise sibling)."""
+        """Start every bucket group's param all-gather, shard-aligned Muon buffers included."""
         for chunk in self.model_chunks:
             for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
                 if group.buckets:
@@ -71,7 +68,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def get_parameter_state_dp_zero(
         self, use_gloo_comm: bool = True, empty_data: bool = False, return_on_all_ranks=False
     ):
-        """Every param's main param and state by name (``torch`` format).
+        """Every param's main param and state by name (``torch`` format; muon_checkpoint.py).
 
         Args:
             use_gloo_comm: unused (the DP group's gloo twin is used where there is one).
@@ -79,7 +76,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             return_on_all_ranks: gather to every DP rank, not DP rank 0 only.
 
         Returns:
-            ``{"format", "optimizer", "shapes", "params"}`` on the receivers, else None.
+            The state on the receivers, else None.
         """
         return checkpoint.get_parameter_state_dp_zero(self, return_on_all_ranks)
 
@@ -87,8 +84,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         """Scatter a ``torch``-format param state to the shards.
 
         Args:
-            state_dict: ``get_parameter_state_dp_zero``'s output (on DP rank 0).
-            update_legacy_format: unused (this format has no legacy version).
+            state_dict: ``get_parameter_state_dp_zero``'s output.
+            update_legacy_format: unused (no legacy version).
         """
         checkpoint.scatter_state(self, state_dict)
 
@@ -139,17 +136,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
 
 def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExchangePlan:
-    """The exchange plan from DistOpt's range maps.
-
-    ``tp_info_of(model_param)`` gives the TP-global ``MuonParamInfo`` of a Muon model param and
-    None for AdamW params; ``model`` the NS FLOPs of owners and gang members. Every rank builds
-    the same plan: bucket layouts are identical across the DP group (and across TP ranks), and
-    owners are a pure function of them.
+    """The exchange plan from DistOpt's range maps; the same on every rank (bucket layouts are).
 
     Args:
-        distopt: the ``DistributedOptimizer`` (its buffers, buckets and param names).
+        distopt: the ``DistributedOptimizer``.
         tp_info_of: model param -> TP-global ``MuonParamInfo``, or None for AdamW params.
-        model: the Newton-Schulz cost model (whole matrices and gang members).
+        model: the Newton-Schulz cost model.
         window: Muon elements per exchange; None: one exchange per DP group.
 
     Returns:
@@ -184,17 +176,8 @@ def build_plan(distopt, tp_info_of, model: NSCostModel, window=None) -> MuonExch
     return MuonExchangePlan(buckets, matrices, rank, world, window, model)
 
 
-def shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
-    """{shard main param: ShardInfo} for the Muon params among DistOpt's shards.
-
-    Args:
-        distopt: the ``DistributedOptimizer`` whose inner optimizer holds the shards.
-        plan: the exchange plan built from the same ``distopt``.
-        muon_params: the model params Muon steps.
-
-    Returns:
-        {1-D shard main param: its ``ShardInfo`` (global shape, QKV split, matrix, offset)}.
-    """
+def _shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
+    """{shard main param: ShardInfo} for the Muon params among DistOpt's shards."""
     index = {slot.name: i for i, slot in enumerate(plan.matrices)}
     out = {}
     for param, (gi, order) in distopt.model_param_group_index_map.items():
@@ -209,11 +192,11 @@ def shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
 
 
 def shard_location(distopt, shard) -> tuple[MatrixSlot, int]:
-    """(the matrix, the shard's first element within the flattened TP-local matrix) of a Muon
-    shard main param of ``distopt``: what e.g. QK-clip needs to find its rows.
+    """(the matrix, the shard's first element in the flattened TP-local matrix) of a Muon shard
+    main param: what e.g. QK-clip needs to find its rows.
 
     Args:
-        distopt: a ``DistributedOptimizer`` with Muon attached (``attach``).
+        distopt: a ``DistributedOptimizer`` with Muon attached.
         shard: one of its 1-D Muon shard main params.
 
     Returns:
@@ -229,12 +212,11 @@ def cost_model(
     """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
 
     Args:
-        inner: Muon's orthogonalizer before ``attach`` wraps it (local or ``TPOrthogonalizer``).
+        inner: Muon's orthogonalizer before ``attach`` wraps it.
         steps: Newton-Schulz iterations.
         ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
         exchange_itemsizes: bytes per element of the forward plus the return exchange.
-        form: Newton-Schulz's form (``OrthoSpec.form``): counted where a matrix is
-            orthogonalized whole; gang blocks run (and are counted as) the standard steps.
+        form: ``OrthoSpec.form``, counted for whole matrices (gang blocks run the standard steps).
 
     Returns:
         The ``NSCostModel`` the planner splits matrices with.
@@ -259,20 +241,16 @@ def attach(
     window: Optional[int] = None,
     links: PlanLinks = DEFAULT_LINKS,
 ) -> None:
-    """Make ``muon`` (the DistributedOptimizer's inner optimizer) step DP-sharded params exactly.
-
-    Called once from ``DistributedOptimizer.__init__`` after it replaced the inner optimizer's
-    params by 1-D shard main params. ``muon.param_info`` still maps the *model* params to their
-    TP-global infos; afterwards it maps the shards to ``ShardInfo``s, and ``muon.orthogonalizer``
-    routes whole matrices to their owners around the tensor-parallel orthogonalizer it had.
+    """Make ``muon`` (DistOpt's inner optimizer) step DP-sharded params exactly: once, after DistOpt
+    replaced its params by 1-D shards, ``param_info`` is remapped to ``ShardInfo``s and the
+    orthogonalizer wrapped in the exchange.
 
     Args:
         distopt: the ``DistributedOptimizer`` being built.
         muon: its inner Muon optimizer; modified in place.
-        exchange_dtype: the exchange's dtype where NS does not set it, in ``EXCHANGE_DTYPES``
-            ("fp32", "bf16"; ``exchange_dtypes``).
+        exchange_dtype: the exchange's dtype where NS does not set it (``exchange_dtypes``).
         window: Muon elements per exchange; None: one exchange per DP group.
-        links: the machine the planner assumes and its efficiency floor (``muon_split.PlanLinks``).
+        links: the machine the planner assumes (``PlanLinks``, muon_split.py).
     """
     specs = muon.ortho_specs()
     if len(specs) > 1:
@@ -299,11 +277,11 @@ def attach(
         model = dataclasses.replace(model, nodes=nodes)
     plan = build_plan(distopt, muon.param_info.get, model, window)
     infos = [muon.param_info[p] for p in muon_params]
-    muon.param_info = shard_infos(distopt, plan, muon_params)
+    muon.param_info = _shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
     muon.orthogonalizer = DistributedMuonOrthogonalizer(
         plan,
-        owners_orthogonalizer(muon.orthogonalizer, infos),
+        _owners_orthogonalizer(muon.orthogonalizer, infos),
         exchange_dtype,
         ns_dtype,
         device=device,
@@ -315,18 +293,9 @@ def attach(
     distopt.muon_plan = plan
 
 
-def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
-    """What owners orthogonalize whole matrices with: ``inner`` (Muon's TP orthogonalizer)
-    where TP shards one of ``infos``, else the local one (same numbers, with its timers): at
-    TP=1 the step never enters muon_tp.py.
-
-    Args:
-        inner: Muon's orthogonalizer before ``attach`` wraps it.
-        infos: the TP-global infos of the Muon params.
-
-    Returns:
-        ``inner``, or a ``LocalOrthogonalizer``.
-    """
+def _owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
+    """Owners' orthogonalizer: ``inner`` where TP shards a Muon matrix, else a local one (at
+    TP=1 the step never enters muon_tp.py)."""
     if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
         return inner
     return LocalOrthogonalizer(getattr(inner, "timers", None))

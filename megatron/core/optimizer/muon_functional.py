@@ -1,16 +1,12 @@
 """Muon's functional core: per-param records and the three stages of a Muon step, plus AdamW.
 
-A Muon step is split so that a distributed caller can run stages 1 and 3 on any shard of a
-parameter and only stage 2 on whole matrices:
-
 1. ``muon_momentum_``  elementwise: ``B = mu B + G``; ``U = G + mu B`` (Nesterov) or ``U = B``.
 2. an *orthogonalizer* hands whole matrices to ``orthogonalize_matrices``:
    ``O = s * NS_k(U)`` per matrix, or per Q/K/V block of a fused QKV weight.
 3. ``muon_apply_``     elementwise: ``W = W (1 - lr wd)``; ``W = W - lr O``.
 
-The scale ``s`` is applied in stage 2, the only stage that knows the block boundaries (a fused
-QKV weight scales each block by its own shape); it comes from ``MuonParamInfo``, never from the
-local tensor's shape, so a shard's stage 2 can be fed the global layout.
+Stages 1 and 3 run on any shard; the scale ``s`` comes from ``MuonParamInfo`` (global), never
+from the local tensor, so a shard's stage 2 can be fed the global layout.
 """
 
 import contextlib
@@ -51,13 +47,9 @@ assert tuple(SCALE_FNS) == SCALE_MODES, "muon_config.SCALE_MODES names these rul
 
 @dataclass(frozen=True)
 class MuonParamInfo:
-    """What stage 2 needs to know about a Muon parameter, independent of how it is sharded.
-
-    ``shape`` is the global 2-D (rows = outputs, cols = inputs) shape of the whole matrix.
-    ``qkv_split`` gives the row counts of the blocks of ONE query group of a fused QKV weight,
-    e.g. ``(heads_per_group * head_dim, head_dim, head_dim)``: Megatron lays out the rows of
-    ``linear_qkv.weight`` as ``[q; k; v]`` per query group, repeated ``num_query_groups`` times.
-    """
+    """What stage 2 needs to know about a Muon parameter, independent of its sharding: the global
+    2-D ``shape`` and, for a fused QKV weight, ``qkv_split``, the row counts of ONE query group's
+    Q/K/V blocks (Megatron lays out ``[q; k; v]`` per query group)."""
 
     shape: tuple[int, int]
     qkv_split: Optional[tuple[int, ...]] = None
@@ -78,14 +70,14 @@ class MuonParamInfo:
 
     @classmethod
     def of(cls, param: Tensor, qkv_split: Optional[Sequence[int]] = None) -> "MuonParamInfo":
-        """Info for a parameter that is its whole matrix (no sharding).
+        """Info for a parameter that is its whole matrix (ValueError unless 2-D).
 
         Args:
             param: a 2-D parameter (rows = outputs, cols = inputs).
             qkv_split: row counts of one query group's Q/K/V blocks for a fused QKV weight.
 
         Returns:
-            The ``MuonParamInfo`` of ``param``; ValueError for a param that is not 2-D.
+            The ``MuonParamInfo`` of ``param``.
         """
         if param.ndim != 2:
             raise ValueError(
@@ -118,7 +110,7 @@ class OrthoSpec:
         """The update scale ``s`` of a (block of) global shape ``rows x cols``.
 
         Args:
-            rows: global row count (outputs) of the matrix or Q/K/V block.
+            rows: global row count (outputs).
             cols: global column count (inputs).
 
         Returns:
@@ -140,11 +132,11 @@ def muon_momentum_(
     """Update momentum buffers in place; return the Newton-Schulz inputs U (elementwise).
 
     Args:
-        params: the params (or this rank's shards of them), for L2 weight decay and the dtype.
-        grads: their gradients, same shapes.
-        bufs: their momentum buffers, same shapes, any state dtype; updated in place.
-        momentum: the momentum coefficient beta.
-        nesterov: whether U is ``g + beta * buf`` (Nesterov) rather than ``buf``.
+        params: the params (or shards), for L2 weight decay and the dtype.
+        grads: their gradients.
+        bufs: their momentum buffers, any state dtype; updated in place.
+        momentum: beta.
+        nesterov: U is ``g + beta * buf`` rather than ``buf``.
         l2_weight_decay: coefficient of ``p`` added to the gradient (0: off).
 
     Returns:
@@ -167,11 +159,8 @@ MatrixFn = Callable[[list[Tensor], list[MuonParamInfo]], list[Tensor]]
 
 
 class Orthogonalizer(Protocol):
-    """Runs ``matrix_fn`` on whole matrices and returns results laid out like ``updates``.
-
-    A distributed implementation gathers shards into whole matrices, calls ``matrix_fn`` on the
-    ones it owns and scatters the results back; all collectives live there, none in the math.
-    """
+    """Runs ``matrix_fn`` on whole matrices and returns results laid out like ``updates``; a
+    distributed one gathers and scatters, so all collectives live there, none in the math."""
 
     def __call__(
         self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
@@ -189,11 +178,11 @@ TIMER_LOG_LEVEL = 2  # finer than Megatron's level-1 "optimizer-inner-step" they
 
 @contextlib.contextmanager
 def timed(timers: Optional[Callable], name: str):
-    """Time the block with ``timers(name)`` when timers are given; nothing otherwise.
+    """Time the block with ``timers(name)`` when timers are given.
 
     Args:
         timers: Megatron's ``timers(name, log_level)`` callable, or None.
-        name: the timer's name, e.g. ``NS_TIMER``.
+        name: the timer's name.
     """
     if timers is None:
         yield
@@ -207,8 +196,7 @@ def timed(timers: Optional[Callable], name: str):
 
 
 class LocalOrthogonalizer:
-    """Single process: every update already is its whole matrix. ``timers`` (Megatron's,
-    optional) times each call as ``NS_TIMER``."""
+    """Single process: every update already is its whole matrix (timed as ``NS_TIMER``)."""
 
     def __init__(self, timers: Optional[Callable] = None) -> None:
         self.timers = timers
@@ -233,8 +221,8 @@ def orthogonalize_matrices(
     """``s * NS_k(U)`` for each whole matrix, QKV weights block by block.
 
     Args:
-        updates: whole matrices U (the Newton-Schulz inputs).
-        infos: their ``MuonParamInfo`` (global shape, QKV split).
+        updates: whole matrices U.
+        infos: their ``MuonParamInfo``.
         spec: Newton-Schulz and scale settings.
 
     Returns:
@@ -244,9 +232,7 @@ def orthogonalize_matrices(
 
 
 def ortho_spec_of(matrix_fn: MatrixFn) -> OrthoSpec:
-    """The ``OrthoSpec`` a ``functools.partial(orthogonalize_matrices, spec=...)`` carries: what
-    a caller that runs its own iteration (sharded, or scaled elsewhere) needs of Muon's
-    ``matrix_fn``."""
+    """The ``OrthoSpec`` a ``partial(orthogonalize_matrices, spec=...)`` carries."""
     ok = isinstance(matrix_fn, functools.partial) and matrix_fn.func is orthogonalize_matrices
     assert ok, "needs Muon's orthogonalize_matrices partial (its OrthoSpec)"
     return matrix_fn.keywords["spec"]
@@ -261,15 +247,13 @@ BlocksSteps = Callable[[list[Tensor]], Generator[Request, None, list[Tensor]]]
 def orthogonalize(
     u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: Optional[BlocksFn] = None
 ) -> Tensor:
-    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight
-    (``orthogonalize_steps`` with blocks that need nothing from elsewhere).
+    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight.
 
     Args:
         u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
         info: the global shape and QKV split.
         spec: Newton-Schulz and scale settings.
-        ns_blocks: unscaled Newton-Schulz of a list of same-shape blocks; default: this
-            process's ``newton_schulz`` on the stacked blocks (one batched call).
+        ns_blocks: unscaled NS of same-shape blocks (default: one batched local ``newton_schulz``).
 
     Returns:
         The scaled orthogonalized update, shaped like ``u``.
@@ -278,7 +262,7 @@ def orthogonalize(
         if info.qkv_split is None:
             return _scale_(_local_ns(u, spec), info.shape, spec)
         ns_blocks = functools.partial(_local_ns_blocks, spec=spec)
-    return serve(orthogonalize_steps(u, info, spec, _at_once(ns_blocks)), {})
+    return serve(_orthogonalize_steps(u, info, spec, _at_once(ns_blocks)), {})
 
 
 def _at_once(ns_blocks: BlocksFn) -> BlocksSteps:
@@ -291,28 +275,11 @@ def _at_once(ns_blocks: BlocksFn) -> BlocksSteps:
     return steps
 
 
-def orthogonalize_steps(
+def _orthogonalize_steps(
     u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: BlocksSteps
 ) -> Generator[Request, None, Tensor]:
-    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight, as a
-    generator passing on ``ns_blocks``'s requests (sums and gathers over shards).
-
-    The one home of the Q/K/V split and of the scale: ``u`` may be the whole matrix, a row
-    shard of whole query groups (the ``distributed`` TP mode) or a column shard (a DP gang), since
-    the scale and the block shapes come from ``info`` (global), never from ``u``.
-
-    Args:
-        u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
-        info: the global shape and QKV split.
-        spec: Newton-Schulz and scale settings.
-        ns_blocks: unscaled Newton-Schulz of a list of same-shape blocks, as a generator.
-
-    Yields:
-        ``ns_blocks``'s requests.
-
-    Returns:
-        The scaled orthogonalized update, shaped like ``u``.
-    """
+    """``orthogonalize`` as a generator passing on ``ns_blocks``'s requests: the one home of the
+    Q/K/V split and the scale, both taken from ``info`` (global), so ``u`` may be any shard."""
     if info.qkv_split is None:
         orth = (yield from ns_blocks([u]))[0]
         return _scale_(orth, info.shape, spec)
@@ -339,20 +306,17 @@ def orthogonalize_sharded(
     reassociate: bool = False,
     part: Optional[tuple[int, int, Callable[[Tensor], object]]] = None,
 ) -> Tensor:
-    """``s * NS_k(U)`` of this shard (along ``dim``) of a matrix sharded over several places;
-    ``reduce(t)`` sums ``t`` in place over the shards (``orthogonalize_sharded_steps``, each
-    request served at once).
+    """This shard (along ``dim``) of ``s * NS_k(U)``: ``orthogonalize_sharded_steps`` with each
+    request served at once.
 
     Args:
-        u: this place's shard of the Newton-Schulz input U.
+        u: this place's shard of U.
         info: the whole matrix's global shape and Q/K/V split.
-        spec: the param group's Newton-Schulz settings and scale rule.
-        dim: the dimension U is sharded along (0: rows, 1: columns).
-        reduce: sums a tensor in place over all shards (a collective over their group).
+        spec: Newton-Schulz and scale settings.
+        dim: 0 for row shards, 1 for column shards.
+        reduce: sums a tensor in place over all shards.
         reassociate: use the reassociated step where it is cheaper.
-        part: ``(p, k, gather)``: this shard is the ``p``-th of ``k``; blocks split their
-            polynomial by rows where that saves FLOPs (``newton_schulz.splits_polynomial``),
-            ``gather`` assembling it (an all-gather).
+        part: ``(p, k, gather)``: split polynomials by rows where ``splits_polynomial``.
 
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.
@@ -370,24 +334,16 @@ def orthogonalize_sharded_steps(
     reassociate: bool = False,
     part: Optional[tuple[int, int]] = None,
 ) -> Generator[Request, None, Tensor]:
-    """``orthogonalize_sharded`` as a generator of its requests (``SUM``: sum a tensor in place
-    over the shards; ``GATHER``: fill the other shards' rows of a split polynomial), for callers
-    that interleave several matrices (``newton_schulz.sharded_newton_schulz_steps``).
-
-    Q/K/V blocks and the scale as ``orthogonalize``: a QKV shard holds whole query groups
-    (``dim=0``) or all rows of some columns (``dim=1``).
+    """``orthogonalize_sharded`` as a generator of its ``SUM``/``GATHER`` requests, for callers
+    that interleave matrices (muon_gangs.py); a QKV shard holds whole query groups or whole columns.
 
     Args:
-        u: this place's shard of the Newton-Schulz input U.
+        u: this place's shard of U.
         info: the whole matrix's global shape and Q/K/V split.
-        spec: the param group's Newton-Schulz settings and scale rule.
-        dim: the dimension U is sharded along (0: rows, 1: columns).
+        spec: Newton-Schulz and scale settings.
+        dim: 0 for row shards, 1 for column shards.
         reassociate: use the reassociated step where it is cheaper.
-        part: ``(p, k)``: this shard is the ``p``-th of ``k``; blocks split their polynomial by
-            rows where that saves FLOPs (``newton_schulz.splits_polynomial``).
-
-    Yields:
-        ``(SUM, tensor)`` and ``(GATHER, poly)`` requests, served in place before resuming.
+        part: ``(p, k)``: split polynomials by rows where ``splits_polynomial``.
 
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.
@@ -410,7 +366,7 @@ def orthogonalize_sharded_steps(
         split = part is not None and splits_polynomial(g, lines, k, reassociate)
         return part if split else None
 
-    return (yield from orthogonalize_steps(u, info, spec, ns_blocks))
+    return (yield from _orthogonalize_steps(u, info, spec, ns_blocks))
 
 
 def _local_ns(x: Tensor, spec: OrthoSpec) -> Tensor:
@@ -428,20 +384,18 @@ def _scale_(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
 
 
 def _block_shape(info: MuonParamInfo, rows: int) -> tuple[int, int]:
-    """The global shape of the Q/K/V block with ``rows`` rows per query group: what its scale
-    is computed from (``orthogonalize_steps``, ``scale_flat_``)."""
+    """The global shape of the Q/K/V block with ``rows`` rows per query group (its scale's)."""
     return info.shape[0] // sum(info.qkv_split) * rows, info.shape[1]
 
 
 def scale_flat_(x: Tensor, info: MuonParamInfo, start: int, cols: int, spec: OrthoSpec) -> Tensor:
-    """``orthogonalize``'s scale applied in place to a flat piece of an unscaled update (one
-    Q/K/V block's scale to each of its rows): the same elementwise product the owner would have
-    done, so the result is bit-identical wherever it runs.
+    """``orthogonalize``'s scale applied in place to a flat piece of an unscaled update: the same
+    elementwise product as the owner's, so bit-identical wherever it runs.
 
     Args:
-        x: elements ``[start, start + x.numel())`` of the row-major matrix (a shard).
+        x: elements ``[start, start + x.numel())`` of the row-major matrix.
         info: the whole matrix's global shape and Q/K/V split.
-        start: the flat position of ``x[0]`` in the matrix (TP-local, ``cols`` columns).
+        start: the flat position of ``x[0]`` (TP-local, ``cols`` columns).
         cols: the matrix's column count.
         spec: the scale settings.
 
@@ -467,11 +421,11 @@ def scale_flat_(x: Tensor, info: MuonParamInfo, start: int, cols: int, spec: Ort
 def muon_apply_(
     params: list[Tensor], updates: list[Tensor], *, lr: float, weight_decay: float
 ) -> None:
-    """``W = W (1 - lr wd) - lr O`` in place (elementwise; O already carries the scale).
+    """``W = W (1 - lr wd) - lr O`` in place (O already carries the scale).
 
     Args:
-        params: the params (or shards) W, updated in place.
-        updates: the orthogonalized, scaled updates O, laid out like ``params``.
+        params: the params (or shards) W.
+        updates: the updates O, laid out like ``params``.
         lr: learning rate.
         weight_decay: decoupled weight decay coefficient (0: off).
     """
@@ -495,15 +449,14 @@ def adamw_(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """torch.optim.AdamW's single-tensor update, op for op (bit-exact on CPU), any state dtype.
-
-    State narrower than the param is widened for the arithmetic and rounded back once.
+    """torch.optim.AdamW's single-tensor update, op for op (bit-exact on CPU); narrower state is
+    widened for the arithmetic and rounded back once.
 
     Args:
         params: the params (or shards), updated in place.
         grads: their gradients.
-        exp_avgs: first moments, any state dtype; updated in place.
-        exp_avg_sqs: second moments, any state dtype; updated in place.
+        exp_avgs: first moments, updated in place.
+        exp_avg_sqs: second moments, updated in place.
         steps: per-param step counts (scalar tensors), incremented in place.
         lr: learning rate.
         beta1: first-moment decay.

@@ -1,10 +1,8 @@
 """``Muon``: a plain torch optimizer holding Muon and AdamW param groups.
 
-It knows nothing of Megatron, process groups or the DistributedOptimizer: sharded params are
-stepped through an ``Orthogonalizer`` handed in (``muon_tp.py``, ``muon_distopt.py``) and a
-``MuonParamInfo`` per param (``muon_megatron.py`` builds both). The math lives in
-``newton_schulz.py`` (pure Newton-Schulz) and ``muon_functional.py`` (the three stages of a
-step, AdamW); the defaults in ``muon_config.py``.
+It knows nothing of Megatron or process groups: sharded params are stepped through an
+``Orthogonalizer`` and a ``MuonParamInfo`` per param handed in (muon_megatron.py builds both);
+the math is in muon_functional.py and newton_schulz.py, the defaults in muon_config.py.
 """
 
 import copy
@@ -67,7 +65,7 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
 class Muon(Optimizer):
-    r"""Muon for 2-D weights (``use_muon=True`` groups, the default) and AdamW for the rest.
+    """Muon for 2-D weights (``use_muon=True`` groups, the default) and AdamW for the rest.
 
     Muon, per 2-D weight W (m x n) with gradient G, momentum buffer B (zero at start)::
 
@@ -77,30 +75,15 @@ class Muon(Optimizer):
         W = W (1 - lr wd)                              (decoupled weight decay)
         W = W - lr O
 
-    ``NS_k``: ``X = U / max(||U||_F, eps)``, transposed if m > n, then k steps of
-    ``A = X X^T; X = a X + (b A + c A A) X`` (see ``newton_schulz.py``; ``ns_form='auto'``: the
-    same polynomial in its Gram form where that saves FLOPs; default ``'standard'``). Scale
-    ``s``: ``scale_mode`` {modes} times ``extra_scale_factor`` (default: ``{mode}`` x {factor}, as
-    upstream), or, with ``matched_adamw_rms=r`` (default {rms}: off), ``r * sqrt(max(m, n))``
-    (Moonlight's rule: the update RMS matches AdamW's, so AdamW's lr and wd carry over; the
-    same as ``('spectral', r)``). Defaults: ``muon_config.py``, shared with
-    ``OptimizerConfig``. ``m, n`` come from ``param_info``, not the tensor, so shards can be
-    stepped.
+    ``NS_k``: newton_schulz.py (``ns_form='auto'``: the Gram form where it saves FLOPs). Scale
+    ``s``: ``scale_mode`` {modes} times ``extra_scale_factor`` (default ``{mode}`` x {factor}, as
+    upstream), or with ``matched_adamw_rms=r`` (default {rms}: off) ``r * sqrt(max(m, n))``
+    (Moonlight's). ``m, n`` come from ``param_info``, not the tensor, so shards can be stepped.
+    AdamW groups: ``torch.optim.AdamW``'s math.
 
-    AdamW (``use_muon=False`` groups): ``torch.optim.AdamW``'s math (decoupled wd, bias
-    correction, per-param ``step``).
-
-    State, created lazily in ``exp_avg_dtype`` (default: the param's dtype): Muon params keep
-    ``{muon_keys}``; AdamW params ``{adamw_keys}`` plus a scalar ``step``. ``state_keys(p)``
-    declares them for checkpoint code.
-
-    Non-finite gradients (``on_nonfinite_grad``): ``'raise'`` (default) raises
-    ``FloatingPointError`` before anything is updated; ``'skip'`` skips the whole step (params
-    and state untouched, ``skipped_steps`` counts it), as Megatron's grad scaler does;
-    ``'ignore'`` does not check (the caller already did, e.g. the grad scaler's ``found_inf``).
-    ``Muon``'s check sees only this process's gradients: with sharded params use ``'ignore'``
-    behind a check that agrees across ranks (``TensorParallelMuon`` agrees over its TP groups).
-    """
+    State, lazy, in ``exp_avg_dtype``: Muon ``{muon_keys}``, AdamW ``{adamw_keys}`` and ``step``
+    (``state_keys``). ``on_nonfinite_grad``: ``'raise'``, ``'skip'`` or ``'ignore'``; it sees only
+    this process's grads (docs/muon.md, "State, resume and non-finite gradients")."""
 
     def __init__(
         self,
@@ -202,16 +185,9 @@ class Muon(Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load, then restore state dtypes and give each param its own tensors.
-
-        torch casts loaded state to the param's dtype (undoing ``exp_avg_dtype``) and may alias
-        the source's tensors, e.g. one ``step`` shared by all params. Keys a param does not
-        declare are dropped: megatron-core's torch_dist load gives every param the common
-        ``step``, which Muon params would keep stale (their rule has no step), so that the next
-        torch_dist save failed with "The optimizer step differs per parameter". The Muon rule's
-        settings (``RULE_SETTINGS``) stay this run's: a resumed run with another
-        ``--muon-momentum`` runs it, as it runs its own ``--lr`` schedule.
-        """
+        """Load, then restore declared state dtypes, unalias tensors, drop undeclared keys (a
+        stale torch_dist ``step`` broke the next save), keep this run's ``RULE_SETTINGS``
+        (docs/muon.md)."""
         given = [{k: g[k] for k in RULE_SETTINGS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
         for i, (group, settings) in enumerate(zip(self.param_groups, given)):
@@ -232,14 +208,7 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One step of every group: AdamW groups, then Muon groups (see the class docstring).
-
-        Args:
-            closure: re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-        """
+        """One step of every group: AdamW groups, then Muon groups; returns the closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -263,8 +232,7 @@ class Muon(Optimizer):
         return specs
 
     def _spec(self, i: int) -> OrthoSpec:
-        """Group ``i``'s ``OrthoSpec``, resolved where the group is added or loaded (and again
-        should its settings change), so that a step does not re-run the config's scale rule."""
+        """Group ``i``'s ``OrthoSpec``, cached until its settings change (not resolved per step)."""
         group = self.param_groups[i]
         settings = [group[k] for k in SPEC_SETTINGS]
         cached = self._specs.get(i)
@@ -273,12 +241,8 @@ class Muon(Optimizer):
         return cached[1]
 
     def _muon_steps(self) -> None:
-        """Every Muon group, with one orthogonalizer call per distinct ``OrthoSpec``.
-
-        The call is made every step, also with no Muon grads on this rank: a distributed
-        orthogonalizer runs collectives that all ranks of its group must enter, and batching
-        all groups lets it exchange each bucket once.
-        """
+        """Every Muon group, one orthogonalizer call per distinct ``OrthoSpec``; called every
+        step, also without Muon grads here (a distributed one's collectives need every rank)."""
         batches: list[tuple[OrthoSpec, list]] = []
         for i, group in enumerate(self.param_groups):
             if not group["use_muon"]:
@@ -347,8 +311,7 @@ class Muon(Optimizer):
         return not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
 
     def _agree(self, local_ok: bool) -> bool:
-        """Whether every rank that shares this step's collectives has finite grads (here:
-        only this process; TensorParallelMuon asks its TP peers)."""
+        """Whether every rank sharing this step's collectives has finite grads (here: this one)."""
         return local_ok
 
     def _first_nonfinite(self) -> str:
@@ -360,8 +323,7 @@ class Muon(Optimizer):
 
 
 def _validate_group(group: dict[str, Any]) -> None:
-    """ValueError naming the bad setting and what is allowed (NaN, inf, strings and None
-    included: a non-finite lr would silently train to NaN)."""
+    """ValueError naming the bad setting and what is allowed (NaN, inf, strings, None included)."""
     _finite(group, "lr", ">= 0", lambda v: v >= 0)
     _finite(group, "weight_decay", ">= 0", lambda v: v >= 0)
     if not group["use_muon"]:

@@ -1,8 +1,7 @@
 """The DistOpt Muon exchange planner: who orthogonalizes which matrix (or gang block) and what
-every rank sends where. Pure arithmetic on the layout (no collectives, no tensors), run once at
-construction; the data it fills in and the step reads live with the exchange (muon_distopt.py).
-The piece order both sides of a link agree on: docs/distopt_exchange.md. Its counted figures
-(FLOPs, bytes, memory) are muon_plan_figures.py's.
+every rank sends where. Pure arithmetic on the layout, run once at construction; the data it
+fills in lives in muon_distopt.py, its counted figures in muon_plan_figures.py, the piece order
+in docs/distopt_exchange.md.
 """
 
 import dataclasses
@@ -16,16 +15,12 @@ from .newton_schulz import ns_flops, splits_polynomial
 
 
 def ns_cost(info: MuonParamInfo, steps: int, form: str = "standard") -> float:
-    """Newton-Schulz matmul FLOPs for one whole matrix (per QKV block when split).
-
-    ``newton_schulz.ns_flops``: standard steps ``X X^T`` (2 s^2 l), ``A A`` (2 s^3) and
-    ``B X`` (2 s^2 l) each, s = min(m, n), l = max(m, n), or the Gram form's count where
-    ``form`` runs it; elementwise work is left out.
+    """Newton-Schulz matmul FLOPs for one whole matrix (per QKV block when split; ``ns_flops``).
 
     Args:
         info: the matrix's global shape and QKV split.
         steps: Newton-Schulz iterations.
-        form: Newton-Schulz's form (``OrthoSpec.form``) for a matrix orthogonalized whole.
+        form: ``OrthoSpec.form``.
 
     Returns:
         Matmul FLOPs of all steps.
@@ -44,20 +39,14 @@ def _blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
 def tp_ns_cost(
     info: MuonParamInfo, steps: int, mode: str, tp: int, form: str = "standard"
 ) -> float:
-    """NS FLOPs each TP rank of the owner executes, per TP mode (``muon_tp.py``).
-
-    duplicated: the whole matrix on every TP rank; blockwise: the TP-local slice; distributed:
-    the own row (column) shard with the n x n (m x m) Gram matrix and ``ceil(n / tp)`` rows of
-    its polynomial (``newton_schulz.splits_polynomial``), ``4 r n^2 + 2 n^2 ceil(n / tp)`` per
-    step.
+    """NS FLOPs each TP rank of the owner executes, per TP mode (muon_tp.py, docs/tp_modes.md).
 
     Args:
         info: the matrix's TP-global info (``partition_dim`` where TP-sharded).
         steps: Newton-Schulz iterations.
-        mode: the TP mode, "duplicated", "blockwise" or "distributed".
+        mode: "duplicated", "blockwise" or "distributed".
         tp: the tensor-parallel size.
-        form: Newton-Schulz's form where a rank orthogonalizes a whole matrix (duplicated,
-            blockwise); the distributed mode's sharded steps are the standard ones.
+        form: ``OrthoSpec.form`` for whole matrices (distributed runs the standard steps).
 
     Returns:
         Matmul FLOPs of all steps on one TP rank.
@@ -87,7 +76,7 @@ def piece(slot: MatrixSlot, rank: int, shard_size: int) -> tuple[int, int]:
         shard_size: elements of the bucket each DP rank holds.
 
     Returns:
-        (lo, hi) bucket-relative, end exclusive; ``hi <= lo`` when empty.
+        (lo, hi), end exclusive; ``hi <= lo`` when empty.
     """
     return max(slot.start, rank * shard_size), min(slot.end, (rank + 1) * shard_size)
 
@@ -96,18 +85,9 @@ def _holders(slot: MatrixSlot, shard_size: int) -> range:
     return range(slot.start // shard_size, (slot.end - 1) // shard_size + 1)
 
 
-def group_exchanges(buckets: list[BucketSlot], matrices, window: Optional[int]) -> list[Exchange]:
-    """Buckets -> exchanges: one per DP group, or (``window``) consecutive buckets of a group
-    holding at least ``window`` Muon elements each (``window=1``: one per bucket).
-
-    Args:
-        buckets: every DP-sharded bucket, in buffer order.
-        matrices: the Muon ``MatrixSlot``s the buckets' ``matrices`` index.
-        window: Muon elements per exchange, or None for one exchange per DP group.
-
-    Returns:
-        The exchanges (pieces and gangs not yet filled), in bucket order.
-    """
+def _group_exchanges(buckets: list[BucketSlot], matrices, window: Optional[int]) -> list[Exchange]:
+    """Buckets -> exchanges: one per DP group, or runs of a group's buckets of >= ``window``
+    Muon elements each."""
     by_group: dict[int, list[int]] = {}
     for b, bucket in enumerate(buckets):
         if bucket.matrices:
@@ -130,13 +110,8 @@ def group_exchanges(buckets: list[BucketSlot], matrices, window: Optional[int]) 
 
 class MuonExchangePlan:
     """Who orthogonalizes which matrix (or block) and what every rank sends where; built once,
-    used every step.
-
-    A pure function of the layout (no collectives): the optimizer builds it from DistOpt's range
-    maps, ``bench/projection.py`` from Megatron's bucket rule at any DP size. ``model`` (the NS
-    cost of whole matrices and gang members) lets matrices split over gangs (``muon_split``);
-    without it every matrix has one owner.
-    """
+    used every step. A pure function of the layout (also bench/projection.py's); without ``model``
+    every matrix has one owner, with it matrices may split over gangs (docs/gangs.md)."""
 
     def __init__(
         self,
@@ -151,7 +126,7 @@ class MuonExchangePlan:
     ):
         self.buckets, self.matrices, self.rank, self.world = buckets, matrices, rank, world
         self.model, self.targets = model, targets
-        self.exchanges = group_exchanges(buckets, matrices, window)
+        self.exchanges = _group_exchanges(buckets, matrices, window)
         for ex in self.exchanges:
             works = [self._work(matrices[i]) for i in ex.matrices]
             units, gangs = assign_units(works, world, model, targets, bundles)
@@ -182,17 +157,16 @@ class MuonExchangePlan:
     def rebuilt(
         self, window=None, model: Optional[NSCostModel] = None, targets=TARGETS, bundles=BUNDLES
     ):
-        """The same layout planned again: another window, ``model=None`` (no splits), another
-        model (e.g. another link cost) or other candidates (``muon_placement.assign_units``).
+        """The same layout planned again with other settings; this plan is unchanged.
 
         Args:
-            window: Muon elements per exchange (see ``group_exchanges``); None: one per group.
+            window: Muon elements per exchange; None: one per group.
             model: the Newton-Schulz cost model; None: no splits.
             targets: per-rank FLOP targets to try, as fractions of the mean load.
             bundles: the most matrices a disjoint gang may hold, one candidate each.
 
         Returns:
-            A new plan; this one is left unchanged.
+            A new plan.
         """
         matrices = [dataclasses.replace(m, units=[]) for m in self.matrices]
         args = (self.rank, self.world, window, model, targets, bundles)

@@ -22,9 +22,8 @@ TP_LINK_FLOPS_PER_BYTE = 0.4 * 990e12 / 450e9
 
 @dataclass(frozen=True)
 class PlanLinks:
-    """The machine the planner weighs gang collectives and the exchange on (``--muon-plan-*``);
-    None: the H100-class default above. Only the choice among exact plans depends on it, and on
-    ``min_efficiency``: a floor on the plan's counted NS FLOP efficiency (None: the fastest)."""
+    """The machine the planner weighs gang collectives and the exchange on (``--muon-plan-*``;
+    None: the H100-class default). It only chooses among exact plans (docs/gangs.md)."""
 
     tflops: Optional[float] = None  # achieved matmul TFLOP/s per GPU (default 396)
     dp_link_gbps: Optional[float] = None  # per GPU and direction between nodes (default 400)
@@ -33,14 +32,7 @@ class PlanLinks:
     min_efficiency: Optional[float] = None  # the fastest plan at least this balanced
 
     def link_costs(self) -> dict:
-        """``NSCostModel``'s ``link_flops_per_byte`` and ``tp_link_flops_per_byte`` for these
-        figures: the matmul FLOPs one byte's transfer takes; an infinite bandwidth costs 0 (the
-        planner then balances FLOPs alone where both are).
-
-        Returns:
-            The two fields (``LINK_FLOPS_PER_BYTE`` and ``TP_LINK_FLOPS_PER_BYTE`` where nothing
-            is set).
-        """
+        """``NSCostModel``'s two ``*link_flops_per_byte`` fields (inf bandwidth: 0)."""
         rate = (self.tflops or 0.4 * 990) * 1e12
 
         def per_byte(gbps: float) -> float:
@@ -59,10 +51,8 @@ DEFAULT_LINKS = PlanLinks()
 class NSCostModel:
     """Newton-Schulz FLOPs an owner's TP rank executes, whole or as a gang member.
 
-    ``whole(info)`` is the per-TP-rank cost of the TP mode (muon_plan.py, ``tp_ns_cost``); a
-    matrix splits over DP only where its owner sees it whole or TP-gathered (tp == 1 or the
-    ``duplicated`` mode): the blocks of the other modes are no matrix of their own.
-    """
+    ``whole(info)`` is the TP mode's per-rank cost (muon_plan.py); a matrix splits over DP only
+    where its owner sees it whole or TP-gathered (docs/gangs.md)."""
 
     steps: int
     whole: Callable[[object], float]
@@ -86,15 +76,7 @@ class NSCostModel:
     min_efficiency: float = 0.0
 
     def ring_bytes(self, members: tuple, elements: int) -> tuple[float, float]:
-        """Bytes a member sends (and as many receives) in one gang collective, as rings move
-        them, over the slow (inter-node) link and over its node's fast link: a sum (fp32)
-        ``2 (k - 1) / k`` of the tensor per ring, a gather (``Gather``, NS dtype) ``(k - 1) /
-        k``, of ``1 / tp`` of it where ``tp`` TP ranks share the block (``Sum.tp``: each moves one
-        slice, muon_gangs.py's ``_gang_sum``). By ``layout``: a gang within one node rings over the
-        fast link only; one with ``m`` members on each of ``n`` nodes reduce-scatters and
-        all-gathers among a node's ``m`` (fast) and rings ``1 / m`` of the tensor over the
-        ``n`` nodes (slow; a gather then runs as a sum of zero-filled rows); else one ring over
-        the slow link.
+        """Bytes a member sends (and receives) in one gang collective, by layout.
 
         Args:
             members: the gang's ranks.
@@ -107,37 +89,17 @@ class NSCostModel:
         return ring_traffic(_slice(elements), size, _passes(elements), self.layout(members))
 
     def free_links(self) -> "NSCostModel":
-        """This model with links that cost nothing (no bytes, no latency): the one the planner
-        shapes FLOPs-only candidates with, and the FLOPs-only plan's.
-
-        Returns:
-            A copy; this model is unchanged.
-        """
+        """A copy with links that cost nothing: the model FLOPs-only candidates are shaped with."""
         return dataclasses.replace(
             self, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0, step_latency_flops=0.0
         )
 
     def layout(self, members: tuple) -> tuple[int, int]:
-        """(members per node, nodes) of a gang (``node_layout`` on ``nodes``).
-
-        Args:
-            members: the gang's ranks.
-
-        Returns:
-            (m, n); the collectives run hierarchically where ``m > 1`` and ``n > 1``.
-        """
+        """(members per node, nodes) of a gang (``node_layout``)."""
         return node_layout(members, self.nodes)
 
     def tp_bytes(self, elements: int) -> float:
-        """Bytes a TP rank receives (and sends) in the all-gather of the slices over TP that
-        follows a sliced gang collective (``ring_bytes``); 0 without slices.
-
-        Args:
-            elements: the collective's elements (a ``Sum`` or ``Gather``).
-
-        Returns:
-            Bytes each way per TP rank.
-        """
+        """Bytes each way per TP rank in the TP gather after a sliced gang collective (0: none)."""
         tp = getattr(elements, "tp", 1)
         if tp == 1 or elements < tp:
             return 0.0
@@ -149,10 +111,10 @@ class NSCostModel:
 
         Args:
             members: the gang's ranks.
-            elements: the collective's elements (a ``Sum`` or ``Gather``; 0: an exchange).
+            elements: the collective's elements (0: the exchange marker, free).
 
         Returns:
-            ``ring_bytes`` and ``tp_bytes`` at their links' cost; 0 for the exchange marker.
+            Link time in FLOP units.
         """
         if not elements:
             return 0.0
@@ -162,10 +124,7 @@ class NSCostModel:
         return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte + latency
 
     def ring_steps(self, members: tuple, elements: int) -> int:
-        """Dependent ring steps of one gang collective (muon_gangs.py's rings): ``passes (k -
-        1)`` in one ring, ``2 (m - 1) + 2 (n - 1)`` hierarchically (reduce-scatter and
-        all-gather in a node, all-reduce over the nodes), one more for the TP all-gather of a
-        sliced collective.
+        """Dependent ring steps of one gang collective (muon_gangs.py's rings), latency's count.
 
         Args:
             members: the gang's ranks.
@@ -195,28 +154,20 @@ class NSCostModel:
         return 0 if rows >= cols else 1
 
     def lines(self, info, local: int, axis: int) -> int:
-        """Lines (rows or columns) of the TP-gathered block, from the TP-local block's.
+        """Lines of the TP-gathered block from the TP-local block's.
 
         Args:
-            info: the matrix's TP-global ``MuonParamInfo`` (with ``partition_dim``).
+            info: the matrix's TP-global ``MuonParamInfo``.
             local: lines of the TP-local block.
             axis: the split axis (0: rows, 1: columns).
 
         Returns:
-            ``local`` times the TP size where TP shards along ``axis``, else ``local``.
+            ``local`` times the TP size where TP shards along ``axis``.
         """
         return local * (self.tp_of(info) if info.partition_dim == axis else 1)
 
-    def grams(self, info, axis: int) -> list[int]:
-        """Gram side of each block NS runs on, in ``muon_functional.orthogonalize``'s order.
-
-        Args:
-            info: the matrix's TP-global ``MuonParamInfo``.
-            axis: the split axis (0: rows, 1: columns).
-
-        Returns:
-            One Gram side (elements) per Newton-Schulz block.
-        """
+    def _grams(self, info, axis: int) -> list[int]:
+        """Gram side of each NS block (muon_functional.py's ``orthogonalize`` order)."""
         if axis == 0:
             return [info.shape[1]]
         split = info.qkv_split or (info.shape[0],)
@@ -226,20 +177,19 @@ class NSCostModel:
         ]
 
     def member(self, info, axis: int, lines: int, part: tuple[int, int]) -> float:
-        """Matmul FLOPs of a member with ``lines`` lines: nondecreasing in ``lines``.
+        """Matmul FLOPs of a member with ``lines`` lines (nondecreasing in ``lines``).
 
         Args:
             info: the matrix's TP-global ``MuonParamInfo``.
             axis: the split axis (0: rows, 1: columns).
             lines: the member's lines of the TP-gathered block.
-            part: ``(p, k, splits)``: the member's place among the gang's sorted members, the
-                gang size, whether the gang splits its polynomials (``splits``).
+            part: ``(place, gang size, splits)``.
 
         Returns:
             Matmul FLOPs over all ``steps``.
         """
         flops = 0.0
-        for g in self.grams(info, axis):
+        for g in self._grams(info, axis):
             events = _after_sum(g, lines, info.shape[axis], part)
             flops += 2.0 * g * g * lines + sum(e for e in events if isinstance(e, float))
         return self.steps * flops
@@ -247,9 +197,7 @@ class NSCostModel:
     # The planner asks the same sizes many times; bounded, and models are few and small.
     @functools.lru_cache(maxsize=1 << 16)  # noqa: B019
     def busiest(self, info, axis: int, local: int, k: int, with_link: bool = False) -> float:
-        """What the busiest of ``k`` members sharing ``local`` TP-local lines (equal cut)
-        spends on the matrix: its matmul FLOPs, plus (``with_link``) its collectives' link time
-        in FLOP units (``sync_flops``).
+        """The busiest of ``k`` members' FLOPs on the matrix (plus link time if ``with_link``).
 
         Args:
             info: the matrix's TP-global ``MuonParamInfo``.
@@ -259,7 +207,7 @@ class NSCostModel:
             with_link: add the gang collectives' link time.
 
         Returns:
-            FLOP units over all ``steps``: the most lines and the most polynomial rows.
+            FLOP units over all ``steps``.
         """
         lines = self.lines(info, -(-local // k), axis)
         part = (k - 1, k, self.splits(info, axis, local, k))
@@ -270,9 +218,8 @@ class NSCostModel:
         )
 
     def splits(self, info, axis: int, local: int, k: int) -> bool:
-        """Whether a gang of ``k`` splits its polynomials by rows: where that makes its busiest
-        member's matmul FLOPs plus link time (the gather's bytes at ``link_flops_per_byte``)
-        smaller. The same inputs on every member: one decision per gang.
+        """Whether a gang of ``k`` splits its polynomials by rows: where it lowers the busiest
+        member's FLOPs plus gather time. Same inputs on every member: one decision per gang.
 
         Args:
             info: the matrix's TP-global ``MuonParamInfo``.
@@ -288,7 +235,7 @@ class NSCostModel:
 
         def cost(split: bool) -> float:
             flops = 0.0
-            for g in self.grams(info, axis):
+            for g in self._grams(info, axis):
                 for e in _after_sum(g, lines, info.shape[axis], (k - 1, k, split), tp):
                     flops += e if isinstance(e, float) else self.sync_flops(members, e)
             return flops
@@ -297,8 +244,8 @@ class NSCostModel:
 
 
 class Sum(int):
-    """A gang collective's elements, summed: an ``int`` (traces compare equal to counted sizes)
-    that also says how many TP ranks share it (``tp``: each sums one slice over DP)."""
+    """A gang collective's elements, summed: an ``int`` that also carries ``tp``, the TP ranks
+    that each sum one slice of it."""
 
     tp: int
 
@@ -313,9 +260,8 @@ class Gather(Sum):
 
 
 def node_layout(members: tuple, nodes: tuple) -> tuple[int, int]:
-    """(members per node, nodes) of a gang: ``(k, 1)`` within one node, ``(m, n)`` with ``m``
-    members on each of ``n`` nodes, ``(1, k)`` otherwise (one ring over the slow link; also
-    where ``nodes`` is empty: unknown).
+    """(members per node, nodes) of a gang: ``(k, 1)`` in one node, ``(m, n)`` for ``m`` on each
+    of ``n`` nodes, else ``(1, k)`` (one slow ring; also where ``nodes`` is empty).
 
     Args:
         members: the gang's DP ranks.
@@ -339,16 +285,14 @@ def _itemsize(elements: int, ns_itemsize: int) -> int:
 
 
 def ring_traffic(n: float, itemsize: int, passes: int, layout: tuple[int, int]) -> tuple:
-    """(slow-link, fast-link) bytes each way per member of a gang collective over ``n``
-    elements (``NSCostModel.ring_bytes``; the executor counts with it too): ``passes`` rings
-    (2: a sum, 1: a gather) within one node or over the slow link; for ``m`` members on each of
-    ``n`` nodes two passes among a node's ``m`` and two over the nodes of ``1 / m`` of them.
+    """(slow-link, fast-link) bytes each way per member of a gang collective (also the
+    executor's count): one ring per layout, or two passes in a node and over the nodes.
 
     Args:
         n: elements of the (TP slice of the) tensor.
         itemsize: bytes per element.
         passes: 2 for a sum, 1 for a gather.
-        layout: ``node_layout`` of the gang, (members per node, nodes).
+        layout: ``node_layout`` of the gang.
 
     Returns:
         (slow-link bytes, fast-link bytes).
@@ -367,8 +311,7 @@ def _passes(elements: int) -> int:
 
 
 def _ring_bytes(n: float, k: int, itemsize: int, passes: int) -> float:
-    """Bytes each way per member of a ring of ``k`` over ``n`` elements: ``(k - 1) / k`` of
-    them per pass."""
+    """Bytes each way per member of a ring of ``k`` over ``n`` elements."""
     return passes * (k - 1) / k * n * itemsize
 
 
@@ -379,9 +322,8 @@ def _slice(elements: int) -> int:
 
 
 def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1) -> tuple:
-    """One step after the Gram sum (``sharded_newton_schulz``): matmul FLOPs (floats) and the
-    polynomial's gather (``Gather``) where the gang splits it by rows (``splits_polynomial``),
-    else the reassociated ``G X`` and ``G (b X + c G X)``, or the polynomial and ``p(G) X``."""
+    """One NS step after the Gram sum, in one of the three forms (docs/gangs.md): FLOPs
+    (floats) and, for a split polynomial, its gather (``Gather``)."""
     p, k, split = part
     if split and splits_polynomial(g, long_side, k, reassociate=True):
         rows = (p + 1) * g // k - p * g // k
@@ -392,23 +334,21 @@ def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1) -> 
 
 
 def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) -> list:
-    """What a gang member runs, in order: matmul FLOPs (floats) and gang collectives (ints: the
-    elements summed; ``Gather``: gathered); ``orthogonalize_sharded`` per NS block: norm, then
-    per step Gram, sum, and the update (``_after_sum``).
+    """What a gang member runs, in order: FLOPs (floats) and collectives (``Sum``/``Gather``).
 
     Args:
-        model: the cost model (its ``steps`` and Gram sides).
+        model: the cost model.
         info: the matrix's TP-global ``MuonParamInfo``.
         axis: the split axis (0: rows, 1: columns).
         lines: the member's lines of the TP-gathered block.
-        part: ``Unit.part``: place among the sorted members, gang size, split polynomials.
+        part: ``Unit.part``.
 
     Returns:
-        The member's events in execution order: floats are FLOPs, ints collectives' elements.
+        The member's events in execution order.
     """
     out: list = []
     tp = model.sharing(info)
-    for g in model.grams(info, axis):
+    for g in model._grams(info, axis):
         out.append(Sum(1, tp))  # the squared norm
         for _ in range(model.steps):
             after = _after_sum(g, lines, info.shape[axis], part, tp)
@@ -423,18 +363,16 @@ POST, WAIT, ALL = "post", "wait", "all"
 
 
 def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, model) -> list:
-    """What every rank's main thread runs between the two all-to-alls of one exchange, as a
-    trace of ``(matmul FLOPs before it, op, members, elements)``: its gang units interleaved
-    (``pipelined``), then its whole matrices and the return all-to-all ``(FLOPs, ALL,
-    everyone, 0)``. The one source of muon_plan_figures.py's ``trace`` and of the planner's
-    ``span``.
+    """Every rank's main-thread trace between an exchange's two all-to-alls: its gang units
+    (``pipelined``), then its whole matrices and the return all-to-all. The one source of the
+    planner's ``span`` and muon_plan_figures.py's ``trace``.
 
     Args:
         infos: each matrix's TP-global ``MuonParamInfo``.
         units: per matrix its ``Unit`` list.
-        gangs: indices (into ``units``) of the split matrices, in the order every rank runs them.
+        gangs: indices of the split matrices, in the order every rank runs them.
         world: the DP group's size.
-        model: the cost model (unused without gangs).
+        model: the cost model.
 
     Returns:
         One trace per rank.
@@ -458,20 +396,9 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
 
 
 def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
-    """The main thread's trace of a rank running its gang units interleaved, in rounds
-    (muon_gangs.py, ``GangRunner._interleave``): in round ``j`` each unit still running (in
-    gang order) waits for its collective ``j - 1``, computes up to its collective ``j`` and posts
-    it to the communication thread, which serves posts one at a time in order. While one unit's
-    sum is in flight, the rank computes the others'. Every member posts a gang's collectives in
-    the same global order (round, gang order), so no two gangs wait on each other in a circle.
-
-    Args:
-        held: per gang unit of the rank (gang order), ``(members, member_events)``.
-
-    Returns:
-        ``(FLOPs before, POST or WAIT, members, elements)`` entries, and the FLOPs after the
-        last one (the last units' tails).
-    """
+    """The main thread's trace of a rank's gang units (``(members, member_events)``, gang order)
+    run interleaved in rounds as muon_gangs.py runs them (docs/gangs.md): ``(FLOPs before, POST or
+    WAIT, members, elements)`` entries, and the FLOPs after the last."""
     live = [(members, *_rounds(events)) for members, events in held]
     trace, flops, j = [], 0.0, 0
     while live:
@@ -491,8 +418,7 @@ def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
 
 
 def _rounds(events: list) -> tuple[list[float], list[int]]:
-    """A member's events as FLOPs segments and collectives: ``segments[j]`` runs before
-    collective ``j``, ``segments[-1]`` after the last."""
+    """A member's events as FLOPs segments around its collectives."""
     segments, collectives = [0.0], []
     for e in events:
         if isinstance(e, float):
@@ -504,18 +430,17 @@ def _rounds(events: list) -> tuple[list[float], list[int]]:
 
 
 def split_count(model: NSCostModel, w, target: float, world: int) -> tuple[int, int]:
-    """(members, axis) for matrix ``w``: 1 at or under ``target``, else the fewest members whose
-    busiest (``ceil(lines / k)`` lines) works <= target, at most ``world`` and one line each
-    (that many where none fits). A binary search: member work is nondecreasing in lines.
+    """(members, axis) for matrix ``w``: the fewest members whose busiest works <= ``target``
+    (binary search; 1 and None where it stays whole).
 
     Args:
         model: the Newton-Schulz cost model.
         w: the matrix.
         target: the most FLOPs one rank should spend on it.
-        world: the DP ranks available (the most members a gang can have).
+        world: the DP ranks available.
 
     Returns:
-        (members, axis); axis is None when the matrix stays whole.
+        (members, axis).
     """
     axis = model.axis(w.info) if w.cost > target and world > 1 else None
     if axis is None:
@@ -539,7 +464,7 @@ def cut(n: int, k: int) -> list[tuple[int, int]]:
         k: the number of ranges, >= 1.
 
     Returns:
-        ``k`` (start, end) pairs, end exclusive, covering ``[0, n)``.
+        ``k`` (start, end) pairs.
     """
     return [(j * n // k, (j + 1) * n // k) for j in range(k)]
 
@@ -551,31 +476,23 @@ def critical_path(
 ) -> float:
     """When the last rank's main thread ends a schedule (``exchange_schedule``'s traces).
 
-    Each rank has a main thread, which runs ``traces[r]`` in order, and a communication
-    thread, which serves the main thread's posts one at a time in post order. An entry
-    ``(flops, op, members, elements)`` first runs ``work(flops)`` on the main thread, then:
-    ``POST`` hands a collective to the communication thread and goes on; ``WAIT`` waits for
-    the end of the rank's oldest collective not yet waited for (posts and waits come in one
-    order); ``ALL`` is a collective of the main threads themselves (an all-to-all). A posted
-    collective starts when every member's communication thread has it next and is free, and
-    lasts ``sync(members, elements)``; an ``ALL`` starts when its last member arrives. The
-    k-th collective over a member set on one rank is the k-th on every member (they post in
-    one global order).
+    Each rank runs its trace on a main thread and serves its posts, in order, on a communication
+    thread; a posted collective starts when every member has it next and is free; ``ALL`` is an
+    all-to-all of the main threads (docs/gangs.md).
 
     Args:
-        traces: per rank, its main thread's entries (flops before, op, members, elements).
-        work: seconds (or any time unit) that a count of FLOPs takes.
+        traces: per rank, its entries (flops before, op, members, elements).
+        work: time a count of FLOPs takes.
         sync: time a collective over ``members`` of ``elements`` elements takes.
 
     Returns:
-        The time the last main thread finishes its last entry.
+        The time the last main thread finishes.
     """
     return _Schedule(traces, work, sync).run()
 
 
 class _Schedule:
-    """``critical_path``'s event-driven run: ranks run until they wait on something unknown;
-    a collective resolves once every member has posted it and has it first in line."""
+    """``critical_path``'s event-driven run."""
 
     def __init__(self, traces, work, sync):
         n = len(traces)

@@ -1,9 +1,6 @@
-"""Tensor-parallel orthogonalizers for Muon (``muon_tp_mode``): every TP collective of Muon lives
-here.
-
-``duplicated`` (gather, orthogonalize, keep the own slice: exact), ``distributed`` (Gram matrices
-summed over TP inside the iteration: exact up to rounding), ``blockwise`` (each shard alone:
-cheap, not TP-invariant). Why each is exact: docs/tp_modes.md.
+"""Tensor-parallel orthogonalizers for Muon (``muon_tp_mode``): every TP collective of Muon
+lives here. ``duplicated`` and ``distributed`` are exact, ``blockwise`` is not TP-invariant:
+docs/tp_modes.md.
 """
 
 import functools
@@ -25,12 +22,9 @@ from .muon_functional import (
 
 
 class TPOrthogonalizer:
-    """Muon ``Orthogonalizer`` for TP-sharded params (infos carry ``partition_dim``, ``expert``).
-
-    ``groups`` maps ``info.expert`` to the process group the param is sharded over (TP or
-    expert TP). Params that TP does not split, or a group of size 1, go to ``matrix_fn`` as is.
-    ``timers`` (Megatron's, optional) times each call as ``muon-newton-schulz``.
-    """
+    """Muon ``Orthogonalizer`` for TP-sharded params (infos carry ``partition_dim``, ``expert``);
+    ``groups`` maps ``info.expert`` to its (expert) TP group. Unsharded params go to ``matrix_fn``
+    as they are."""
 
     def __init__(self, mode: str, groups: dict[bool, Any], timers=None) -> None:
         if mode not in TP_MODES:
@@ -54,10 +48,8 @@ class TPOrthogonalizer:
         return out
 
     def together(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
-        """As a call, but ``matrix_fn`` sees all matrices at once (e.g. to interleave their
-        iterations): every TP-sharded one is all-gathered first and sliced after, so no TP
-        collective runs while ``matrix_fn`` does. Only the ``duplicated`` mode (and unsharded
-        params): the others never hand a whole matrix to ``matrix_fn``.
+        """As a call, but ``matrix_fn`` sees all matrices at once, gathered before and sliced after
+        (no TP collective while it runs, so it may interleave them). ``duplicated`` mode only.
 
         Args:
             updates: this rank's shards (or whole matrices).
@@ -72,7 +64,7 @@ class TPOrthogonalizer:
             raise ValueError(f"together() needs muon_tp_mode 'duplicated', not {self.mode!r}")
         with timed(self.timers, NS_TIMER):
             full = [
-                u if g is None else all_gather_dim(u, info.partition_dim, g)
+                u if g is None else _all_gather_dim(u, info.partition_dim, g)
                 for u, info, g in zip(updates, infos, groups)
             ]
             out = matrix_fn(full, infos)
@@ -83,10 +75,8 @@ class TPOrthogonalizer:
             ]
 
     def scale_info(self, info, local_shape: tuple[int, int]) -> MuonParamInfo:
-        """The info whose shape (and Q/K/V split) the scale of ``info``'s update comes from: in
-        the ``blockwise`` mode a TP-sharded param's TP-local slice (orthogonalized as a matrix of
-        its own, ``_sharded``), else the whole matrix. Whoever scales an unscaled result (the
-        DistOpt holders of a bf16 return) must use this one.
+        """The info the scale of ``info``'s update comes from (``blockwise``: the TP-local slice's),
+        which whoever scales an unscaled result must use.
 
         Args:
             info: the param's TP-global info.
@@ -112,52 +102,30 @@ class TPOrthogonalizer:
         if self.mode == "blockwise":
             return matrix_fn([u], [_local_info(info, u.shape)])[0]
         if self.mode == "duplicated":
-            full = all_gather_dim(u, dim, group)
+            full = _all_gather_dim(u, dim, group)
             orth = matrix_fn([full], [info])[0]
             return orth.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
         # the distributed mode runs its own iteration: it needs the group's settings
-        return distributed_orthogonalize(u, info, ortho_spec_of(matrix_fn), group)
+        return _distributed_orthogonalize(u, info, ortho_spec_of(matrix_fn), group)
 
 
 def _local_info(info, local_shape) -> MuonParamInfo:
-    """A TP-local slice as the ``blockwise`` mode orthogonalizes (and scales) it: a matrix of
-    its own shape, keeping the per-group Q/K/V split (each rank holds whole query groups)."""
+    """A TP-local slice as ``blockwise`` sees it: its own shape, the per-group Q/K/V split kept."""
     split = info.qkv_split
     assert split is None or local_shape[0] % sum(split) == 0, "a TP shard holds whole groups"
     return MuonParamInfo(tuple(local_shape), split)
 
 
-def all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
-    """The TP shards of ``x`` concatenated along ``dim`` in rank order.
-
-    Args:
-        x: this rank's shard; every rank of ``group`` holds one of the same shape.
-        dim: the dimension the matrix is sharded along (its TP partition_dim).
-        group: the tensor-parallel process group the shards are spread over.
-
-    Returns:
-        The whole matrix, on every rank of ``group``.
-    """
+def _all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
+    """The TP shards of ``x`` concatenated along ``dim`` in rank order."""
     shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, x.contiguous(), group=group)
     return torch.cat(shards, dim=dim)
 
 
-def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor:
-    """``s * NS(U)`` of the own shard of U, the matrix built from the shards in ``group``.
-
-    The math (``muon_functional.orthogonalize_sharded``) gets a sum over ``group``, never the
-    group. A fused QKV weight is split by rows.
-
-    Args:
-        u: this TP rank's shard of the Newton-Schulz input U.
-        info: the whole matrix's ``MegatronMuonParamInfo`` (global shape, partition_dim, QKV split).
-        spec: the param group's Newton-Schulz settings and scale rule.
-        group: the tensor-parallel process group holding the other shards.
-
-    Returns:
-        This rank's shard of ``s * NS(U)``, laid out like ``u``.
-    """
+def _distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor:
+    """``s * NS(U)`` of this rank's shard in the ``distributed`` mode; the math gets a sum over
+    ``group``, never the group."""
     dim = info.partition_dim
     assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"
     reduce = functools.partial(dist.all_reduce, group=group)
@@ -167,8 +135,7 @@ def distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor
 
 
 def gather_rows(poly: Tensor, p: int, k: int, group) -> None:
-    """Fill the rows of ``poly`` that the other TP ranks computed (``cut(g, k)``: rank ``p``
-    holds rows ``[p g / k, (p + 1) g / k)``) with one all-gather.
+    """Fill the rows of ``poly`` that other TP ranks computed (``cut(g, k)``) with one all-gather.
 
     Args:
         poly: the ``g x g`` polynomial, this rank's rows filled; completed in place.
@@ -182,15 +149,14 @@ def gather_rows(poly: Tensor, p: int, k: int, group) -> None:
 
 
 def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> None:
-    """Every rank of ``group`` holds ``flat[bounds[q]]`` for its index ``q``; afterwards all hold
-    all of ``flat``. One ``all_gather_into_tensor`` of equal chunks (the ranges padded to the
-    longest), so uneven ranges need no second collective.
+    """Fill ``flat`` from every rank's ``flat[bounds[q]]`` with one ``all_gather_into_tensor`` (the
+    ranges padded to the longest: uneven ranges need no second collective).
 
     Args:
         flat: a 1-D tensor of the same size on every rank; this rank's range is filled.
         bounds: one (start, end) per rank of ``group``, in rank order.
         p: this rank's index in ``group``.
-        group: the process group (TP).
+        group: the process group.
     """
     chunk = max(hi - lo for lo, hi in bounds)
     own = flat.new_zeros(chunk)

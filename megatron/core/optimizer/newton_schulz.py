@@ -1,10 +1,8 @@
 """Newton-Schulz orthogonalization for Muon: pure functions, no process groups.
 
-``newton_schulz(X)``: ``X_0 = X / max(||X||_F, eps)``, then k steps of ``A = X X^T;
-X = a X + (b A + c A A) X``, with upstream megatron-core's coefficient sets, normalization and
-matmul precision (the same numbers for a setting both name). Ours, opt-in: the Gram form (``m x m``
-steps, cheaper for wide matrices) and sharded steps that yield their sums and gathers to the
-caller. Algebra, costs, numerics: docs/newton_schulz.md.
+Upstream megatron-core's coefficient sets, normalization and matmul precision (the same numbers
+for a setting both name); ours, opt-in: the Gram form and sharded steps that yield their sums
+and gathers to the caller. Algebra, costs, numerics: docs/newton_schulz.md.
 """
 
 import contextlib
@@ -28,9 +26,8 @@ Triple = tuple[float, float, float]
 
 @dataclass(frozen=True)
 class CoefficientSet:
-    """Per-step (a, b, c) triples and what steps beyond the list run: ``'cycle'`` starts the
-    list again (upstream's rule for sets tuned as a repeating block, and for custom triples),
-    ``'repeat_last'`` repeats the last triple (sets whose last triple is a fixed point)."""
+    """Per-step (a, b, c) triples, and past the list either ``'cycle'`` (upstream's rule) or
+    ``'repeat_last'`` (sets whose last triple is a fixed point)."""
 
     triples: tuple[Triple, ...]
     after: Literal["cycle", "repeat_last"] = "cycle"
@@ -133,8 +130,7 @@ PRECISIONS: dict[str, torch.dtype] = {
 
 
 def coefficient_set(coefficients: str | CoefficientSet | Sequence[Triple]) -> CoefficientSet:
-    """Resolve a set name, a ``CoefficientSet`` or a sequence of (a, b, c) triples (which cycle,
-    as upstream's ``custom`` coefficients do)."""
+    """Resolve a set name, a ``CoefficientSet`` or (a, b, c) triples (these cycle)."""
     if isinstance(coefficients, CoefficientSet):
         return coefficients
     if isinstance(coefficients, str):
@@ -164,10 +160,8 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 @contextlib.contextmanager
 def matmul_precision(precision: str, device: torch.device):
-    """Run the block's fp32 matmuls on a CUDA ``device`` under
-    ``torch.set_float32_matmul_precision(precision)``, as upstream does around Newton-Schulz:
-    TF32 allowed for ``'high'``, not for ``'highest'``. Elsewhere (other devices; ``'medium'``,
-    whose matmuls are bf16) the global setting is left alone and fp32 stays fp32.
+    """Run the block's fp32 matmuls on CUDA under ``torch.set_float32_matmul_precision``, as
+    upstream does around Newton-Schulz; elsewhere, and for ``'medium'``, a no-op.
 
     Args:
         precision: a name in ``PRECISIONS``.
@@ -192,18 +186,15 @@ def newton_schulz(
     eps: float = DEFAULT_EPS,
     form: str = DEFAULT_NS_FORM,
 ) -> Tensor:
-    """Orthogonalize ``x`` of shape (..., m, n); returns ``NS_k(x)`` in x's dtype (a new tensor).
-
-    Batched inputs use one Frobenius norm per matrix. ``x`` is not modified.
+    """Orthogonalize ``x`` of shape (..., m, n), one Frobenius norm per matrix; ``x`` unchanged.
 
     Args:
-        x: the matrix, or a batch of matrices, to orthogonalize.
+        x: the matrix, or a batch of matrices.
         steps: iterations k >= 1.
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
-        precision: a name in ``PRECISIONS``: the matmuls' precision.
-        eps: the Frobenius norm's floor (X / max(||X||_F, eps), upstream's F.normalize).
-        form: ``'standard'`` (upstream's steps), ``'gram'`` (the Gram form) or ``'auto'`` (the
-            Gram form where it does fewer FLOPs, ``uses_gram``).
+        precision: a name in ``PRECISIONS``.
+        eps: the Frobenius norm's floor (upstream's F.normalize).
+        form: one of ``FORMS`` (``'auto'``: the Gram form where ``uses_gram``).
 
     Returns:
         ``NS_k(x)``, same shape and dtype as ``x``.
@@ -235,9 +226,7 @@ GRAM_MAX_SHARE = 0.75
 
 
 def standard_flops(m: int, n: int, steps: int) -> float:
-    """Matmul FLOPs of the standard form on an ``m x n`` matrix: per step ``X X^T``
-    (``2 s^2 l``), ``A A`` (``2 s^3``) and ``B X`` (``2 s^2 l``), ``s = min(m, n)``,
-    ``l = max(m, n)``; elementwise work left out.
+    """Matmul FLOPs of the standard form on an ``m x n`` matrix: ``k (4 s^2 l + 2 s^3)``.
 
     Args:
         m: rows.
@@ -245,16 +234,14 @@ def standard_flops(m: int, n: int, steps: int) -> float:
         steps: iterations k.
 
     Returns:
-        ``k (4 s^2 l + 2 s^3)``.
+        FLOPs (elementwise work left out).
     """
     s, l_ = min(m, n), max(m, n)
     return float(steps * (4 * s * s * l_ + 2 * s**3))
 
 
 def gram_flops(m: int, n: int, steps: int) -> float:
-    """Matmul FLOPs of the Gram form (``_gram_iterate``): ``A_0`` as a symmetric product
-    (``1.5 s^2 l``), ``4k - 3`` symmetric ``s x s`` products (``1.5 s^3`` each; the first step
-    needs no ``P Q``, the last no ``A_{t+1}``: 1 for k = 1) and ``Q_k X_0`` (``2 s^2 l``).
+    """Matmul FLOPs of the Gram form: ``3.5 s^2 l + (4k - 3) 1.5 s^3`` for an even ``s``.
 
     Args:
         m: rows.
@@ -262,8 +249,7 @@ def gram_flops(m: int, n: int, steps: int) -> float:
         steps: iterations k.
 
     Returns:
-        ``3.5 s^2 l + (4k - 3) 1.5 s^3`` (``3.5 s^2 l + 1.5 s^3`` for k = 1) for an even
-        ``s``; an odd one's halves are a little uneven (``_sym_mm_flops``).
+        FLOPs (an odd ``s``'s halves a little uneven: ``_sym_mm_flops``).
     """
     s, l_ = min(m, n), max(m, n)
     products = 4 * steps - 3 if steps > 1 else 1
@@ -286,8 +272,7 @@ def uses_gram(m: int, n: int, steps: int, form: str) -> bool:
         form: one of ``FORMS``.
 
     Returns:
-        True for ``'gram'``, and for ``'auto'`` where ``gram_flops`` is at most
-        ``GRAM_MAX_SHARE`` of ``standard_flops``.
+        True for ``'gram'``, and for ``'auto'`` within ``GRAM_MAX_SHARE`` of the standard FLOPs.
     """
     if form not in FORMS:
         raise ValueError(
@@ -300,8 +285,7 @@ def uses_gram(m: int, n: int, steps: int, form: str) -> bool:
 
 
 def ns_flops(m: int, n: int, steps: int, form: str = DEFAULT_NS_FORM) -> float:
-    """Matmul FLOPs ``newton_schulz(form=form)`` runs on an ``m x n`` matrix (what the DistOpt
-    planner counts, ``muon_plan.ns_cost``).
+    """Matmul FLOPs ``newton_schulz(form=form)`` runs on an ``m x n`` matrix (the planner's count).
 
     Args:
         m: rows.
@@ -310,7 +294,7 @@ def ns_flops(m: int, n: int, steps: int, form: str = DEFAULT_NS_FORM) -> float:
         form: one of ``FORMS``.
 
     Returns:
-        ``gram_flops`` where ``uses_gram``, else ``standard_flops``.
+        ``gram_flops`` or ``standard_flops``.
     """
     return gram_flops(m, n, steps) if uses_gram(m, n, steps, form) else standard_flops(m, n, steps)
 
@@ -318,9 +302,8 @@ def ns_flops(m: int, n: int, steps: int, form: str = DEFAULT_NS_FORM) -> float:
 def _gram_iterate(
     x: Tensor, schedule: list[Triple], tall: bool, inner: torch.dtype = torch.float32
 ) -> Tensor:
-    """The Gram form of ``_iterate`` (docs/newton_schulz.md): ``A_0`` and the ``g x g``
-    polynomials in ``inner`` (fp32; full fp32 on CUDA: ``matmul_precision('highest')``; a test
-    passes bf16 to show why), ``Q_k X_0`` in ``x``'s dtype."""
+    """The Gram form of ``_iterate``; the ``g x g`` part in ``inner`` (fp32, no TF32: errors
+    compound; docs/newton_schulz.md), ``Q_k X_0`` in ``x``'s dtype."""
     x0 = x.mT if tall else x  # the wide view: (..., g, l)
     with matmul_precision("highest", x.device):
         wide = x0.to(inner)  # bf16 is exact in fp32: bf16 products summed in fp32
@@ -341,9 +324,8 @@ def _gram_iterate(
 
 
 def _sym_mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for a product known to be symmetric (``a``: (..., g, k), ``b``: (..., k, g)):
-    rows ``[0, h)`` whole and the trailing ``(g - h)``-square block, ``h = g // 2``, the rest
-    mirrored (3/4 of the FLOPs; the result exactly symmetric)."""
+    """``a @ b`` for a product known to be symmetric: half computed, the rest mirrored (3/4 of
+    the FLOPs; exactly symmetric)."""
     g = a.shape[-2]
     h = g // 2
     out = torch.empty((*a.shape[:-1], g), dtype=a.dtype, device=a.device)
@@ -355,17 +337,15 @@ def _sym_mm(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
-    """x / max(||x||_F, eps) per matrix (upstream's F.normalize), in a fresh contiguous buffer of
-    ``dtype``; cast first, so a function of the rounded input alone (the DistOpt exchange may
-    move bf16 exactly: docs/newton_schulz.md, "The iteration")."""
+    """x / max(||x||_F, eps) per matrix in a fresh ``dtype`` buffer; cast first, so the result
+    depends on the rounded input alone (docs/newton_schulz.md, "The iteration")."""
     buf = torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
     norm = torch.linalg.vector_norm(buf, dim=None if x.ndim == 2 else (-2, -1), keepdim=True)
     return buf.div_(norm.clamp_min_(eps))
 
 
 def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
-    """The polynomial steps, ping-ponging between two X buffers (no allocation per step); a tall
-    X iterates on its right Gram matrix rather than being transposed (docs/newton_schulz.md)."""
+    """The polynomial steps in two ping-pong X buffers; a tall X iterates on its right Gram."""
     fma = torch.addmm if x.ndim == 2 else torch.baddbmm
     k = x.shape[-1] if tall else x.shape[-2]
     gram = torch.empty((*x.shape[:-2], k, k), dtype=x.dtype, device=x.device)
@@ -398,22 +378,19 @@ def sharded_newton_schulz(
     reassociate: bool = False,
     part: Optional[tuple[int, int, Callable[[Tensor], object]]] = None,
 ) -> Tensor:
-    """Newton-Schulz of a matrix whose shards (along ``dim``) live in several places; returns
-    this shard of ``NS_k(X)``. ``reduce(t)`` sums ``t`` in place over all shards.
-    ``sharded_newton_schulz_steps`` (the math) run to the end, each request served at once.
+    """This shard of ``NS_k(X)`` for X sharded along ``dim``: ``sharded_newton_schulz_steps`` run
+    to the end, each request served at once.
 
     Args:
-        x: this place's shard of the 2-D matrix X, in any float dtype (the result keeps it).
-        dim: the dimension X is sharded along: 0 for row shards, 1 for column shards.
-        reduce: sums a tensor in place over all shards (e.g. an all-reduce over the TP group).
+        x: this place's shard of the 2-D matrix X, any float dtype (kept).
+        dim: 0 for row shards, 1 for column shards.
+        reduce: sums a tensor in place over all shards.
         steps: iterations k >= 1.
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
-        precision: a name in ``PRECISIONS``: the matmuls' precision.
-        eps: the Frobenius norm's floor (X / max(||X||_F, eps)).
-        reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
-        part: ``(p, k, gather)``: this place is the ``p``-th of ``k`` and computes only rows
-            ``cut(g, k)[p]`` of ``p(G)``; ``gather(poly)`` fills the other places' rows of
-            ``poly`` in place (an all-gather).
+        precision: a name in ``PRECISIONS``.
+        eps: the Frobenius norm's floor.
+        reassociate: apply the step reassociated where ``reassociates``.
+        part: ``(p, k, gather)``: compute rows ``cut(g, k)[p]`` of ``p(G)``, ``gather`` the rest.
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -427,12 +404,11 @@ def sharded_newton_schulz(
 
 
 def serve(steps: Generator[Request, None, Tensor], handlers: dict) -> Tensor:
-    """Run a generator of requests (``sharded_newton_schulz_steps``) to its end, each request
-    ``(kind, t)`` served in place by ``handlers[kind](t)`` before the generator resumes.
+    """Run a request generator to its end, serving each ``(kind, t)`` by ``handlers[kind](t)``.
 
     Args:
         steps: the generator.
-        handlers: ``{SUM: sum in place, GATHER: fill the other rows in place}``.
+        handlers: ``{SUM: ..., GATHER: ...}``, each in place.
 
     Returns:
         The generator's return value.
@@ -456,28 +432,19 @@ def sharded_newton_schulz_steps(
     reassociate: bool = False,
     part: Optional[tuple[int, int]] = None,
 ) -> Generator[Request, None, Tensor]:
-    """The math of ``sharded_newton_schulz`` as a generator: it yields ``(SUM, t)`` where ``t``
-    must be summed in place over all shards and ``(GATHER, poly)`` where the other places' rows
-    of a split polynomial must be filled in, and returns this shard of ``NS_k(X)``; so a caller
-    can interleave several matrices without the math seeing any communication. Row shards
-    reduce the right Gram ``X^T X``, column shards the left one, in fp32 and packed
-    (docs/newton_schulz.md, "Sharded matrices").
+    """``sharded_newton_schulz``'s math as a generator yielding ``(SUM, t)`` and ``(GATHER, poly)``
+    requests to serve in place, so a caller can interleave matrices (docs/newton_schulz.md,
+    "Sharded matrices").
 
     Args:
-        x: this place's shard of the 2-D matrix X, in any float dtype (the result keeps it).
-        dim: the dimension X is sharded along: 0 for row shards, 1 for column shards.
+        x: this place's shard of the 2-D matrix X, any float dtype (kept).
+        dim: 0 for row shards, 1 for column shards.
         steps: iterations k >= 1.
         coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
-        precision: a name in ``PRECISIONS``: the matmuls' precision.
-        eps: the Frobenius norm's floor (X / max(||X||_F, eps)).
-        reassociate: apply the step reassociated where ``reassociates`` says it is cheaper.
-        part: ``(p, k)``: this place is the ``p``-th of ``k`` and computes only rows
-            ``cut(g, k)[p]`` of ``p(G)`` (``2 g^2 g/k`` FLOPs instead of ``2 g^3``), then yields
-            ``(GATHER, poly)``. Used instead of ``reassociate`` (the caller decides,
-            ``splits_polynomial``).
-
-    Yields:
-        ``(SUM, tensor)`` and ``(GATHER, poly)`` requests, served in place before resuming.
+        precision: a name in ``PRECISIONS``.
+        eps: the Frobenius norm's floor.
+        reassociate: apply the step reassociated where ``reassociates``.
+        part: ``(p, k)``: compute rows ``cut(g, k)[p]`` of ``p(G)``, then yield a gather.
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -515,8 +482,7 @@ def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
 
 
 def _under(steps: Generator, precision: str, device: torch.device) -> Generator:
-    """``steps`` with each stretch between its requests run under ``matmul_precision``: the
-    setting is never held while a caller serves a request or runs another matrix's steps."""
+    """``steps``, each stretch between requests under ``matmul_precision`` (never across one)."""
     reply = None
     while True:
         with matmul_precision(precision, device):
@@ -528,28 +494,13 @@ def _under(steps: Generator, precision: str, device: torch.device) -> Generator:
 
 
 def packed_size(side: int) -> int:
-    """Elements of a packed symmetric ``side x side`` matrix (``pack_symmetric``).
-
-    Args:
-        side: the matrix's side g.
-
-    Returns:
-        ``g (g + 1) / 2``: its upper triangle, diagonal included.
-    """
+    """Elements of a packed symmetric ``side x side`` matrix: ``g (g + 1) / 2``."""
     return side * (side + 1) // 2
 
 
 def pack_symmetric(a: Tensor) -> Tensor:
-    """A symmetric matrix's upper triangle, diagonal included, as one fp32 vector of
-    ``packed_size(g)`` elements: what a sum of Gram matrices needs to move (half of the whole).
-    LAPACK's rectangular full packing, by elementwise copies (docs/newton_schulz.md).
-
-    Args:
-        a: a square (symmetric) matrix, any float dtype; only one triangle of each block is read.
-
-    Returns:
-        A new contiguous fp32 vector; ``unpack_symmetric`` restores the matrix.
-    """
+    """A symmetric matrix's upper triangle as one new fp32 vector (half the bytes of a Gram sum);
+    LAPACK's rectangular full packing (docs/newton_schulz.md)."""
     g = a.shape[0]
     t, s = g // 2, g - g // 2
     out = torch.empty(packed_size(g), dtype=torch.float32, device=a.device)
@@ -562,10 +513,10 @@ def pack_symmetric(a: Tensor) -> Tensor:
 
 
 def unpack_symmetric(packed: Tensor, dtype: torch.dtype) -> Tensor:
-    """The symmetric matrix ``pack_symmetric`` packed, in ``dtype`` (one rounding per element).
+    """The ``g x g`` matrix ``pack_symmetric`` packed, in ``dtype`` (one rounding per element).
 
     Args:
-        packed: the packed vector (e.g. after summing it over shards).
+        packed: the packed vector.
         dtype: the result's dtype.
 
     Returns:
@@ -584,35 +535,31 @@ def unpack_symmetric(packed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _symmetrize(out: Tensor, half: Tensor, upper: bool) -> None:
-    """``out = half + half^T`` less the doubled diagonal: ``half`` is a (upper or lower)
-    triangle with the diagonal, the rest zeros."""
+    """``out = half + half^T`` less the doubled diagonal."""
     out.copy_(half)
     out.add_((half.triu(1) if upper else half.tril(-1)).mT)
 
 
 def reassociates(gram_side: int, lines: int) -> bool:
-    """Whether a shard of ``lines`` lines with a ``gram_side`` Gram is cheaper reassociated:
-    ``6 g^2 l`` matmul FLOPs per step against ``4 g^2 l + 2 g^3`` (``sharded_newton_schulz``).
+    """Whether a shard is cheaper reassociated: ``6 g^2 l`` per step vs ``4 g^2 l + 2 g^3``.
 
     Args:
-        gram_side: g, the side of the reduced Gram matrix (the unsharded dimension's size).
+        gram_side: g, the side of the reduced Gram matrix.
         lines: l, the shard's size along its sharded dimension.
 
     Returns:
-        True where the reassociated step does fewer FLOPs.
+        ``lines < gram_side``.
     """
     return lines < gram_side
 
 
 def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: bool) -> bool:
-    """Whether ``parts`` places sharing a Gram matrix should split its polynomial by rows
-    (``sharded_newton_schulz``'s ``part``): fewer FLOPs than the whole polynomial always, than
-    the reassociated step only where the Gram side is the shorter (docs/newton_schulz.md).
-    Decided on shared sizes only, so every place takes the same decision.
+    """Whether ``parts`` places sharing a Gram split its polynomial by rows (docs/newton_schulz.md);
+    shared sizes only, so every place decides alike.
 
     Args:
         gram_side: g, the Gram matrix's side.
-        long_side: L, the whole matrix's size along the split dimension (all places' lines).
+        long_side: L, the whole matrix's size along the split dimension.
         parts: k, the number of places.
         reassociate: whether the places may run the reassociated step instead.
 
@@ -625,8 +572,7 @@ def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: b
 
 
 def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int) -> Tensor:
-    """``p(G) = b G + c G G``, rows ``cut(g, k)[p]`` computed here (the others to be
-    gathered)."""
+    """``p(G) = b G + c G G`` with only rows ``cut(g, k)[p]`` computed (the rest gathered)."""
     g = gram.shape[0]
     lo, hi = p * g // k, (p + 1) * g // k
     poly = torch.empty_like(gram)
@@ -635,8 +581,7 @@ def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int) -> Tenso
 
 
 def _reassociated_step(x: Tensor, gram: Tensor, dim: int, a: float, b: float, c: float) -> Tensor:
-    """``a X + p(G) X`` with ``p(G) = b G + c G^2`` (``X p(G)`` for row shards, ``dim=0``) as
-    ``a X + G (b X + c G X)``: ``G X`` is overwritten by ``b X + c G X`` (no third buffer)."""
+    """``a X + p(G) X`` as ``a X + G (b X + c G X)`` (``X p(G)`` for ``dim=0``), no third buffer."""
     if dim == 0:
         inner = torch.mm(x, gram).mul_(c).add_(x, alpha=b)
         return torch.addmm(x, inner, gram, beta=a)
