@@ -16,7 +16,15 @@ from megatron.core import parallel_state
 
 
 def head_etas(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
-    """eta_h = tau / S_h where S_h > tau, else 1 (also where S_h is not finite)."""
+    """Per-head clip factors; a non-finite max leaves its head alone.
+
+    Args:
+        max_logits: [np] max pre-softmax logit per query head.
+        threshold: tau.
+
+    Returns:
+        [np] eta_h = tau / S_h where S_h > tau, else 1.
+    """
     clip = (max_logits > threshold) & torch.isfinite(max_logits)
     return torch.where(clip, threshold / max_logits, torch.ones_like(max_logits))
 
