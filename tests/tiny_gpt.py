@@ -26,7 +26,7 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -53,6 +53,9 @@ class TinyGPT:
     moe_token_dispatcher_type: str = "alltoall"  # allgather avoids the alltoall's CUDA events
     moe_grouped_gemm: bool = False  # the local spec builds SequentialMLP either way (0.19)
     extra: dict = field(default_factory=dict)  # further TransformerConfig fields
+    # multi-latent attention: MLATransformerConfig's fields (q_lora_rank, kv_lora_rank,
+    # qk_head_dim, qk_pos_emb_head_dim, v_head_dim, ...) on the local spec; None: Megatron's GQA
+    mla: dict | None = None
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,6 +95,10 @@ def transformer_config(spec: TinyGPT) -> TransformerConfig:
         bf16=spec.dtype == "bf16",
         fp16=spec.dtype == "fp16",
     )
+    if spec.mla is not None:  # MLA has no query groups; RoPE on its qk_pos_emb_head_dim part
+        fields.pop("num_query_groups")
+        mla = dict(multi_latent_attention=True, rope_type="rope", **spec.mla)
+        return MLATransformerConfig(**{**fields, **moe, **mla, **spec.extra})
     return TransformerConfig(**{**fields, **moe, **spec.extra})  # extra: over the defaults
 
 
@@ -185,7 +192,9 @@ def _gpt(spec: TinyGPT, config: TransformerConfig, vp_stage) -> GPTModel:
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm
+            num_experts=spec.num_moe_experts,
+            moe_grouped_gemm=spec.moe_grouped_gemm,
+            multi_latent_attention=spec.mla is not None,
         ),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,

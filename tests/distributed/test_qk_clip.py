@@ -18,6 +18,7 @@ import torch
 from harness import run_distributed
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from parity import assert_close_runs, misses, update_rel_error
 from tiny_gpt import (
     TinyGPT,
@@ -140,7 +141,8 @@ def _forward_maxima(spec, model, batch) -> list:
         micro_batch_size=spec.micro_batch_size,
         forward_only=True,
     )
-    layers = [m for m in model[0].modules() if isinstance(m, SelfAttention)]
+    kinds = (SelfAttention, MultiLatentAttention)
+    layers = [m for m in model[0].modules() if isinstance(m, kinds)]
     maxima = [layer.core_attention.current_max_attn_logits.clone() for layer in layers]
     group = ps.get_data_parallel_group()
     for m in maxima:

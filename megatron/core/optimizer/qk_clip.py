@@ -7,11 +7,26 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.attention import Attention, SelfAttention
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.utils import get_model_config
 
 from megatron.core import parallel_state
 
 # ------------------------------------------------------------------------------ the math
+
+
+def head_etas(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Per-head clip factors; a non-finite max leaves its head alone.
+
+    Args:
+        max_logits: [np] max pre-softmax logit per query head.
+        threshold: tau.
+
+    Returns:
+        [np] eta_h = tau / S_h where S_h > tau, else 1.
+    """
+    clip = (max_logits > threshold) & torch.isfinite(max_logits)
+    return torch.where(clip, threshold / max_logits, torch.ones_like(max_logits))
 
 
 def head_scales(
@@ -34,8 +49,7 @@ def head_scales(
     Returns:
         (query scale [np], key scale [ng]), 1 where nothing is clipped.
     """
-    clip = (max_logits > threshold) & torch.isfinite(max_logits)
-    eta = torch.where(clip, threshold / max_logits, torch.ones_like(max_logits))
+    eta = head_etas(max_logits, threshold)
     group_eta = eta.view(num_groups, -1).amin(dim=1)
     if not per_head:
         eta = group_eta.repeat_interleave(max_logits.numel() // num_groups)
@@ -58,6 +72,39 @@ def qkv_row_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) 
     k = k_scale.view(groups, 1).expand(groups, head_dim)
     v = torch.ones_like(k)
     return torch.cat([q, k, v], dim=1).reshape(-1)
+
+
+def head_row_scales(parts: list) -> torch.Tensor:
+    """One scale per output row of a projection laid out head by head, each head's rows in parts.
+
+    Args:
+        parts: [(scale [n] per head, rows per head)], in the order of a head's rows.
+
+    Returns:
+        [n * sum(rows)] row scales.
+    """
+    return torch.cat([s.view(-1, 1).expand(-1, rows) for s, rows in parts], dim=1).reshape(-1)
+
+
+def mla_row_scales(max_logits: torch.Tensor, config) -> tuple:
+    """Row scales of multi-latent attention's query and key-value up projections: upstream
+    0.19's ``MLASelfAttention.clip_qk`` rule. A head's logit is q_nope.k_nope + q_pe.k_pe, with
+    k_pe shared by all heads (left alone): q_nope rows scale by eta_h ** alpha, k_nope rows by
+    eta_h ** (1 - alpha), q_pe rows by eta_h, value rows not at all.
+
+    Args:
+        max_logits: [n] this rank's heads' maxima.
+        config: the MLATransformerConfig (head dims, tau, alpha).
+
+    Returns:
+        ([n * (qk_head_dim + qk_pos_emb_head_dim)] query rows,
+        [n * (qk_head_dim + v_head_dim)] key-value rows).
+    """
+    eta, alpha = head_etas(max_logits, config.qk_clip_threshold), config.qk_clip_alpha
+    q = head_row_scales([(eta.pow(alpha), config.qk_head_dim), (eta, config.qk_pos_emb_head_dim)])
+    ones = torch.ones_like(eta)
+    kv = head_row_scales([(eta.pow(1 - alpha), config.qk_head_dim), (ones, config.v_head_dim)])
+    return q, kv
 
 
 def scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, row_len: int, start: int) -> None:
@@ -104,15 +151,16 @@ def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float
     if not (config.qk_clip or config.log_max_attention_logit):
         return None
     modules = [m for chunk in model for m in chunk.modules()]
-    layers = [m for m in modules if isinstance(m, SelfAttention)]
+    layers = [m for m in modules if isinstance(m, (SelfAttention, MultiLatentAttention))]
     _check_ready(layers, optimizer)
-    others = [m for m in modules if _clips_itself(m)]  # upstream's clip (MLA)
+    others = [m for m in modules if _clips_itself(m)]  # upstream's own clip
     local = [_local_maxima(layer) for layer in layers]
     local += [m.core_attention.current_max_attn_logits.float() for m in others]
     maxima = _reduce_over_data_parallel(local)
     if config.qk_clip and not log_max_only:
         for layer, max_logits in zip(layers, maxima):
-            _clip_layer(layer, max_logits, config, optimizer)
+            for param, rows in _row_scales(layer, max_logits, config):
+                _scale_param(param, rows, optimizer)
     for module, max_logits in zip(others, maxima[len(layers) :]):
         module.core_attention.current_max_attn_logits = max_logits
         if config.qk_clip and not log_max_only:
@@ -123,8 +171,10 @@ def clip_qk(model, log_max_only: bool = False, optimizer=None) -> Optional[float
 
 
 def _clips_itself(module) -> bool:
-    """Another attention module with upstream's own ``clip_qk`` and maxima this step (MLA)."""
-    if isinstance(module, SelfAttention) or not isinstance(module, Attention):
+    """Another attention module with upstream's own ``clip_qk`` and maxima this step."""
+    if isinstance(module, (SelfAttention, MultiLatentAttention)):
+        return False
+    if not isinstance(module, Attention):
         return False
     own = getattr(type(module), "clip_qk", None) not in (None, getattr(Attention, "clip_qk", None))
     core = getattr(module, "core_attention", None)
@@ -139,9 +189,32 @@ def _check_ready(layers, optimizer) -> None:
                 f"qk_clip: {type(layer.core_attention).__name__} records no attention logits "
                 "(use the local core attention, or Transformer Engine >= 2.9)"
             )
-        weight = layer.linear_qkv.weight
-        if getattr(weight, "main_param_sharded", False) and optimizer is None:
-            raise ValueError("qk_clip: pass the optimizer: DistributedOptimizer main params")
+        if isinstance(layer, MultiLatentAttention) and not hasattr(layer, "linear_kv_up_proj"):
+            raise ValueError(
+                "qk_clip: multi-latent attention with cache_mla_latents absorbed its "
+                "linear_kv_up_proj (inference only): nothing to clip"
+            )
+        for weight in _clipped_weights(layer):
+            if getattr(weight, "main_param_sharded", False) and optimizer is None:
+                raise ValueError("qk_clip: pass the optimizer: DistributedOptimizer main params")
+
+
+def _clipped_weights(layer) -> list:
+    """The weights whose rows the clip scales: MLA's query and key-value up projections (the
+    query projection without q_lora_rank), else the fused QKV weight and bias."""
+    if isinstance(layer, MultiLatentAttention):
+        q = layer.linear_q_proj if layer.config.q_lora_rank is None else layer.linear_q_up_proj
+        return [q.weight, layer.linear_kv_up_proj.weight]
+    params = (layer.linear_qkv.weight, getattr(layer.linear_qkv, "bias", None))
+    return [p for p in params if isinstance(p, torch.Tensor) and p.numel() > 0]
+
+
+def _row_scales(layer, max_logits: torch.Tensor, config) -> list:
+    """[(param, its row scales)] of one attention layer (the bias, if any, with its weight)."""
+    weights = _clipped_weights(layer)
+    if isinstance(layer, MultiLatentAttention):
+        return list(zip(weights, mla_row_scales(max_logits, config)))
+    return [(param, _qkv_rows(layer, max_logits, config)) for param in weights]
 
 
 def _local_maxima(layer) -> torch.Tensor:
@@ -150,8 +223,8 @@ def _local_maxima(layer) -> torch.Tensor:
     current = attention.current_max_attn_logits
     if current is not None:
         return current.float()
-    device = layer.linear_qkv.weight.device
-    return torch.full((attention.num_attention_heads_per_partition,), float("-inf"), device=device)
+    device = layer.linear_proj.weight.device
+    return torch.full((layer.num_attention_heads_per_partition,), float("-inf"), device=device)
 
 
 def _reduce_over_data_parallel(maxima: list) -> list:
@@ -174,7 +247,7 @@ def _model_wide_max(maxima: list) -> float:
     return local.item()
 
 
-def _clip_layer(layer, max_logits: torch.Tensor, config, optimizer) -> None:
+def _qkv_rows(layer, max_logits: torch.Tensor, config) -> torch.Tensor:
     attention = layer.core_attention
     q_scale, k_scale = head_scales(
         max_logits,
@@ -183,10 +256,7 @@ def _clip_layer(layer, max_logits: torch.Tensor, config, optimizer) -> None:
         config.qk_clip_alpha,
         per_head=config.qk_clip_per_head,
     )
-    rows = qkv_row_scales(q_scale, k_scale, attention.hidden_size_per_attention_head)
-    for param in (layer.linear_qkv.weight, getattr(layer.linear_qkv, "bias", None)):
-        if isinstance(param, torch.Tensor) and param.numel() > 0:
-            _scale_param(param, rows, optimizer)
+    return qkv_row_scales(q_scale, k_scale, attention.hidden_size_per_attention_head)
 
 
 def _scale_param(param, rows: torch.Tensor, optimizer) -> None:
@@ -209,7 +279,7 @@ def _main_copy(optimizer, param) -> tuple:
         if main is None:
             return None, 0  # this rank holds none of it
         raise ValueError(
-            f"qk_clip: a DistributedOptimizer main shard of a {tuple(param.shape)} QKV param "
+            f"qk_clip: a DistributedOptimizer main shard of a {tuple(param.shape)} query/key param "
             f"that no DistributedOptimizer in the given optimizer ({type(optimizer).__name__}) "
             "owns: pass the optimizer that holds it"
         )
@@ -217,8 +287,8 @@ def _main_copy(optimizer, param) -> tuple:
     if main is None or main.numel() != held.size:
         got = "no main_param" if main is None else f"a main_param of {main.numel()} elements"
         raise ValueError(
-            f"qk_clip: this rank's DistributedOptimizer range of a {tuple(param.shape)} QKV param "
-            f"holds {held.size} elements but the param has {got}; the clip cannot scale the "
+            f"qk_clip: this rank's DistributedOptimizer range of a {tuple(param.shape)} query/key "
+            f"param holds {held.size} elements but the param has {got}; the clip cannot scale the "
             "main copy (--use-precision-aware-optimizer keeps it outside main_param: not "
             "supported with --qk-clip)"
         )
@@ -243,7 +313,7 @@ def _distributed_optimizer_of(optimizer, param):
     }
     owners = list(owners.values())
     if len(owners) > 1:
-        raise ValueError("qk_clip: two DistributedOptimizers hold the same QKV param")
+        raise ValueError("qk_clip: two DistributedOptimizers hold the same query/key param")
     return owners[0] if owners else None
 
 

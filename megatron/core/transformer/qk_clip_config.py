@@ -21,9 +21,6 @@ def validate_qk_clip_config(config) -> None:
                 "qk_clip_per_head does not apply to multi_latent_attention (upstream's MLA clip "
                 "has its own rule)"
             )
-    # MLA: the clip runs upstream's MLA clip (optimizer/qk_clip.py), upstream's rules
-    if config.multi_latent_attention:
-        return
     if not config.qk_clip:
         return  # upstream takes any alpha / threshold while the clip is off
     alpha, tau = config.qk_clip_alpha, config.qk_clip_threshold
@@ -31,6 +28,10 @@ def validate_qk_clip_config(config) -> None:
         raise ValueError(f"qk_clip_alpha must be in (0, 1), got {alpha}")
     if not (tau > 0 and math.isfinite(tau)):
         raise ValueError(f"qk_clip_threshold must be a finite number > 0, got {tau}")
+    # MLA: its q/kv norms act on the latents, before the up projections the clip scales, and it
+    # has no query groups; the fused-QKV refusals below do not apply
+    if config.multi_latent_attention:
+        return
     for field in ("qk_layernorm", "qk_l2_norm"):
         if getattr(config, field, False):
             raise ValueError(
