@@ -126,6 +126,28 @@ SERIES = [
         ["0018-local-attention-mla-head-dims.patch"],
     ),
     (
+        "transformer: MLA's shared rope key grad summed over TP (column-parallel kv_down_proj)",
+        "With a column-parallel linear_kv_down_proj (the local spec's) MLA gathers its output\n"
+        "over TP, whose backward keeps each rank's slice of the grad. The latent part's grad is\n"
+        "whole (linear_kv_up_proj sums it over TP), but the shared rope key k_pos_emb is used\n"
+        "by each rank's own heads only, so its grad was one rank's heads' part: kv_down_proj and\n"
+        "the hidden-state grads missed at TP > 1, with and without SP (Megatron-LM issue 1699).\n"
+        "k_pos_emb now passes copy_to_tensor_model_parallel_region (backward: all-reduce). The\n"
+        "duplicated linear (TE's default spec) takes the other branch, unchanged.",
+        [],
+        ["0019-mla-rope-key-grad-over-tp.patch"],
+    ),
+    (
+        "distributed: MLA's q_layernorm grad not summed over TP twice",
+        "With qk_layernorm, finalize_model_grads sums over TP the grads of params named\n"
+        "q_layernorm / k_layernorm: per-head norms, each rank holding its heads' part. MLA's\n"
+        "q_layernorm normalizes the whole q latent; without SP its grad is already whole on\n"
+        "every rank and was multiplied by TP (with SP it is sequence-sharded and marked\n"
+        "sequence_parallel, summed by that rule). The name rule now skips MLA configs.",
+        [],
+        ["0020-mla-q-layernorm-grad-once.patch"],
+    ),
+    (
         "optimizer: one loss scale for the dense and the expert optimizer (fp16 with EP)",
         "With expert parallelism the dense and the expert optimizer each have a grad scaler and\n"
         "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"
