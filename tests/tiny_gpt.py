@@ -195,6 +195,7 @@ def _gpt(spec: TinyGPT, config: TransformerConfig, vp_stage) -> GPTModel:
             num_experts=spec.num_moe_experts,
             moe_grouped_gemm=spec.moe_grouped_gemm,
             multi_latent_attention=spec.mla is not None,
+            qk_layernorm=spec.extra.get("qk_layernorm", False),
         ),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
@@ -305,17 +306,28 @@ def layout_invariant_init(model: GPTModel, spec: TinyGPT, seed: int = 0) -> None
 @torch.no_grad()
 def full_params(model_chunks, spec: TinyGPT) -> dict:
     """{global name: full fp32 tensor} of this rank's stage (all TP/expert-TP shards gathered)."""
+    return _gathered(model_chunks, spec, lambda param: param.data)
+
+
+@torch.no_grad()
+def full_grads(model_chunks, spec: TinyGPT) -> dict:
+    """As ``full_params``, of the params' ``main_grad`` (DDP's grad buffer)."""
+    return _gathered(model_chunks, spec, lambda param: param.main_grad)
+
+
+def _gathered(model_chunks, spec: TinyGPT, pick) -> dict:
     out = {}
     for chunk in model_chunks:
         model = chunk.module
         for local_name, param in model.named_parameters():
             name = global_name(model, local_name, spec)
             tp, _, group = _tp_world(param)
-            shards = [torch.empty_like(param) for _ in range(tp)]
+            local = pick(param)
+            shards = [torch.empty_like(local) for _ in range(tp)]
             if tp > 1:
-                torch.distributed.all_gather(shards, param.data.contiguous(), group=group)
+                torch.distributed.all_gather(shards, local.contiguous(), group=group)
             else:
-                shards = [param.data]
+                shards = [local]
             out[name] = unshard(shards, name, getattr(param, "partition_dim", 0)).float().clone()
     return out
 
