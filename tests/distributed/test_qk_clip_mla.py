@@ -179,8 +179,8 @@ def test_mla_clip_tp2_sp_equals_one_process():
     """TP2 with sequence parallelism: each rank clips its own heads' rows, and the gathered
     params equal one process's. The maxima come from other matmul splits (the kv down-proj is
     column-parallel, gathered), so they and the etas may differ in the last fp32 bits: 1e-6
-    relative (measured 2.4e-7). Not a training run: MLA itself does not train TP-invariantly on
-    the local spec, clip or not (docs/qk_clip.md)."""
+    relative (measured 2.4e-7). One forward and the clip alone; training at TP2+SP is
+    ``test_mla_qk_clip_layout_matches_one_process``."""
     ((ref),) = run_distributed(clipped_params, 1, args=({},))
     ((initial),) = run_distributed(full_params_at_init, 1)
     for got in run_distributed(clipped_params, 2, tp=2, args=(SP,)):
@@ -196,7 +196,10 @@ def full_params_at_init():
 
 STEPS = 3
 TOL, LOSS_RTOL = 1e-4, 1e-5  # as tests/distributed/test_qk_clip.py (same reasons)
-LAYOUTS = {"dp2_distopt": dict(world_size=2, distopt=True, bucket_size=6000, overlap=True)}
+LAYOUTS = {
+    "dp2_distopt": dict(world_size=2, distopt=True, bucket_size=6000, overlap=True),
+    "tp2_sp": dict(world_size=2, tp=2, extra=SP),  # MLA's TP grads: patches 0019, 0020
+}
 
 
 def run_layout(world_size, tp=1, extra=None, clip=True, **kwargs):
@@ -212,8 +215,9 @@ def reference(clip: bool = True):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mla_qk_clip_layout_matches_one_process(layout):
     """Our Muon (the seed recipe) with the clip after each step: DP2 DistOpt (fp32, small
-    buckets, fp32 main shards that are views of the params) ends with one process's params
-    (measured 5.5e-6)."""
+    buckets, fp32 main shards that are views of the params), or TP2 with sequence parallelism,
+    ends with one process's params (measured 5.5e-6, 7.8e-6; TP2+SP without patch 0019: 0.48
+    on the kv down-proj)."""
     assert_close_runs(reference(), run_layout(**LAYOUTS[layout]), tol=TOL, loss_rtol=LOSS_RTOL)
 
 
