@@ -4,15 +4,16 @@ logits (patch 0014), upstream's validate_args admits ``--transformer-impl local`
 and upstream's train_step hands the optimizer to ``clip_qk`` (patch 0061), which places the
 DistributedOptimizer's fp32 main shards of bf16 params (megatron/core/optimizer/qk_clip.py).
 
-One run per rule (upstream's per-group default, our ``--qk-clip-per-head``), our Muon with DP2,
-the DistributedOptimizer and bf16; upstream logs the step's max attention logit to TensorBoard
+One run per rule (upstream's per-group default, our ``--qk-clip-per-head``) and one of
+multi-latent attention (upstream's MLA rule, applied by our clip), our Muon with DP2, the
+DistributedOptimizer and bf16; upstream logs the step's max attention logit to TensorBoard
 (``--log-max-attention-logit``), measured in the forward pass before that step's clip.
 
     .venv/bin/python -m pytest -q tests/e2e/test_upstream_qk_clip.py
 """
 
 import pytest
-from upstream_cli import MUON, launch
+from upstream_cli import MODEL, MUON, launch
 
 pytestmark = [
     pytest.mark.e2e,
@@ -55,3 +56,31 @@ def test_qk_clip_caps_the_max_attention_logit(tmp_path, rule):
     assert maxima[1] > 3 * TAU, maxima  # the clip has something to do
     later = [maxima[i] for i in range(2, ITERS + 1)]
     assert 0.8 * TAU <= min(later) and max(later) <= 1.6 * TAU, maxima
+
+
+# Multi-latent attention (patches 0018-0020): the same model without query groups (MLA has none)
+MLA_MODEL = " ".join(MODEL).replace("--group-query-attention --num-query-groups 2 ", "").split()
+MLA = (
+    "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16"
+    " --qk-pos-emb-head-dim 8 --v-head-dim 16"
+).split()
+# Its max logit at init is lower (measured 0.0095 at iteration 1): a quarter of it
+MLA_TAU = 0.0025
+
+
+def test_qk_clip_caps_multi_latent_attention(tmp_path):
+    """As above, for MLA's rule (query no-rope rows by eta^alpha, rope rows by eta, key no-rope
+    rows by eta^(1-alpha)). Measured: iteration 1 at 3.78 x TAU; later 1.39-1.71 x TAU with the
+    clip, 4.22-4.83 x TAU without (the same run, no --qk-clip). 2.2 x TAU sits 1.9x below where
+    no clip would be and 1.29x above the largest measured; 0.8 x TAU as above."""
+    tb = tmp_path / "tb"
+    clip = ["--qk-clip", "--qk-clip-threshold", str(MLA_TAU), "--log-max-attention-logit"]
+    flags = [*MUON, *BF16_DISTOPT, *clip, *MLA, "--train-iters", str(ITERS)]
+    launch(
+        tmp_path, "qk_clip_mla", 2, *map(str, [*flags, "--tensorboard-dir", tb]), model=MLA_MODEL
+    )
+    maxima = _scalars(tb)["max_attention_logit"]
+    assert sorted(maxima) == list(range(1, ITERS + 1)), maxima
+    assert maxima[1] > 3 * MLA_TAU, maxima  # the clip has something to do
+    later = [maxima[i] for i in range(2, ITERS + 1)]
+    assert 0.8 * MLA_TAU <= min(later) and max(later) <= 2.2 * MLA_TAU, maxima

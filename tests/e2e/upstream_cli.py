@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,14 +34,14 @@ MUON = (
 ).split()
 
 
-def launch(tmp: Path, name: str, ranks: int, *flags: str) -> str:
-    """pretrain_gpt.py under torchrun on ``ranks`` ranks (gloo CPU where CUDA is absent); its
-    console output, rc 0 asserted."""
+def launch(tmp: Path, name: str, ranks: int, *flags: str, model: Sequence[str] = MODEL) -> str:
+    """pretrain_gpt.py under torchrun on ``ranks`` ranks (gloo CPU where CUDA is absent), the
+    ``model`` flags first; its console output, rc 0 asserted."""
     # CUDA_DEVICE_MAX_CONNECTIONS: upstream requires it with TP before Blackwell (a CPU counts so)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     env["MEGATRON_CPU_LOOP_HITS"] = str(tmp / f"{name}.hits")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
-    cmd += ["--standalone", str(ROOT / "pretrain_gpt.py"), *MODEL]
+    cmd += ["--standalone", str(ROOT / "pretrain_gpt.py"), *model]
     cmd += ["--distributed-backend", "gloo" if CPU else "nccl", *flags]
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
