@@ -81,6 +81,26 @@ def within(errors: dict, bound: float) -> tuple:
     return name, error
 
 
+def grad_rel_error(ref: dict, got: dict) -> dict:
+    """Per param: ||got - ref|| / ||ref|| (grads: no initial value to measure a change from)."""
+    assert set(ref) == set(got) and ref, f"params differ: {sorted(set(ref) ^ set(got))}"
+    return {k: ((got[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref}
+
+
+def assert_close_step(ref: tuple, got: tuple, *, grad_tol, step_tol, loss_rtol) -> None:
+    """One rank's (initial params, grads, params after one step, loss) against the reference's:
+    the same initial params; grads, updates and the loss each within its relative tolerance."""
+    initial, ref_grads, ref_params, ref_loss = ref
+    rank_initial, grads, params, loss = got
+    assert all(torch.equal(rank_initial[k], initial[k]) for k in initial), "init differs"
+    name, error = within(grad_rel_error(ref_grads, grads), grad_tol)
+    assert error <= grad_tol, f"{name}: grad rel. error {error:.2e} > {grad_tol:.0e}"
+    name, error = within(update_rel_error(initial, ref_params, params), step_tol)
+    assert error <= step_tol, f"{name}: update rel. error {error:.2e} > {step_tol:.0e}"
+    record("loss", "loss", abs(loss - ref_loss) / abs(ref_loss), loss_rtol)
+    assert abs(loss - ref_loss) <= loss_rtol * abs(ref_loss), f"loss {loss} vs {ref_loss}"
+
+
 def last_stage_losses(results: list) -> list:
     """The loss sequence of any last-stage rank (others report nan)."""
     for _, _, losses in results:

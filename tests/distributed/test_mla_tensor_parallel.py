@@ -13,10 +13,9 @@ import dataclasses
 import functools
 
 import pytest
-import torch
 from harness import run_distributed
 from megatron.core.transformer import multi_latent_attention
-from parity import misses, record, update_rel_error, within
+from parity import assert_close_step, grad_rel_error, misses
 from tiny_gpt import (
     TinyGPT,
     build_model,
@@ -93,23 +92,12 @@ def _tp2(case: str, layout: str, control: str | None = None) -> list:
     return run_distributed(_run, 2, tp=2, args=(spec, control))
 
 
-def _grad_errors(ref: dict, got: dict) -> dict:
-    assert set(ref) == set(got) and ref, f"grads differ: {set(ref) ^ set(got)}"
-    return {k: ((got[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref}
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES)
 def test_mla_at_tp2_matches_one_process(case, layout):
-    initial, ref_grads, ref_params, ref_loss = reference(case)
-    for rank_initial, grads, params, loss in _tp2(case, layout):
-        assert all(torch.equal(rank_initial[k], initial[k]) for k in initial), "init differs"
-        name, error = within(_grad_errors(ref_grads, grads), GRAD_TOL)
-        assert error <= GRAD_TOL, f"{name}: grad rel. error {error:.2e} > {GRAD_TOL:.0e}"
-        name, error = within(update_rel_error(initial, ref_params, params), STEP_TOL)
-        assert error <= STEP_TOL, f"{name}: update rel. error {error:.2e} > {STEP_TOL:.0e}"
-        record("loss", "loss", abs(loss - ref_loss) / abs(ref_loss), LOSS_RTOL)
-        assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL, abs=0)
+    for got in _tp2(case, layout):
+        tols = dict(grad_tol=GRAD_TOL, step_tol=STEP_TOL, loss_rtol=LOSS_RTOL)
+        assert_close_step(reference(case), got, **tols)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -118,7 +106,7 @@ def test_without_the_rope_key_all_reduce_kv_down_proj_misses(layout):
     kv_down_proj grads miss (measured: by 0.055 at least, its 8 rope rows of 32 carrying it)."""
     ref_grads = reference("q_proj")[1]
     for _, grads, _, _ in _tp2("q_proj", layout, control="rope_key"):
-        errors = _grad_errors(ref_grads, grads)
+        errors = grad_rel_error(ref_grads, grads)
         down = {k: e for k, e in errors.items() if "linear_kv_down_proj" in k}
         assert len(down) == 2, sorted(errors)
         assert all(misses({k: e}, 1000 * GRAD_TOL) for k, e in down.items()), down
@@ -129,7 +117,7 @@ def test_with_the_name_rule_q_layernorm_grads_double():
     sums MLA's already whole q_layernorm grads over TP: twice the reference (error 1.0)."""
     ref_grads = reference("q_lora_qk_norm")[1]
     for _, grads, _, _ in _tp2("q_lora_qk_norm", "tp2", control="q_layernorm"):
-        errors = _grad_errors(ref_grads, grads)
+        errors = grad_rel_error(ref_grads, grads)
         norms = {k: e for k, e in errors.items() if k.endswith("q_layernorm.weight")}
         assert len(norms) == 2, sorted(errors)
         assert all(misses({k: e}, 1000 * GRAD_TOL) for k, e in norms.items()), norms
