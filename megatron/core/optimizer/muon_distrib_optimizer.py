@@ -262,6 +262,7 @@ def attach(
     form = specs[0].form if specs else "standard"
     ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
     muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
+    infos = [muon.param_info[p] for p in muon_params]
     dtype = exchange_dtype if exchange_dtype in DTYPES else "fp32"  # unknown: refused below
     forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
     sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
@@ -272,11 +273,9 @@ def attach(
     )
     if distopt.buffers:  # where gangs may ring
         group = distopt.buffers[0].data_parallel_group
-        infos = [muon.param_info.get(p) for p in muon_params]
         nodes = gang_nodes(group, links.nvlink_domain, muon.orthogonalizer, infos)
         model = dataclasses.replace(model, nodes=nodes)
     plan = build_plan(distopt, muon.param_info.get, model, window)
-    infos = [muon.param_info[p] for p in muon_params]
     muon.param_info = _shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
     muon.orthogonalizer = DistributedMuonOrthogonalizer(
