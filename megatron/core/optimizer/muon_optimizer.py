@@ -46,17 +46,9 @@ RULE_SETTINGS = (
     "extra_scale_factor",
 )
 
-# The group keys ``OrthoSpec`` is built from (``_ortho_spec``): resolved again when they change.
-SPEC_SETTINGS = (
-    "ns_steps",
-    "ns_coefficients",
-    "ns_precision",
-    "ns_eps",
-    "ns_form",
-    "matched_adamw_rms",
-    "scale_mode",
-    "extra_scale_factor",
-)
+# The group keys ``OrthoSpec`` is built from (``_ortho_spec``: the rule's but momentum):
+# resolved again when they change.
+SPEC_SETTINGS = tuple(k for k in RULE_SETTINGS if k not in ("momentum", "nesterov"))
 
 MUON_STATE_KEYS = ("momentum_buffer",)
 ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
