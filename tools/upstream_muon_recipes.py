@@ -280,6 +280,13 @@ def error_lines(out: str, keep: int = 10) -> str:
     return "\n".join(lines[max(first + 1, end - keep) : end + 1])
 
 
+def run_env(env_vars: dict) -> dict:
+    """The ranks' environment: this one, one thread per rank, the recipe's ENV_VARS."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.update({k: str(v) for k, v in (env_vars or {}).items()})
+    return env
+
+
 def ckpt_resume(flags: dict, ranks: int, work: Path, env_vars: dict, timeout: int = 900) -> dict:
     """Upstream's ckpt-resume test on one shrunk recipe: returns {"ok": bool, "detail": str,
     "compared": n scalars compared, "seconds": wall time}."""
@@ -289,8 +296,7 @@ def ckpt_resume(flags: dict, ranks: int, work: Path, env_vars: dict, timeout: in
     assert 2 * half == iters, "ckpt-resume saves at N/2"
     ckpt, load = work / "checkpoints", work / "checkpoints"
     ckpt.mkdir(parents=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.update({k: str(v) for k, v in (env_vars or {}).items()})
+    env = run_env(env_vars)
     paths = {
         "--save": str(ckpt),
         "--load": str(load),

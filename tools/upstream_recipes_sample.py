@@ -175,10 +175,7 @@ def check(flags: dict, env_vars: dict, work: Path, timeout: int = 480) -> tuple:
 
 def run(flags: dict, env_vars: dict, work: Path, timeout: int = 480) -> tuple:
     """Launch one shrunk recipe on 2 CPU ranks: (console output, seconds)."""
-    import os
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.update({k: str(v) for k, v in env_vars.items()})
+    env = muon.run_env(env_vars)
     paths = {"--data-cache-path": str(work / "data_cache"), "--tensorboard-dir": str(work / "tb")}
     start = time.time()
     out = muon.launch(work, "run", RANKS, muon.command_line(flags, paths), env, timeout)
