@@ -11,18 +11,18 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from .. import parallel_state
-from ..utils import get_pg_size
-from .muon_config import (
+from ... import parallel_state
+from ...utils import get_pg_size
+from .config import (
     EXCHANGE_DTYPES,
     TP_MODES,
     is_megatron_muon,
     validate_muon_config,
 )
-from .muon_functional import MuonParamInfo
-from .muon_optimizer import Muon
-from .muon_split import DEFAULT_LINKS, PlanLinks
-from .muon_tp import TPOrthogonalizer
+from .functional import MuonParamInfo
+from .optimizer import Muon
+from .planner.cost_model import DEFAULT_LINKS, PlanLinks
+from .tp import TPOrthogonalizer
 
 
 @dataclass(frozen=True)
@@ -310,12 +310,12 @@ class _PositionalInfo(dict):
 
 
 class MegatronMuon(Muon):
-    """``Muon`` inside Megatron's wrappers; muon_distrib_optimizer.py attaches the exchange.
+    """``Muon`` inside Megatron's wrappers; distrib_optimizer.py attaches the exchange.
 
     Args:
         params: param groups (``use_muon`` picks the rule).
         distopt_exchange_dtype: dtype of the momentum exchanged over DP ('fp32', 'bf16').
-        distopt_plan_links: the machine the DistOpt planner assumes (muon_split.py).
+        distopt_plan_links: the machine the DistOpt planner assumes (planner/cost_model.py).
         **kwargs: ``Muon``'s settings.
     """
 
