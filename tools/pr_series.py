@@ -268,15 +268,6 @@ SERIES = [
         ["0031-checkpoint-args-muon-impl.patch"],
     ),
     (
-        "checkpointing: a checkpoint of megatron-muon's 0.16.1 loop is refused in one line",
-        "megatron-muon's own loop on megatron-core 0.16.1 saved its args as a dict, which\n"
-        "upstream reads with getattr (checks failing unnamed, consumed samples read as 0).\n"
-        "Wherever a checkpoint's args are read, such a checkpoint is refused naming the version\n"
-        "and what to do; --finetune loads its model weights only.",
-        [TRAIN + "checkpoint_origin.py"],
-        ["0051-checkpoint-origin-0.16.1.patch"],
-    ),
-    (
         "training: pretrain_gpt's GPT entry on pretrain(), and CPU ranks for it",
         "gpt_entry.py: the model and datasets providers and the forward step for pretrain();\n"
         "cpu_mode.py and cpu_loop.py: stand-ins for megatron-core and the loop where CUDA is\n"
