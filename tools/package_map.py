@@ -60,14 +60,21 @@ def _targets(name: str, is_package: bool, node: ast.AST, nodes) -> set[str]:
     return found - {name}
 
 
+def _statements(body: list, lazy: bool = False):
+    """(statement, inside a function?) for every statement, nested ones included."""
+    for node in body:
+        yield node, lazy
+        inner = lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            yield from _statements(getattr(node, field, []), inner)
+
+
 def _edges(name: str, is_package: bool, tree: ast.Module, nodes) -> dict[str, bool]:
     """{imported node: True if imported at module level (else only inside a function)}."""
-    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
-    lazy = {id(n) for d in ast.walk(tree) if isinstance(d, defs) for n in ast.walk(d)}
     found: dict[str, bool] = {}
-    for node in ast.walk(tree):
+    for node, lazy in _statements(tree.body):
         for target in _targets(name, is_package, node, nodes):
-            found[target] = found.get(target, False) or id(node) not in lazy
+            found[target] = found.get(target, False) or not lazy
     return found
 
 
@@ -104,7 +111,7 @@ def _replaced(root: Path) -> set[str]:
 def _docstring_lines(tree: ast.Module) -> int:
     """Lines inside the module's, its classes' and its functions' docstrings."""
     total = 0
-    for node in ast.walk(tree):
+    for node in [tree] + [n for n, _ in _statements(tree.body)]:
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             first = node.body[0] if node.body else None
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
@@ -244,20 +251,20 @@ def _mermaid(a: dict) -> list[str]:
     return out
 
 
-def _short(name: str) -> str:
-    return name.removeprefix(PACKAGE + ".").replace(PACKAGE, "optimizer/__init__")
-
-
-def render(root: Path = ROOT) -> str:
-    """The text of docs/package.md for the checkout at ``root``."""
-    a = analyse(root)
+def render(root: Path = ROOT, a: dict | None = None) -> str:
+    """The text of docs/package.md for the checkout at ``root`` (``a``: its analysis, if made)."""
+    a = a or analyse(root)
     rows = [
         f"| {scope} | {f['files']} | {f['lines']} | {f['docstring']} "
         f"({100 * f['docstring'] / f['lines']:.1f}%) | {f['largest'][0]} "
         f"(`{f['largest'][1]}`) | {f['median']:g} |"
         for scope, f in a["figures"].items()
     ]
-    circles = "; ".join(" -> ".join(map(_short, c)) for c in a["circles"])
+
+    def short(name):  # ours relative to the package, upstream's marked
+        return name.removeprefix(PACKAGE + ".") if name in a["ours"] else f"upstream {name}"
+
+    circles = "; ".join(" -> ".join(map(short, c)) for c in a["circles"])
     circles = f" ({circles})" if circles else ""
     return "\n".join(
         [
@@ -297,7 +304,7 @@ def main(argv=None) -> int:
             f"{scope}: {f['files']} files, {f['lines']} lines, docstrings {share:.1f}%, "
             f"longest function {f['largest'][0]} lines ({f['largest'][1]}), median {f['median']:g}"
         )
-    text = render()
+    text = render(ROOT, a)
     if args.check:
         fresh = page.exists() and page.read_text() == text
         print(f"{PAGE} is {'up to date' if fresh else 'stale: run ' + COMMAND}")

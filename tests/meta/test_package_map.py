@@ -7,6 +7,7 @@ an import of an upstream module that is not drawn does not.
 """
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,17 @@ def test_the_committed_page_is_the_drawn_one():
     assert page.read_text() == package_map.render(ROOT), (
         f"{package_map.PAGE} is stale: run {package_map.COMMAND}"
     )
+
+
+def test_every_arrow_joins_drawn_nodes():
+    # Mermaid draws an undeclared id as a bare box: an arrow to a misnamed node would pass unseen
+    graph = package_map.render(ROOT).split("```mermaid\n")[1].split("```")[0]
+    declared = set(re.findall(r"^\s*(\w+)\[\"", graph, flags=re.M))
+    arrows = re.findall(r"^  (\w+) (?:-->|-\.->|-- \"[\d, ]+\" -->) (\w+)$", graph, flags=re.M)
+    assert len(declared) >= 25 and len(arrows) >= 40, (len(declared), len(arrows))
+    assert {end for arrow in arrows for end in arrow} <= declared
+    lines = [line for line in graph.splitlines() if "-->" in line or "-.->" in line]
+    assert len(lines) == len(arrows), "every arrow line has one of the three forms"
 
 
 def test_no_import_circle():
