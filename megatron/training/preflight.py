@@ -49,8 +49,6 @@ def package_problems(args) -> list:
         needs.append(("einops", "--use-megatron-fsdp"))
     if (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1:
         needs.append(("einops", "--num-distributed-optimizer-instances > 1"))
-    if getattr(args, "yaml_cfg", None):
-        needs.append(("omegaconf", "--yaml-cfg"))
     return [
         f"{flag} needs the package {package}, which is not installed (pip install {package})"
         for package, flag in needs
