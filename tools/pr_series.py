@@ -329,7 +329,6 @@ SERIES = [
         [TRAIN + "preflight.py", TRAIN + "preprocess_data.py"],
         [],
     ),
-
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)
