@@ -93,6 +93,18 @@ NEEDS_TE = (
         "(--fp8-format, --fp8-recipe, --fp8-param-gather, ...) and train with --bf16",
     ),
     (
+        "--moe-permute-fusion",
+        "moe_permute_fusion",
+        "upstream's fused token permutation is TE's (>= 2.1); drop it (the unfused permutation "
+        "routes the same tokens)",
+    ),
+    (
+        "--fine-grained-activation-offloading",
+        "fine_grained_activation_offloading",
+        "upstream offloads through TE's layers only; on a machine with TE give --transformer-impl "
+        "transformer_engine, else drop it and --offload-modules",
+    ),
+    (
         "--fp4-format",
         "fp4",
         "without TE upstream's layers would train without fp4, silently; drop the fp4 flags and "
@@ -100,7 +112,7 @@ NEEDS_TE = (
     ),
 )
 # Of NEEDS_TE, those refused with --transformer-impl local even where TE is installed
-TE_LAYERS_ONLY = ("experimental_attention_variant",)
+TE_LAYERS_ONLY = ("experimental_attention_variant", "fine_grained_activation_offloading")
 # Of --recompute-modules (with --recompute-granularity selective), those that upstream recomputes
 # with CheckpointWithoutOutput, which asks TE's FP8GlobalStateManager whatever the precision (its
 # ``fp8 is not None`` holds for fp8=False): without TE, a NameError at the first forward.

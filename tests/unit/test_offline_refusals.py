@@ -1,11 +1,12 @@
 """What an air-gapped node lacks is named in one line before any rank or worker starts
 (``preflight.problems``, ``gpt_entry``'s TE-only refusals), naming the flag and the way out:
-a tokenizer's package or file, a hub name offline and not cached, einops for Megatron-FSDP, and
+a tokenizer's package or file, a hub name offline and not cached, einops for Megatron-FSDP,
 selective recompute of ``layernorm``/``mla_up_proj`` without Transformer Engine (upstream's
 CheckpointWithoutOutput reads TE's fp8 state: ``NameError: FP8GlobalStateManager`` at the first
-forward). Flags are upstream's parser's (``add_megatron_arguments``). Packages are faked absent
-(``preflight._has``). One launch of ``pretrain_gpt.py`` shows the line and exit status 2 on the
-real entry (~15 s on 2 loaded cores; the rest < 1 s).
+forward), and ``--moe-permute-fusion``/``--fine-grained-activation-offloading`` without TE
+(upstream raises a traceback). Flags are upstream's parser's (``add_megatron_arguments``).
+Packages are faked absent (``preflight._has``). One launch of ``pretrain_gpt.py`` shows the line
+and exit status 2 on the real entry (~15 s of it on 2 loaded cores; the rest < 1 s each).
 """
 
 import argparse
@@ -125,6 +126,26 @@ def test_recompute_modules_that_need_te(modules, refused):
     assert gpt_entry.te_refusals(args, have_te=True) == []  # with TE upstream's path runs
     full = _flags("--transformer-impl", "local", "--recompute-modules", *modules)
     assert gpt_entry.te_refusals(full, have_te=False) == []  # modules count with selective only
+
+
+TE_ONLY = [  # (flag, args attribute, value, refused with TE installed but local layers)
+    ("--moe-permute-fusion", "moe_permute_fusion", True, False),
+    ("--fine-grained-activation-offloading", "fine_grained_activation_offloading", True, True),
+]
+
+
+@pytest.mark.parametrize("flag, name, value, layers_only", TE_ONLY)
+def test_te_only_flags_of_upstreams_recipes(flag, name, value, layers_only):
+    """Upstream raises for these at config time with a traceback (fused permutation "not
+    available", offloading "only supported with transformer_engine"); the entry names the flag
+    and the way out in one line."""
+    args = _flags("--transformer-impl", "local")
+    setattr(args, name, value)
+    (message,) = gpt_entry.te_refusals(args, have_te=False)
+    assert message.startswith(f"{flag} needs Transformer Engine") and "drop it" in message
+    assert bool(gpt_entry.te_refusals(args, have_te=True)) == layers_only
+    args.transformer_impl = "transformer_engine"
+    assert gpt_entry.te_refusals(args, have_te=True) == []
 
 
 def test_pretrain_gpt_refuses_before_any_process_group(tmp_path):
