@@ -128,6 +128,25 @@ def test_recompute_modules_that_need_te(modules, refused):
     assert gpt_entry.te_refusals(full, have_te=False) == []  # modules count with selective only
 
 
+def test_the_recompute_refused_does_crash_without_te():
+    """Why the refusal: upstream's CheckpointWithoutOutput (``fp8=False`` by default, stored as
+    ``fp8 is not None``, so True) asks TE's FP8GlobalStateManager, a name bound only where TE
+    imports. Should upstream fix it, this fails and the refusal can go."""
+    import torch
+
+    from megatron.core import tensor_parallel
+
+    def recompute():
+        x = torch.ones(2, requires_grad=True)
+        return tensor_parallel.CheckpointWithoutOutput().checkpoint(lambda t: t * 2, x)
+
+    if preflight._has("transformer_engine"):  # then the entry refuses nothing (tested above)
+        assert recompute().tolist() == [2.0, 2.0]
+        return
+    with pytest.raises(NameError, match="FP8GlobalStateManager"):
+        recompute()
+
+
 TE_ONLY = [  # (flag, args attribute, value, refused with TE installed but local layers)
     ("--moe-permute-fusion", "moe_permute_fusion", True, False),
     ("--fine-grained-activation-offloading", "fine_grained_activation_offloading", True, True),
