@@ -127,8 +127,7 @@ REFUSED = {
 
 
 class MuonConfigError(ValueError):
-    """A bad ``OptimizerConfig`` setting for this Muon; ``fields`` names the fields at fault
-    (the CLI maps them to its flags)."""
+    """A bad ``OptimizerConfig`` setting; ``fields``: the fields at fault (the CLI's flags)."""
 
     def __init__(self, message: str, fields: tuple[str, ...]) -> None:
         super().__init__(message)
@@ -218,9 +217,8 @@ def _require(ok: bool, name: str, value, allowed: str) -> None:
 
 # ----------------------------------------------------------------------------- Muon's groups
 def validate_group(group: dict) -> None:
-    """A ``Muon`` param group's settings (ValueError naming the key and what is allowed; NaN,
-    inf, strings and None included). Coefficient sets and precisions are resolved, and their
-    names checked, by newton_schulz.py (which also takes custom triples)."""
+    """A ``Muon`` param group's settings (ValueError naming the key and what is allowed); the
+    coefficient set and precision are checked where newton_schulz.py resolves them."""
     _finite(group, "lr", ">= 0", lambda v: v >= 0)
     _finite(group, "weight_decay", ">= 0", lambda v: v >= 0)
     if not group["use_muon"]:

@@ -275,14 +275,8 @@ class _PositionalInfo(dict):
 
 
 class MegatronMuon(Muon):
-    """``Muon`` inside Megatron's wrappers; distrib_optimizer.py attaches the exchange.
-
-    Args:
-        params: param groups (``use_muon`` picks the rule).
-        distopt_exchange_dtype: dtype of the momentum exchanged over DP ('fp32', 'bf16').
-        distopt_plan_links: the machine the DistOpt planner assumes (planner/cost_model.py).
-        **kwargs: ``Muon``'s settings.
-    """
+    """``Muon`` inside Megatron's wrappers, with the DistOpt exchange's dtype and planner machine
+    (``distopt_*``, for distrib_optimizer.py's ``attach``)."""
 
     def __init__(
         self,

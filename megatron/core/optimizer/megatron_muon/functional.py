@@ -21,13 +21,10 @@ from torch.optim.adam import adam
 
 from .config import SCALE_MODES
 from .newton_schulz import (
-    GATHER,
-    SUM,
     CoefficientSet,
     Request,
     Triple,
     newton_schulz,
-    serve,
     sharded_newton_schulz_steps,
     splits_polynomial,
 )
@@ -234,8 +231,7 @@ def orthogonalize_matrices(
 
 
 def orthogonalize(u: Tensor, info: MuonParamInfo, spec: OrthoSpec) -> Tensor:
-    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight (batched by
-    block height), on this process.
+    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight, here.
 
     Args:
         u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
@@ -275,8 +271,7 @@ def _orthogonalize_steps(
 
 
 def _qkv_heights(split: tuple[int, ...]) -> list[tuple[int, list[int]]]:
-    """(rows r, first rows of the blocks r high) per distinct Q/K/V height (K and V, Q too under
-    MHA): same-shape blocks run batched."""
+    """(r, first rows of the blocks r high) per distinct Q/K/V height: batched by shape."""
     starts = [sum(split[:i]) for i in range(len(split))]
     return [(r, [s for s, ri in zip(starts, split) if ri == r]) for r in dict.fromkeys(split)]
 
@@ -300,35 +295,6 @@ def _qkv_put_(out, info, spec, r: int, starts: list[int], orths: list[Tensor]) -
         per_group[:, s : s + r] = orth.view(-1, r, out.shape[1])
 
 
-def orthogonalize_sharded(
-    u: Tensor,
-    info: MuonParamInfo,
-    spec: OrthoSpec,
-    dim: int,
-    reduce: Callable[[Tensor], object],
-    reassociate: bool = False,
-    part: Optional[tuple[int, int, Callable[[Tensor], object]]] = None,
-) -> Tensor:
-    """This shard (along ``dim``) of ``s * NS_k(U)``: ``orthogonalize_sharded_steps`` with each
-    request served at once.
-
-    Args:
-        u: this place's shard of U.
-        info: the whole matrix's global shape and Q/K/V split.
-        spec: Newton-Schulz and scale settings.
-        dim: 0 for row shards, 1 for column shards.
-        reduce: sums a tensor in place over all shards.
-        reassociate: use the reassociated step where it is cheaper.
-        part: ``(p, k, gather)``: split polynomials by rows where ``splits_polynomial``.
-
-    Returns:
-        This shard of ``s * NS_k(U)``, laid out like ``u``.
-    """
-    place = part[:2] if part is not None else None
-    steps = orthogonalize_sharded_steps(u, info, spec, dim, reassociate, place)
-    return serve(steps, {SUM: reduce, GATHER: part[2] if part is not None else None})
-
-
 def orthogonalize_sharded_steps(
     u: Tensor,
     info: MuonParamInfo,
@@ -337,8 +303,9 @@ def orthogonalize_sharded_steps(
     reassociate: bool = False,
     part: Optional[tuple[int, int]] = None,
 ) -> Generator[Request, None, Tensor]:
-    """``orthogonalize_sharded`` as a generator of its ``SUM``/``GATHER`` requests, for callers
-    that interleave matrices (gangs); a QKV shard holds whole query groups or whole columns.
+    """This shard (along ``dim``) of ``s * NS_k(U)`` as a generator of ``SUM``/``GATHER`` requests
+    (served by the TP ``distributed`` mode and gangs); a QKV shard holds whole query groups or
+    whole columns.
 
     Args:
         u: this place's shard of U.
@@ -438,16 +405,11 @@ def adamw_(
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
     foreach: Optional[bool] = None,
+    **settings: float,
 ) -> None:
-    """``torch.optim.AdamW``'s step: torch's functional Adam with decoupled weight decay
-    (``foreach=None``: torch's rule, foreach on CUDA). State narrower than its param is widened
-    for it and rounded back once, one param at a time (no wide copy of all state at once).
+    """``torch.optim.AdamW``'s step (torch's functional Adam, decoupled decay); state narrower
+    than its param is widened for it and rounded back once, one param at a time.
 
     Args:
         params: the params (or shards), updated in place.
@@ -455,14 +417,9 @@ def adamw_(
         exp_avgs: first moments, updated in place.
         exp_avg_sqs: second moments, updated in place.
         steps: per-param step counts (CPU scalar tensors, as torch keeps them), incremented.
-        lr: learning rate.
-        beta1: first-moment decay.
-        beta2: second-moment decay.
-        eps: added to the bias-corrected sqrt of the second moment.
-        weight_decay: decoupled weight decay coefficient (0: off).
-        foreach: torch's ``foreach`` (None: its default rule).
+        foreach: torch's ``foreach`` (None: its default rule, foreach on CUDA).
+        **settings: torch's ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``.
     """
-    settings = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     grads = [g.to(p.dtype) for p, g in zip(params, grads)]
     same = [p.dtype == m.dtype == v.dtype for p, m, v in zip(params, exp_avgs, exp_avg_sqs)]
     pick = lambda xs, keep: [x for x, s in zip(xs, same) if s == keep]  # noqa: E731

@@ -16,9 +16,10 @@ from .functional import (
     MuonParamInfo,
     OrthoSpec,
     orthogonalize,
-    orthogonalize_sharded,
+    orthogonalize_sharded_steps,
     timed,
 )
+from .newton_schulz import GATHER, SUM, serve
 
 
 class TPOrthogonalizer:
@@ -122,8 +123,9 @@ def _distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tenso
     assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"
     reduce = functools.partial(dist.all_reduce, group=group)
     k, p = dist.get_world_size(group), dist.get_rank(group)
-    part = (p, k, functools.partial(gather_rows, p=p, k=k, group=group))
-    return orthogonalize_sharded(u, info, spec, dim, reduce, part=part)
+    gather = functools.partial(gather_rows, p=p, k=k, group=group)
+    steps = orthogonalize_sharded_steps(u, info, spec, dim, part=(p, k))
+    return serve(steps, {SUM: reduce, GATHER: gather})
 
 
 def gather_rows(poly: Tensor, p: int, k: int, group) -> None:
