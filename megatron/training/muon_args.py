@@ -40,7 +40,6 @@ from megatron.core.optimizer.megatron_muon.config import (
     EXCHANGE_DTYPES,
     MUON_IMPLS,
     NS_FORMS,
-    MuonConfigError,
     is_megatron_muon,
     validate_muon_config,
 )
@@ -265,8 +264,9 @@ def _check_values(args) -> None:
     )
     try:
         validate_muon_config(view)
-    except MuonConfigError as err:
-        named = ", ".join(_given(name, getattr(view, name)) for name in err.fields)
+    except ValueError as err:
+        fields = getattr(err, "fields", ())
+        named = ", ".join(_given(name, getattr(view, name)) for name in fields)
         raise ValueError(f"{named or '--muon-impl megatron_muon'}: {err}") from None
 
 

@@ -126,12 +126,11 @@ REFUSED = {
 }
 
 
-class MuonConfigError(ValueError):
-    """A bad ``OptimizerConfig`` setting; ``fields``: the fields at fault (the CLI's flags)."""
-
-    def __init__(self, message: str, fields: tuple[str, ...]) -> None:
-        super().__init__(message)
-        self.fields = fields
+def _config_error(message: str, fields: tuple[str, ...]) -> ValueError:
+    """A ValueError naming the fields at fault in ``.fields`` (the CLI maps them to flags)."""
+    error = ValueError(message)
+    error.fields = fields
+    return error
 
 
 def check_choice(name: str, value, allowed) -> None:
@@ -148,7 +147,7 @@ def check_choice(name: str, value, allowed) -> None:
 
 def validate_muon_config(config) -> None:
     """Check an ``OptimizerConfig`` used for this Muon: the one check of its settings, run by the
-    factory and, on the flags' values, by the CLI (MuonConfigError naming the field)."""
+    factory and, on the flags' values, by the CLI (ValueError naming the field)."""
     for name, allowed in _CHOICES.items():
         value = getattr(config, name)
         _require(value in allowed, name, value, f"be one of {list(allowed)}")
@@ -171,15 +170,13 @@ def validate_muon_config(config) -> None:
     except ValueError as err:
         fields = ("muon_matched_adamw_rms", "muon_scale_mode", "muon_extra_scale_factor")
         given = tuple(f for f in fields if getattr(config, f) != _DEFAULTS[f])
-        raise MuonConfigError(
-            f"OptimizerConfig muon_matched_adamw_rms/muon_scale_mode: {err}", given
-        ) from None
+        message = f"OptimizerConfig muon_matched_adamw_rms/muon_scale_mode: {err}"
+        raise _config_error(message, given) from None
     for name, (refused, why) in REFUSED.items():
         value = getattr(config, name, None)
         if value is not None and refused(value):
-            raise MuonConfigError(
-                f"OptimizerConfig.{name}={value!r} with muon_impl='megatron_muon': {why}", (name,)
-            )
+            message = f"OptimizerConfig.{name}={value!r} with muon_impl='megatron_muon': {why}"
+            raise _config_error(message, (name,))
 
 
 _DEFAULTS = {
@@ -212,7 +209,7 @@ def _is_number(value) -> bool:
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise MuonConfigError(f"OptimizerConfig.{name} must {allowed}, got {value!r}", (name,))
+        raise _config_error(f"OptimizerConfig.{name} must {allowed}, got {value!r}", (name,))
 
 
 # ----------------------------------------------------------------------------- Muon's groups
