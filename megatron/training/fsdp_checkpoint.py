@@ -33,10 +33,8 @@ def fill_empty_shard_state(optimizer_state: dict, model: torch.nn.Module) -> dic
     torch.distributed.all_gather_object(everyone, _templates(state))
     params = {_bare(name): param for name, param in model.named_parameters()}
     for name in optimizer_state["param_to_group_meta"]:
-        if state.get(name):
-            continue
-        held = [mine[name] for mine in everyone if mine.get(name)]
-        if held:
+        held = [mine[name] for mine in everyone if name in mine]
+        if held and not _holds(state.get(name, {})):
             state[name] = {
                 key: _empty_like(params[_bare(name)], value) if isinstance(value, str) else value
                 for key, value in held[0].items()
@@ -62,7 +60,15 @@ def _templates(state: dict) -> dict:
             for key, value in entry.items()
         }
         for name, entry in state.items()
+        if _holds(entry)
     }
+
+
+def _holds(entry: dict) -> bool:
+    """Whether this rank holds part of the parameter: a non-empty DTensor shard in its state. A
+    rank that does not keeps what an earlier load filled in, Adam's ``step`` included, which no
+    step advances: it is replaced by a holder's each time, or DCP might save the stale one."""
+    return any(isinstance(v, DTensor) and v.to_local().numel() > 0 for v in entry.values())
 
 
 def _empty_like(param: DTensor, dtype: str) -> DTensor:
