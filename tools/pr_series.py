@@ -330,6 +330,21 @@ SERIES = [
         [TRAIN + "preflight.py", TRAIN + "preprocess_data.py"],
         [],
     ),
+    (
+        "checkpointing: Megatron-FSDP and FSDP2 checkpoints save and resume",
+        "fsdp_dtensor: a rank holding none of a parameter (Megatron-FSDP shards buckets by\n"
+        "bytes) has no optimizer state for it, and the per-DTensor collectives of\n"
+        "preprocess_state_dict_for_uneven_dtensor hung; it takes a holder's entry (empty shards,\n"
+        "the holder's step). torch_dcp: the load asked state_dict(is_loading=True) of a\n"
+        "ChainedOptimizer, which takes no such argument. fsdp_dtensor resumes restore\n"
+        "num_floating_point_operations_so_far.",
+        [TRAIN + "fsdp_checkpoint.py"],
+        [
+            "0080-fsdp-dtensor-empty-shard-state.patch",
+            "0081-torch-dcp-load-optimizer-state.patch",
+            "0082-fsdp-dtensor-load-flops-counter.patch",
+        ],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)
