@@ -3,7 +3,9 @@
 ``pretrain()`` makes (``megatron/training/gpt_entry.py``).
 """
 
+import argparse
 import contextlib
+import functools
 import io
 import os
 import sys
@@ -23,3 +25,13 @@ def transformer_config(argv: list, world_size: int):
         args = arguments.parse_args()
         arguments.validate_args(args, {})
     return arguments.core_transformer_config_from_args(args)
+
+
+@functools.cache
+def known_flags() -> frozenset:
+    """Every option string of ``pretrain_gpt.py``'s parser (upstream's ``add_megatron_arguments``
+    with the flags our patches add)."""
+    from megatron.training import arguments
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    return frozenset(parser._option_string_actions)

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 
 
@@ -176,8 +177,10 @@ def run_distributed(
     # Forking copies only the calling thread; others (torch's intra-op pool, a leftover Python
     # thread) leave their locks behind in the child. Recorded for the report of a crashed rank.
     at_fork = f"{_native_threads()} threads ({threading.active_count()} Python) in the parent"
-    for p in procs:
-        p.start()
+    with warnings.catch_warnings():
+        _quiet_fork_warning()
+        for p in procs:
+            p.start()
     finished = False
     try:
         outputs = _collect(results, procs, world_size, timeout, at_fork)
@@ -192,6 +195,21 @@ def run_distributed(
                 p.kill()
             p.join()
         shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _quiet_fork_warning() -> None:
+    """Python 3.12 warns at every fork from a process with threads ("use of fork() may lead to
+    deadlocks"), one warning per rank: hundreds per suite. A test process always has some
+    (measured: 2 under pytest before torch computes anything, 3 in an xdist worker, whose
+    execnet reads its channel in a thread), so they cannot be avoided by forking earlier. The
+    ranks touch none of their locks: each sets one intra-op thread before any torch op (never
+    the parent's OpenMP pool) and starts gloo anew. The alternatives cost more than the risk:
+    forkserver took 1.6x the wall time of test_harness.py + test_parity_adam.py (each rank
+    imports its test module again) and loses a crashed rank's stacks (its stderr is the
+    server's, not the test's); spawn re-imports torch and megatron in every rank (~21 s for 8)."""
+    warnings.filterwarnings(
+        "ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning
+    )
 
 
 def _crashed(procs, grace: float) -> list:

@@ -333,14 +333,36 @@ def _gathered(model_chunks, spec: TinyGPT, pick) -> dict:
 
 
 def gather_all_params(model_chunks, spec: TinyGPT) -> dict:
-    """Every stage's and every expert rank's full params, merged, on every rank."""
+    """Every stage's and every expert rank's full params, merged, on every rank: one copy per
+    name, after ``merge_replicas`` checked that every rank holding it holds the same bits."""
     mine = full_params(model_chunks, spec)
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
-    merged = {}
-    for params in everyone:
-        merged.update(params)
+    return merge_replicas(everyone)
+
+
+def merge_replicas(per_rank: list) -> dict:
+    """{name: tensor} of the ranks' ``full_params``; raises if two ranks' copies of a param (its
+    DP replicas, its TP peers' gathers) differ in any bit. Megatron keeps replicas identical (the
+    same reduced grads, the same step, or one owner's shard gathered everywhere), so comparing
+    one copy with the reference, as the parity checks do, then stands for every rank's."""
+    merged, holder = {}, {}
+    for rank, params in enumerate(per_rank):
+        for name, value in params.items():
+            if name not in merged:
+                merged[name], holder[name] = value, rank
+            elif not _same_bits(merged[name], value):
+                raise AssertionError(
+                    f"{name}: rank {rank}'s copy differs from rank {holder[name]}'s (max abs "
+                    f"difference {(value - merged[name]).abs().max().item():.3e})"
+                )
     return merged
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # bits, not values: a NaN equals its own copy, and -0.0 differs from 0.0
+    same_kind = a.shape == b.shape and a.dtype == b.dtype
+    return same_kind and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------- data and training

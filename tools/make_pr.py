@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import fork
-from pr_series import SERIES, UNSENT  # noqa: F401  (UNSENT: tests/unit/test_make_pr.py)
+from pr_series import SERIES, UNSENT  # noqa: F401  (UNSENT: tests/meta/test_make_pr.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "# Copyright (c) 2025, NVIDIA CORPORATION. All rights reserved.\n\n"

@@ -2,7 +2,7 @@
 
 Each commit is (subject, body, our files, our patches): the files are this repository's (paths as
 in Megatron-LM), the patches ``patches/``'s. Every file ``tools/fork.py`` links into the tree and
-every patch is in one commit (tests/unit/test_make_pr.py checks it). megatron-core 0.19.2 ships
+every patch is in one commit (tests/meta/test_make_pr.py checks it). megatron-core 0.19.2 ships
 upstream's ``megatron/training``, so the series carries our patches to it and the files of ours
 linked into it (the CPU mode, ``gpt_entry``, our Muon's flags).
 """

@@ -1,11 +1,14 @@
-"""The harness itself: layouts, per-rank failures with tracebacks, no hangs."""
+"""The harness itself: layouts, per-rank failures with tracebacks, no hangs; and the parity
+runs' replica check (``tiny_gpt.gather_all_params``): every rank's copy of a param is compared."""
 
 import math
+import re
 
 import pytest
 import torch
 from harness import RankFailure, run_distributed
 from parity import misses, worst
+from tiny_gpt import merge_replicas
 
 
 def _ranks():
@@ -73,3 +76,46 @@ def test_a_nan_update_is_the_worst_error_wherever_it_is():
     assert max(errors.values()) == 2e-6  # the trap
     assert worst(errors)[0] == "fc1" and misses(errors, 1.0)
     assert worst({"a": 1e-6, "b": 2e-6}) == ("b", 2e-6) and not misses({"a": 1e-6}, 1e-4)
+
+
+def _gather(off_rank, sharded):
+    """A fresh TinyGPT's merged params, with one element of its first TP-sharded (or, with
+    ``sharded`` False, TP-replicated) param moved by one ulp on rank ``off_rank`` (None: none)."""
+    from tiny_gpt import TinyGPT, build_model, gather_all_params
+
+    spec = TinyGPT()
+    model = build_model(spec)
+    named = model[0].module.named_parameters()
+    name, param = next(
+        (n, p) for n, p in named if getattr(p, "tensor_model_parallel", False) == sharded
+    )
+    if torch.distributed.get_rank() == off_rank:
+        with torch.no_grad():
+            flat = param.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf, dtype=flat.dtype))
+    return name, sorted(gather_all_params(model, spec))
+
+
+# TP2 x DP2: ranks (0, 1) and (2, 3) are TP groups, (0, 2) and (1, 3) DP groups. A sharded
+# param's gather on rank 0 holds rank 1's shard, so rank 3's shard off shows in rank 2's copy;
+# a replicated one (a norm weight) is each rank's own.
+CASES = {"dp_replica_of_a_shard": (True, 3, 2), "tp_peer_of_a_replicated_param": (False, 1, 1)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_replica_one_ulp_off_fails_the_replica_check(case):
+    """Parity runs compare one merged copy with the reference: that stands for every rank's only
+    because the merge fails on any copy that differs. With no rank off, all params merge."""
+    sharded, off_rank, seen_on = CASES[case]
+    (name, names), *_ = run_distributed(_gather, 4, tp=2, args=(None, sharded))
+    assert len(names) > 10 and name in names
+    message = rf"{re.escape(name)}: rank {seen_on}'s copy differs from rank 0's \(max abs"
+    with pytest.raises(RankFailure, match=message):
+        run_distributed(_gather, 4, tp=2, args=(off_rank, sharded))
+
+
+def test_replicas_are_compared_bit_for_bit():
+    nan, zero = torch.tensor([math.nan, 1.0]), torch.tensor([0.0])
+    assert set(merge_replicas([{"w": nan, "z": zero}, {"w": nan.clone()}])) == {"w", "z"}
+    with pytest.raises(AssertionError, match="z: rank 1's copy differs from rank 0's"):
+        merge_replicas([{"z": zero}, {"z": -zero}])

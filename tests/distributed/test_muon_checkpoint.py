@@ -214,11 +214,17 @@ RESHARD_TOL = 1e-4
 )
 def test_checkpoint_saved_at_one_dp_size_resumes_at_another(tmp_path, fmt, saved_dp, loaded_dp):
     spec = TinyGPT()
-    saved, start, uninterrupted = run_distributed(
-        save_at, saved_dp, args=(spec, fmt, str(tmp_path))
-    )[0]
-    loaded, resumed, _ = run_distributed(resume_at, loaded_dp, args=(spec, fmt, str(tmp_path)))[0]
-    _assert_resharded(saved, loaded, start, uninterrupted, resumed)
+    saves = run_distributed(save_at, saved_dp, args=(spec, fmt, str(tmp_path)))
+    resumes = run_distributed(resume_at, loaded_dp, args=(spec, fmt, str(tmp_path)))
+    _assert_every_replica_resharded(saves, resumes)
+
+
+def _assert_every_replica_resharded(saves, resumes):
+    """Every rank's copy of the saved run (its state, params and continuation) against every
+    rank's copy of the resumed one: DP replicas each hold every param (no TP or PP here)."""
+    for saved, start, uninterrupted in saves:
+        for loaded, resumed, _ in resumes:
+            _assert_resharded(saved, loaded, start, uninterrupted, resumed)
 
 
 def _assert_resharded(saved, loaded, start, uninterrupted, resumed):
@@ -248,13 +254,10 @@ def test_shard_aligned_layout_resumes_bit_exactly_and_reshards(tmp_path):
         assert aligned
         for name, tensor in uninterrupted.items():
             assert torch.equal(resumed[name], tensor), f"{name} differs after resume"
-    (saved, start, uninterrupted), _ = ranks[0]
     kwargs = dict(muon_layout=True)
-    loaded, resumed, aligned = run_distributed(
-        resume_at, 4, args=(spec, fmt, where), kwargs=kwargs
-    )[0]
-    assert not aligned
-    _assert_resharded(saved, loaded, start, uninterrupted, resumed)
+    resumes = run_distributed(resume_at, 4, args=(spec, fmt, where), kwargs=kwargs)
+    assert not any(aligned for _, _, aligned in resumes)
+    _assert_every_replica_resharded([saved for saved, _ in ranks], resumes)
 
 
 def _equal(a, b) -> bool:

@@ -10,7 +10,6 @@ threshold too. Reproduce a case by hand:
     .venv/bin/python -m pytest tests/distributed/test_qk_clip.py -k tp2_pp2_dp2 -q
 """
 
-import dataclasses
 import functools
 
 import pytest
@@ -32,7 +31,7 @@ from tiny_gpt import (
 )
 
 from megatron.core import parallel_state as ps
-from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, qk_clip
+from megatron.core.optimizer import DistributedOptimizer, qk_clip
 from megatron.core.optimizer.megatron_muon.factory import MegatronMuon
 from megatron.training.muon_recipe import SEED_RECIPE
 
@@ -196,7 +195,6 @@ OPTIMIZERS = {
         optimizer="muon", muon_impl="emerging", use_layer_wise_distributed_optimizer=True
     ),
 }
-HAS_UPSTREAM_MUON = "muon_impl" in {f.name for f in dataclasses.fields(OptimizerConfig)}
 
 
 def main_shard_run(optimizer_name: str, break_shards: bool = False, distopt: bool = True):
@@ -295,9 +293,6 @@ def test_float16_optimizer_main_params_are_clipped_too():
     _check_main_shards(results, True, sharded=False)
 
 
-@pytest.mark.skipif(
-    not HAS_UPSTREAM_MUON, reason="megatron-core < 0.17: no emerging-optimizers Muon"
-)
 def test_upstream_layer_wise_muon_main_params_are_clipped_too():
     """Upstream 0.19's Muon under its LayerWiseDistributedOptimizer (what its CLI builds for
     --optimizer muon --use-distributed-optimizer): the owner rank's whole fp32 main params."""

@@ -99,7 +99,6 @@ def test_wandb_offline_logs_the_console_losses(tmp_path, monkeypatch):
     console prints it (7 significant digits: iteration 2's console line is the mean of 1 and 2,
     undone by step_losses, so its digits carry twice the rounding), and its config is the run's
     arguments: our Muon's ``muon_impl``, the optimizer, the world size."""
-    pytest.importorskip("wandb", reason="the optional extra requirements/wandb.txt")
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
     for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):

@@ -17,7 +17,7 @@ from megatron.core.optimizer.megatron_muon import optimizer as muon_optimizer
 from megatron.core.optimizer.megatron_muon.config import validate_muon_config
 from megatron.core.optimizer.megatron_muon.factory import check_muon_supported
 
-# upstream 0.19.2's OptimizerConfig, read from the pinned archive (tests/unit/test_fork_build.py
+# upstream 0.19.2's OptimizerConfig, read from the pinned archive (tests/meta/test_fork_build.py
 # checks its hash): every field it defines keeps its default
 UPSTREAM_DEFAULTS = {
     "muon_momentum": 0.95,

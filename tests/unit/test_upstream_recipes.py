@@ -16,13 +16,15 @@ The report (known fraction, the fraction that would start, the refusals of eithe
     .venv/bin/python tests/unit/test_upstream_recipes.py
 """
 
-import argparse
 import collections
-import functools
 import re
+import sys
 from pathlib import Path
 
-from megatron.training import arguments, gpt_entry
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, also when run as a script
+from cli_config import known_flags  # noqa: E402
+
+from megatron.training import gpt_entry  # noqa: E402
 
 DATA = Path(__file__).with_name("upstream_recipes.tsv")
 DATA_V19 = Path(__file__).with_name("upstream_recipes_core_v0.19.0.tsv")
@@ -45,12 +47,6 @@ REMOVED_UPSTREAM = {
 REFUSED_BY_VALUE: set = set()
 
 
-@functools.cache
-def _known() -> frozenset:
-    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
-    return frozenset(parser._option_string_actions)
-
-
 def flag_states(names: set) -> dict:
     """Per flag name: None (unknown), "refused" (pretrain_gpt.py does not build it), "needs_te"
     (refused only where Transformer Engine is absent) or "ok"."""
@@ -58,7 +54,7 @@ def flag_states(names: set) -> dict:
     needs_te = {flag for flag, *_ in gpt_entry.NEEDS_TE}
     return {
         n: None
-        if n not in _known()
+        if n not in known_flags()
         else "refused"
         if n in refused
         else "needs_te"

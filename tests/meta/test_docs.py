@@ -4,7 +4,7 @@ The documentation: README.md, docs/*.md and bench/README.md (which README links)
 code spans and code blocks:
 
 - every ``--flag`` named must be a flag of the installed parser (upstream's
-  ``add_megatron_arguments`` with our patches' flags: ``test_upstream_recipes._known``; a
+  ``add_megatron_arguments`` with our patches' flags: ``cli_config.known_flags``; a
   ``--prefix-*`` must match one), a retired name the text names as retired (``RETIRED``: gone from
   the parser, its replacement there), or a flag of the tool the text is about (``TOOL_FLAGS``:
   each with its tool; ours are checked against the tool's own argparse);
@@ -30,8 +30,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from cli_config import known_flags
 from test_examples import TINY, run_parse_child
-from test_upstream_recipes import _known
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -137,7 +137,7 @@ def commands(snippet: str) -> list:
 
 def flag_problems(names: set) -> list:
     """The named flags that are none of: upstream's or ours, a retired name, a tool's."""
-    known = _known()
+    known = known_flags()
     problems = []
     for name in sorted(names):
         if name.endswith("*"):
@@ -179,7 +179,7 @@ def classify(words: list):
         return "retired", words
     if words[0].startswith("--"):
         if len(words) > 1 and not any(PLACEHOLDER.match(w) for w in words):
-            if all(w in _known() for w in words if w.startswith("--")):
+            if all(w in known_flags() for w in words if w.startswith("--")):
                 return "fragment", words
     return None
 
@@ -307,8 +307,8 @@ def test_the_docs_commands_are_found():
 
 
 def test_retired_names_are_gone_and_their_replacements_exist():
-    assert not set(RETIRED) & _known()
-    assert set(RETIRED.values()) <= _known()
+    assert not set(RETIRED) & known_flags()
+    assert set(RETIRED.values()) <= known_flags()
     notes = " ".join(MIGRATION.read_text().split())
     assert all(f"`{old}` is `{new}`" in notes for old, new in RETIRED.items())
 

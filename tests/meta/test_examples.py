@@ -8,7 +8,7 @@ read hold documents.
 
 Upstream's parser runs in one child process for every case (importing upstream's
 megatron.training takes tens of seconds), and each test reads its case's outcome
-(``run_parse_child``; tests/unit/test_docs.py runs the documentation's commands through it too,
+(``run_parse_child``; tests/meta/test_docs.py runs the documentation's commands through it too,
 our bench and tools scripts' with their own argparse: a case with ``tool``).
 
 Negative controls (checked by hand): ``--muon-use-nesterov`` (0.16.1's spelling) in an example

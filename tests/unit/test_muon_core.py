@@ -40,11 +40,13 @@ def test_newton_schulz_reaches_the_polar_factor(shape):
     torch.testing.assert_close(sv, torch.ones_like(sv), rtol=0, atol=1e-3)
 
 
-def test_muon_with_the_seed_recipe_matches_torch_muon_in_fp32():
+def test_muon_with_the_seed_recipe_matches_torch_muon():
+    # fp32 params, both Newton-Schulz in bf16 (the recipe's "medium", torch's own cast).
     # torch.optim.Muon: Nesterov, Keller Jordan's coefficients, matched AdamW RMS 0.2 (its
     # "match_rms_adamw"); its EMA momentum differs from ours by (1 - mu), which Newton-Schulz's
-    # normalization removes up to fp32 rounding of the bf16 NS input: bound 2% of the move
-    # (measured < 1% over 5 steps), while dropping Nesterov moves > 10% (see tests/unit).
+    # normalization removes up to the rounding of the bf16 NS input: bound 2% of the move
+    # (measured < 1% over 5 steps), while dropping Nesterov moves > 10%
+    # (test_muon.py::test_negative_control_without_nesterov_exceeds_the_tolerance).
     start = [_randn(32, 64, seed=1), _randn(96, 48, seed=2)]
     ours = [w.clone().requires_grad_() for w in start]
     theirs = [w.clone().requires_grad_() for w in start]
