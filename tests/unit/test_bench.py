@@ -149,13 +149,15 @@ def test_tp_collectives_of_a_70b_matrix(mode, dim, want):
 
 @pytest.mark.parametrize("mode", ["duplicated", "distributed", "blockwise"])
 def test_projection_adds_each_ranks_tp_collectives_to_its_critical_path(mode):
-    """70B TP 8 x DP 8 (shard-aligned, nothing moved: every rank runs alone): the NS time with
-    TP is the busiest rank's matmuls plus its TP collectives' bytes at the NVLink bandwidth;
-    ``blockwise`` has none. The gather-everything baseline pays every matrix's, LayerWise its
-    busiest rank's."""
+    """70B TP 8 x DP 8 (exact modes: shard-aligned, nothing moved, every rank runs alone): the NS
+    time with TP is the busiest rank's matmuls plus its TP collectives' bytes at the NVLink
+    bandwidth; ``blockwise`` has none. The gather-everything baseline pays every matrix's,
+    LayerWise its busiest rank's."""
     a = projection.parse_args(["--tp-mode", mode, "--min-efficiency", "0", "--dps", "8"])
     r = projection.project("70B", 8, a)
-    assert r["layout"] == "shard-aligned (0 moved)" and r["gangs"] == 0
+    has_tp = mode != "blockwise"
+    assert r["layout"] == "shard-aligned (0 moved)" or not has_tp  # blockwise moves 28
+    assert r["gangs"] == 0
     cfg = projection.MODELS["70B"]
     params = projection.model_params(*cfg)
     _, buckets, _ = projection.ours_layout(params, 8, projection.ddp_bucket_size(8))
@@ -167,11 +169,13 @@ def test_projection_adds_each_ranks_tp_collectives_to_its_critical_path(mode):
         sum(c.link_bytes() for c in plan_figures.tp_collectives_per_step(plan, rank)) / tp_link
         for rank in range(8)
     ]
-    assert r["ns"] == pytest.approx(max(f / rate + t for f, t in zip(flops, tp)), rel=1e-9)
+    if has_tp:
+        assert r["ns"] == pytest.approx(max(f / rate + t for f, t in zip(flops, tp)), rel=1e-9)
+    else:
+        assert tp == [0.0] * 8 and r["ns"] == r["ns_no_tp"]
     infos = [info for _, _, info in params if info is not None]
     every = sum(projection.matrix_tp_bytes(model, i) for i in infos) / tp_link
     assert r["base_tp"] == pytest.approx(every)
-    has_tp = mode != "blockwise"
     assert (r["ns"] > r["ns_no_tp"]) == (r["lw_tp"] > 0) == (r["base_tp"] > 0) == has_tp
 
 
