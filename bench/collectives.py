@@ -13,6 +13,7 @@ NCCL ring pays, from the very tensors the run hands the collectives. Nested call
 that calls another collective) count once, at the outermost call.
 """
 
+import functools
 import inspect
 import threading
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ class Call:
     itemsize: int
     world: int
     bytes: int  # sent + received by this rank (ring), own data excluded
+    dtype: str = ""  # the input's dtype, torch's name without "torch."
+    ranks: tuple = ()  # the group's global ranks (empty: the default group)
 
 
 def rank_bytes(op: str, numel: int, itemsize: int, world: int, **kw) -> int:
@@ -89,16 +92,23 @@ def _describe(op: str, a: dict) -> Call:
         sent = (sum(ins) - ins[me]) * row_in
         received = (sum(outs) - outs[me]) * row_out
         b = rank_bytes(op, 0, inp.element_size(), world, sent=sent, received=received)
-        return Call(op, inp.numel(), inp.element_size(), world, b)
+        return Call(op, inp.numel(), inp.element_size(), world, b, _dtype(inp), _ranks(group))
     if op == "all_gather":
         t = a["tensor"]
     elif op in ("all_reduce", "broadcast"):
         t = a["tensor"]
     else:  # reduce_scatter_tensor(output, input), all_gather_into_tensor(output_tensor, input)
         t = a.get("input", a.get("input_tensor"))
-    return Call(
-        op, t.numel(), t.element_size(), world, rank_bytes(op, t.numel(), t.element_size(), world)
-    )
+    b = rank_bytes(op, t.numel(), t.element_size(), world)
+    return Call(op, t.numel(), t.element_size(), world, b, _dtype(t), _ranks(group))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _ranks(group) -> tuple:
+    return () if group is None else tuple(dist.get_process_group_ranks(group))
 
 
 class CollectiveRecorder:
@@ -112,6 +122,7 @@ class CollectiveRecorder:
     def _wrap(self, op: str, fn):
         sig = inspect.signature(fn)
 
+        @functools.wraps(fn)  # a recorder inside another one reads the call's own signature
         def wrapper(*args, **kwargs):
             depth = getattr(self._local, "depth", 0)
             if depth == 0:

@@ -26,15 +26,27 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   direction, the busiest rank's max(sent, received) bytes / link (full duplex), forward in the NS
   dtype's width where narrower.
 
+* TP time: every TP collective the TP mode issues (``planner/figures.py``'s ``tp_schedule``,
+  ``planner/plan.py``'s ``tp_collectives``; tests/distributed/test_muon_tp_collectives.py ties
+  the count to a real TP 2 step): ``duplicated``'s all-gather of each owned matrix (and gang
+  block) over TP before Newton-Schulz, ``distributed``'s per block norm all-reduce and, per NS
+  step, the packed fp32 Gram all-reduce and the all-gather of the polynomial's rows,
+  ``blockwise``'s none; at ``--tp-link-gbps`` (NVLink, 450 GB/s per direction as the planner's
+  ``PlanLinks``), ring bytes each way, on the owner's main thread (no overlap), so it lies on the
+  critical path where it runs. The TP all-gathers of sliced gang collectives are in the gang
+  collectives' time (``NSCostModel.tp_bytes``), as before.
+
 Per GPU and step: model = 6 N tokens / (gpus * peak * mfu). Baseline (gather-everything): every
-rank orthogonalizes every matrix and all-gathers M (dp-1)/dp bytes. No overlap of Muon with the
-model's work (an upper bound on the visible overhead), no latency terms unless asked for, the TP
-modes' own traffic (NVLink) left out.
+rank orthogonalizes every matrix in the TP mode (its FLOPs and TP collectives) and all-gathers
+M (dp-1)/dp bytes. LayerWise: each rank's owned matrices in the same TP mode, counted alike. No
+overlap of Muon with the model's work (an upper bound on the visible overhead), no latency terms
+unless asked for.
 """
 
 import argparse
 import dataclasses
 import math
+from typing import Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -44,11 +56,16 @@ from megatron.core.optimizer.megatron_muon.exchange import BucketSlot, MatrixSlo
 from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import (
+    ALL,
     NSCostModel,
     PlanLinks,
     critical_path,
 )
-from megatron.core.optimizer.megatron_muon.planner.plan import MuonExchangePlan, ns_cost, tp_ns_cost
+from megatron.core.optimizer.megatron_muon.planner.plan import (
+    MuonExchangePlan,
+    tp_collectives,
+    tp_ns_cost,
+)
 
 # name: (layers, hidden, ffn, heads, kv heads, vocab, tp); Llama 3.2 1B, Llama 3 8B / 70B shapes.
 MODELS = {
@@ -58,6 +75,8 @@ MODELS = {
 }
 DPS = (8, 64, 256, 1024)
 NS_STEPS = 5
+# NVLink per GPU and direction, Gb/s (450 GB/s, H100 SXM; the planner's ``PlanLinks`` default).
+NVLINK_GBPS = 3600.0
 
 
 def model_params(layers, hidden, ffn, heads, kv, vocab, tp) -> list[tuple]:
@@ -157,26 +176,31 @@ def layer_wise_layout(numels: list[int], dp: int, bucket_size) -> dict:
     return {"index": index, "buckets": buckets, "numel": numel, "padding": numel - sum(numels)}
 
 
-def layer_wise(params: list[tuple], dp: int, bucket_size, model: NSCostModel) -> dict:
+def layer_wise(
+    params: list[tuple], dp: int, bucket_size, model: NSCostModel, tp_link: float = math.inf
+) -> dict:
     """Upstream's LayerWise Muon on this model, from its layout: the matrices (``info`` set; the
     params ``is_managed_by_layer_wise_optimizer`` marks: 2-D, not embedding or output) in a
     buffer of their own (``layer_wise_layout``), everything else in a DistOpt-style buffer
     (``ddp_layout``). Each DP rank runs Newton-Schulz on the whole matrices of its shards
-    (``model.whole``: the TP mode's FLOPs per TP rank). Returns per-rank NS FLOPs, the owner of
-    each matrix, and both buffers' padded sizes (elements per TP rank)."""
+    (``model.whole``: the TP mode's FLOPs per TP rank) and the TP mode's collectives
+    (``matrix_tp_bytes`` at ``tp_link`` bytes/s). Returns per-rank NS FLOPs and TP seconds, the
+    owner of each matrix, and both buffers' padded sizes (elements per TP rank)."""
     muon = [i for i, (_, _, info) in enumerate(params) if info is not None]
     rest = [i for i, (_, _, info) in enumerate(params) if info is None]
     numel = lambda i: math.prod(params[i][1])  # noqa: E731
     lw = layer_wise_layout([numel(i) for i in muon], dp, bucket_size)
-    flops = [0.0] * dp
+    flops, tp_seconds = [0.0] * dp, [0.0] * dp
     owner = {}
     for k, i in enumerate(muon):
         rank = lw["index"][k][3]
         owner[params[i][0]] = rank
         flops[rank] += model.whole(params[i][2])
+        tp_seconds[rank] += matrix_tp_bytes(model, params[i][2]) / tp_link
     other = ddp_layout([numel(i) for i in rest], dp, bucket_size)
     return {
         "flops": flops,
+        "tp_seconds": tp_seconds,
         "owner": owner,
         "layout": lw,
         "numel": lw["numel"] + (other[-1][1] if other else 0),
@@ -250,14 +274,24 @@ def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: i
 
 
 def ns_seconds(
-    plan: MuonExchangePlan, rate: float, link: float, tp_link: float, latency: float = 0.0
+    plan: MuonExchangePlan,
+    rate: float,
+    link: float,
+    tp_link: float,
+    latency: float = 0.0,
+    tp: bool = True,
+    tp_model: Optional[NSCostModel] = None,
 ) -> float:
     """The plan's NS critical path in seconds: matmuls at ``rate``, each gang collective as a
     ring over a duplex link (``NSCostModel.ring_bytes``: a fp32 sum ``2 (k - 1) / k`` of the
     tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype; ``1 / tp`` of it
     per TP rank where TP ranks share the block, then an all-gather over TP at ``tp_link``),
-    plus ``latency`` seconds per dependent ring step (``NSCostModel.ring_steps``)."""
+    plus ``latency`` seconds per dependent ring step (``NSCostModel.ring_steps``), plus (``tp``)
+    the TP mode's own collectives at ``tp_link`` where the owner's main thread runs them
+    (``with_tp``; counted with ``tp_model``, default the plan's)."""
     traces = [plan_figures.trace(plan, r) for r in range(plan.world)]
+    if tp:
+        traces = with_tp(plan, traces, rate / tp_link, tp_model or plan.model)
 
     def ring(members: tuple, elements: int) -> float:
         if not elements:
@@ -267,6 +301,32 @@ def ns_seconds(
         return slow / link + (fast + plan.model.tp_bytes(elements)) / tp_link + steps
 
     return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
+
+
+def matrix_tp_bytes(model: NSCostModel, info) -> float:
+    """Bytes each way one TP rank moves over the TP link to orthogonalize ``info`` whole in the
+    model's TP mode (``plan.tp_collectives``)."""
+    ns_dtype = plan_figures.NS_DTYPES[model.ns_itemsize]
+    found = tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
+    return sum(c.link_bytes() for c in found)
+
+
+def with_tp(plan: MuonExchangePlan, traces: list, flops_per_byte: float, model) -> list:
+    """``traces`` with each rank's TP collectives (``figures.tp_schedule`` with ``model``) as
+    main-thread time (bytes each way x ``flops_per_byte``, FLOP units) where the step runs them:
+    the gang blocks' TP all-gathers before the first gang work after the forward all-to-all, the
+    whole matrices' before the return all-to-all."""
+    out = []
+    for rank, trace in enumerate(traces):
+        trace = list(trace)
+        alls = [i for i, e in enumerate(trace) if e[1] == ALL]
+        for ex, fwd, back in zip(plan.exchanges, alls[::2], alls[1::2]):
+            gathered, _, whole = plan_figures.tp_schedule(plan, ex, rank, model=model)
+            for at, run in ((fwd + 1, gathered), (back, whole)):
+                f, *rest = trace[at]
+                trace[at] = (f + flops_per_byte * sum(c.link_bytes() for c in run), *rest)
+        out.append(trace)
+    return out
 
 
 def project(model: str, dp: int, a) -> dict:
@@ -298,7 +358,9 @@ def project(model: str, dp: int, a) -> dict:
     floor = a.min_efficiency or None
     floored = floor and plan.rebuilt(model=dataclasses.replace(link_model, min_efficiency=floor))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
-    lw = layer_wise(params, dp, bucket, link_model)
+    lw = layer_wise(params, dp, bucket, link_model, tp_link)
+    lw_busiest = max(f / rate + t for f, t in zip(lw["flops"], lw["tp_seconds"]))
+    ns = lambda p, **kw: ns_seconds(p, rate, link, tp_link, latency, **kw)  # noqa: E731
     distopt_numel = ddp_layout([math.prod(shape) for _, shape, _ in params], dp, bucket)[-1][1]
     # Padded buffers (LayerWise's, ours where shard-aligned), over DistOpt's one buffer, cost
     # their grad reduce-scatter and param all-gather too: per direction (dp-1)/dp of the extra
@@ -317,25 +379,30 @@ def project(model: str, dp: int, a) -> dict:
         "gpus": dp * tp,
         "buckets": len(plan.buckets),
         "step": 6 * total * a.tokens / (dp * tp * rate),
-        "ns": ns_seconds(plan, rate, link, tp_link, latency),
+        "ns": ns(plan),
+        "ns_no_tp": ns(plan, tp=False),
         "ns_flops": plan_figures.critical_path_flops(plan) / rate,
         "efficiency": plan_figures.efficiency(plan),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
         "comm": exchange_seconds(plan, forward, back, link),
-        "flop_ns": ns_seconds(flop_only, rate, link, tp_link, latency),
+        "flop_ns": ns(flop_only),
         "flop_ns_flops": plan_figures.critical_path_flops(flop_only) / rate,
         "flop_efficiency": plan_figures.efficiency(flop_only),
         "floor": floor,
-        "floor_ns": floored and ns_seconds(floored, rate, link, tp_link, latency),
+        "floor_ns": floored and ns(floored),
         "floor_ns_flops": floored and plan_figures.critical_path_flops(floored) / rate,
         "floor_efficiency": floored and plan_figures.efficiency(floored),
         "floor_comm": floored and exchange_seconds(floored, forward, back, link),
         "unsplit_ns": plan_figures.critical_path_flops(unsplit) / rate,
+        "unsplit_tp": ns(unsplit, tp_model=link_model)
+        - plan_figures.critical_path_flops(unsplit) / rate,
         "unsplit_efficiency": plan_figures.efficiency(unsplit),
         "unsplit_comm": exchange_seconds(unsplit, forward, back, link),
-        "base_ns": sum(ns_cost(i, NS_STEPS) for i in infos) / rate,
+        "base_ns": sum(link_model.whole(i) for i in infos) / rate,
+        "base_tp": sum(matrix_tp_bytes(link_model, i) for i in infos) / tp_link,
         "base_comm": muon_bytes * (dp - 1) / dp / link,
         "lw_ns": max(lw["flops"]) / rate,
+        "lw_tp": lw_busiest - max(lw["flops"]) / rate,
         "lw_efficiency": sum(lw["flops"]) / dp / max(lw["flops"]),
         "lw_comm": max(extra, 0) * per_element,
         "lw_extra": extra,
@@ -349,11 +416,11 @@ def project(model: str, dp: int, a) -> dict:
 def markdown(rows: list[dict]) -> str:
     head = (
         "| model | TP x DP (GPUs) | buckets | model step | our layout | gangs "
-        "| ours: NS (+ gang sums) + exchange (+ padding RS/AG) | efficiency | ours overhead "
-        "| FLOPs-only plan: NS (+ gang) (efficiency) | its overhead "
+        "| ours: NS (+ gang sums) + TP + exchange (+ padding RS/AG) | efficiency | ours overhead "
+        "| FLOPs-only plan: NS (+ gang + TP) (efficiency) | its overhead "
         f"{_floor_head(rows)}"
-        "| one owner per matrix: NS + exchange (efficiency) | its overhead "
-        "| gather-everything: NS + all-gather | baseline overhead |\n"
+        "| one owner per matrix: NS + TP + exchange (efficiency) | its overhead "
+        "| gather-everything: NS + TP + all-gather | baseline overhead |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         + "---|---|"
         * _floored(rows)
@@ -362,8 +429,8 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         pad = r["pad_comm"]  # the layout's, whatever the plan on it
         ours = r["ns"] + r["comm"] + pad
-        unsplit = r["unsplit_ns"] + r["unsplit_comm"] + pad
-        base = r["base_ns"] + r["base_comm"]
+        unsplit = r["unsplit_ns"] + r["unsplit_tp"] + r["unsplit_comm"] + pad
+        base = r["base_ns"] + r["base_tp"] + r["base_comm"]
         lines.append(
             f"| {r['model']} ({r['params'] / 1e9:.1f}B) | {r['tp']} x {r['dp']} ({r['gpus']}) "
             f"| {r['buckets']} | {_ms(r['step'])} | {r['layout']} | {r['gangs']} "
@@ -371,9 +438,10 @@ def markdown(rows: list[dict]) -> str:
             f"| {_ms(r['flop_ns_flops'])} (+ {_ms(r['flop_ns'] - r['flop_ns_flops'])}) "
             f"({r['flop_efficiency']:.3f}) | {(r['flop_ns'] + r['comm'] + pad) / r['step']:.1%} "
             f"{_floor_cells(r)}"
-            f"| {_ms(r['unsplit_ns'])} + {_ms(r['unsplit_comm'])} ({r['unsplit_efficiency']:.2f}) "
-            f"| {unsplit / r['step']:.1%} "
-            f"| {_ms(r['base_ns'])} + {_ms(r['base_comm'])} | {base / r['step']:.1%} |"
+            f"| {_ms(r['unsplit_ns'])} + {_ms(r['unsplit_tp'])} + {_ms(r['unsplit_comm'])} "
+            f"({r['unsplit_efficiency']:.2f}) | {unsplit / r['step']:.1%} "
+            f"| {_ms(r['base_ns'])} + {_ms(r['base_tp'])} + {_ms(r['base_comm'])} "
+            f"| {base / r['step']:.1%} |"
         )
     return "\n".join(lines)
 
@@ -383,30 +451,34 @@ def layer_wise_markdown(rows: list[dict]) -> str:
     bucket, shards padded to the fullest), per row: Muon overhead per step and their ratio."""
     lines = [
         "| model | TP x DP (GPUs) | model step | our layout "
-        "| ours: NS (+ gang) + exchange (+ padding RS/AG) | ours overhead "
-        "| LayerWise: NS (efficiency, idle ranks) + padding RS/AG "
+        "| ours: NS (+ gang) + TP + exchange (+ padding RS/AG) | ours overhead "
+        "| LayerWise: NS (efficiency, idle ranks) + TP + padding RS/AG "
         "| DDP buffers/GPU: LayerWise vs DistOpt | LayerWise overhead | ours / LayerWise "
-        "| LayerWise overhead, padding traffic hidden (NS only) | ours / that |",
+        "| LayerWise overhead, padding traffic hidden (NS + TP only) | ours / that |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ours = (r["ns"] + r["comm"] + r["pad_comm"]) / r["step"]
-        lw = (r["lw_ns"] + r["lw_comm"]) / r["step"]
+        lw_ns = r["lw_ns"] + r["lw_tp"]  # the busiest rank's NS and TP time
+        lw = (lw_ns + r["lw_comm"]) / r["step"]
         lines.append(
             f"| {r['model']} | {r['tp']} x {r['dp']} ({r['gpus']}) | {_ms(r['step'])} "
             f"| {r['layout']} | {_ours(r)} | {ours:.2%} "
-            f"| {_ms(r['lw_ns'])} ({r['lw_efficiency']:.3f}, {r['lw_idle']}) + {_ms(r['lw_comm'])} "
+            f"| {_ms(r['lw_ns'])} ({r['lw_efficiency']:.3f}, {r['lw_idle']}) + {_ms(r['lw_tp'])} "
+            f"+ {_ms(r['lw_comm'])} "
             f"| {r['lw_buffer_gb']:.1f} vs {r['distopt_buffer_gb']:.1f} GB "
             f"| {lw:.2%} | {ours / lw:.2f} "
-            f"| {r['lw_ns'] / r['step']:.2%} | {ours * r['step'] / r['lw_ns']:.2f} |"
+            f"| {lw_ns / r['step']:.2%} | {ours * r['step'] / lw_ns:.2f} |"
         )
     return "\n".join(lines)
 
 
 def _ours(r: dict) -> str:
-    """Our NS critical path (+ its gang collectives) + exchange (+ the layout's padding)."""
+    """Our NS critical path (+ its gang collectives) + what the TP mode's collectives add to it
+    + exchange (+ the layout's padding)."""
     pad = f" + {_ms(r['pad_comm'])}" if r["pad_comm"] else ""
-    return f"{_ms(r['ns_flops'])} (+ {_ms(r['ns'] - r['ns_flops'])}) + {_ms(r['comm'])}{pad}"
+    gang, tp = r["ns_no_tp"] - r["ns_flops"], r["ns"] - r["ns_no_tp"]
+    return f"{_ms(r['ns_flops'])} (+ {_ms(gang)}) + {_ms(tp)} + {_ms(r['comm'])}{pad}"
 
 
 def _floored(rows: list[dict]) -> bool:
@@ -417,7 +489,8 @@ def _floor_head(rows: list[dict]) -> str:
     if not _floored(rows):
         return ""
     floor = rows[0]["floor"]
-    return f"| plan at efficiency >= {floor:g}: NS (+ gang) + exchange (efficiency) | its overhead "
+    head = f"| plan at efficiency >= {floor:g}: NS (+ gang + TP) + exchange (efficiency) "
+    return head + "| its overhead "
 
 
 def _floor_cells(r: dict) -> str:
@@ -451,7 +524,10 @@ def parse_args(argv=None):
     parser.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak")
     parser.add_argument("--link-gbps", type=float, default=400.0, help="per GPU, per direction")
     parser.add_argument(
-        "--tp-link-gbps", type=float, default=3600.0, help="NVLink per GPU, per direction"
+        "--tp-link-gbps",
+        type=float,
+        default=NVLINK_GBPS,
+        help="NVLink per GPU, per direction (the TP collectives' and intra-node gangs' link)",
     )
     parser.add_argument(
         "--gpus-per-node", type=int, default=8, help="NVLink domain; DP ranks fill nodes in order"

@@ -29,7 +29,8 @@ def projection_rows() -> list[tuple]:
         r = projection.project(model, PROJECTED_DP, projection.parse_args([]))
         label = f"PROJECTION {model}, DP={PROJECTED_DP}: Muon overhead / model step"
         rows.append((f"{label}, ours", (r["ns"] + r["comm"]) / r["step"]))
-        rows.append((f"{label}, gather-everything", (r["base_ns"] + r["base_comm"]) / r["step"]))
+        base = r["base_ns"] + r["base_tp"] + r["base_comm"]  # NS, TP collectives, all-gather
+        rows.append((f"{label}, gather-everything", base / r["step"]))
     return rows
 
 

@@ -22,7 +22,11 @@ from gather_everything import distopts, use_gather_everything  # noqa: E402
 
 from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo  # noqa: E402
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures  # noqa: E402
-from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost  # noqa: E402
+from megatron.core.optimizer.megatron_muon.planner.plan import (  # noqa: E402
+    TPCollective,
+    ns_cost,
+    tp_collectives,
+)
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
@@ -94,6 +98,85 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
         assert r["ns"] + r["comm"] < r["base_ns"] + r["base_comm"]
         assert ("plan at efficiency >= 0.9" in projection.markdown([r])) == (dp == 8)
         assert r["floor_efficiency"] >= 0.9 if dp == 8 else r["floor"] is None
+
+
+# 70B fc1 (57344 x 8192, TP rows) and proj (8192 x 8192, TP columns), 5 NS steps, TP 8: what one
+# step's TP collectives are per TP rank (planner/plan.py's ``tp_collectives``; a real TP 2 step
+# checks them: tests/distributed/test_muon_tp_collectives.py). ``distributed``: the packed
+# 8192 x 8192 fp32 Gram (33,558,528 elements, 134 MB; the full one would be 268 MB) all-reduced,
+# then 1024 rows of the bf16 polynomial gathered, every step.
+GRAM, POLY = 8192 * 8193 // 2, 1024 * 8192
+TP_COUNTS = [
+    ("duplicated", 0, [TPCollective("all_gather", 57344 * 1024, "float32", 8)]),
+    ("duplicated", 1, [TPCollective("all_gather", 8192 * 1024, "float32", 8)]),
+    ("blockwise", 0, []),
+    (
+        "distributed",
+        0,
+        [TPCollective("all_reduce", 1, "float32", 8)]
+        + [
+            TPCollective("all_reduce", GRAM, "float32", 8),
+            TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8),
+        ]
+        * 5,
+    ),
+    (
+        "distributed",
+        1,
+        [TPCollective("all_reduce", 1, "float32", 8)]
+        + [
+            TPCollective("all_reduce", GRAM, "float32", 8),
+            TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8),
+        ]
+        * 5,
+    ),
+]
+
+
+@pytest.mark.parametrize("mode,dim,want", TP_COUNTS)
+def test_tp_collectives_of_a_70b_matrix(mode, dim, want):
+    from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
+
+    shape = (57344, 8192) if dim == 0 else (8192, 8192)
+    info = MegatronMuonParamInfo(shape, None, partition_dim=dim)
+    got = tp_collectives(info, 5, mode, 8)
+    assert got == want
+    if mode == "distributed":  # ring bytes each way: 2 (7/8) x 134 MB + 7 x 16.8 MB, per step
+        step = 2 * 7 / 8 * GRAM * 4 + 7 * POLY * 2
+        assert sum(c.link_bytes() for c in got) == pytest.approx(5 * step + 2 * 7 / 8 * 4)
+    assert tp_collectives(info, 5, mode, 1) == []  # no TP, no TP collective
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed", "blockwise"])
+def test_projection_adds_each_ranks_tp_collectives_to_its_critical_path(mode):
+    """70B TP 8 x DP 8 (exact modes: shard-aligned, nothing moved, every rank runs alone): the NS
+    time with TP is the busiest rank's matmuls plus its TP collectives' bytes at the NVLink
+    bandwidth; ``blockwise`` has none. The gather-everything baseline pays every matrix's,
+    LayerWise its busiest rank's."""
+    a = projection.parse_args(["--tp-mode", mode, "--min-efficiency", "0", "--dps", "8"])
+    r = projection.project("70B", 8, a)
+    has_tp = mode != "blockwise"
+    assert r["layout"] == "shard-aligned (0 moved)" or not has_tp  # blockwise moves 28
+    assert r["gangs"] == 0
+    cfg = projection.MODELS["70B"]
+    params = projection.model_params(*cfg)
+    _, buckets, _ = projection.ours_layout(params, 8, projection.ddp_bucket_size(8))
+    model = projection.cost_model(cfg[-1], mode, ns_itemsize=a.ns_bytes)
+    plan = projection.build_plan(params, buckets, 8, model)
+    rate, tp_link = a.peak_tflops * 1e12 * a.mfu, a.tp_link_gbps / 8 * 1e9
+    flops = plan_figures.ns_flops_per_rank(plan)
+    tp = [
+        sum(c.link_bytes() for c in plan_figures.tp_collectives_per_step(plan, rank)) / tp_link
+        for rank in range(8)
+    ]
+    if has_tp:
+        assert r["ns"] == pytest.approx(max(f / rate + t for f, t in zip(flops, tp)), rel=1e-9)
+    else:
+        assert tp == [0.0] * 8 and r["ns"] == r["ns_no_tp"]
+    infos = [info for _, _, info in params if info is not None]
+    every = sum(projection.matrix_tp_bytes(model, i) for i in infos) / tp_link
+    assert r["base_tp"] == pytest.approx(every)
+    assert (r["ns"] > r["ns_no_tp"]) == (r["lw_tp"] > 0) == (r["base_tp"] > 0) == has_tp
 
 
 LAYOUT_BUCKET = 9000  # small DDP buckets: matrices straddle shards and buckets end padded

@@ -341,3 +341,27 @@ def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
     if mode != "duplicated":
         assert all(len(m.units) == 1 for m in plan.matrices)
         assert f"({len(plan.matrices)} TP-sharded" in plan_figures.summary(plan)
+
+
+def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times():
+    """70B at TP 8 x DP 256 (``duplicated``: TP-sharded matrices split over gangs): the TP
+    all-gathers ``figures.tp_schedule`` counts after each sliced gang collective move, per TP
+    rank and way, the bytes ``NSCostModel.tp_bytes`` charges those collectives; before them each
+    gang block is TP-gathered once (update dtype, fp32), which the projection adds
+    (``projection.with_tp``)."""
+    plan = _plan("70B", 256)
+    model = plan.model
+    checked = 0
+    for rank in range(0, plan.world, 37):
+        for ex in plan.exchanges:
+            gathered, sliced, _ = plan_figures.tp_schedule(plan, ex, rank)
+            posts = [n for _, op, _, n in plan_figures._schedule(plan, ex)[rank] if op == POST]
+            charged = sum(model.tp_bytes(n) for n in posts)
+            assert sum(c.link_bytes() for c in sliced) == pytest.approx(charged, rel=1e-12)
+            blocks = [plan.matrices[i].unit_of(rank) for i in ex.gangs]
+            blocks = [math.prod(u.block.shape) for u in blocks if u is not None]
+            assert [(c.op, c.elements, c.dtype) for c in gathered] == [
+                ("all_gather", n, "float32") for n in blocks
+            ]
+            checked += len(sliced)
+    assert checked > 0

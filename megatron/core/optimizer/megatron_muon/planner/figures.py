@@ -6,8 +6,10 @@ import math
 from typing import Optional
 
 from ..exchange import Exchange, MatrixSlot, Unit
-from .cost_model import ALL, critical_path, exchange_schedule, member_events
-from .plan import MuonExchangePlan
+from .cost_model import ALL, POST, Gather, critical_path, exchange_schedule, member_events
+from .plan import MuonExchangePlan, TPCollective, tp_collectives
+
+NS_DTYPES = {2: "bfloat16", 4: "float32"}  # ``NSCostModel.ns_itemsize`` -> dtype name
 
 
 def with_window(plan: MuonExchangePlan, window: Optional[int]) -> MuonExchangePlan:
@@ -90,6 +92,76 @@ def efficiency(plan: MuonExchangePlan) -> float:
     """Ideal (total / dp) over the critical path: 1.0 = perfect, 1/dp = one rank does all."""
     total = sum(m.cost for m in plan.matrices)
     return total / plan.world / critical_path_flops(plan) if plan.matrices else 1.0
+
+
+def tp_schedule(
+    plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype: str = "float32", model=None
+):
+    """The TP collectives DP rank ``rank``'s TP ranks issue in ``ex`` (each TP rank alike), in
+    three runs of the step's order: the gang blocks' TP all-gathers before their iteration
+    (``duplicated``: ``TPOrthogonalizer.together``), the all-gathers of the TP slices after each
+    sliced gang collective (planner/gangs.py; ``NSCostModel.tp_bytes`` already times these
+    inside the gang collectives), then each whole owned matrix's (``plan.tp_collectives``).
+
+    Args:
+        plan: the plan (its ``model`` gives the TP mode, sizes, steps and NS dtype).
+        ex: one of its exchanges.
+        rank: a DP rank.
+        update_dtype: the update's dtype (DistOpt's fp32 main params).
+        model: the ``NSCostModel`` to count with; None: the plan's (a plan without one, e.g.
+            ``with_window``'s, needs it).
+
+    Returns:
+        (gathered, sliced, whole): three lists of ``TPCollective``.
+    """
+    model = plan.model if model is None else model
+    ns_dtype = NS_DTYPES[model.ns_itemsize]
+    owned = _owned(plan, ex).get(rank, [])
+    gangs = [i for i in ex.gangs if i in owned]
+    gathered = []
+    for i in gangs:
+        slot, tp = plan.matrices[i], model.tp_of(plan.matrices[i].info)
+        if tp > 1 and model.mode == "duplicated":
+            n = math.prod(slot.unit_of(rank).block.shape)
+            gathered.append(TPCollective("all_gather", n, update_dtype, tp))
+    sliced = []
+    for _, op, _, n in _schedule(plan, ex)[rank] if gangs else []:
+        tp = getattr(n, "tp", 1)
+        if op == POST and tp > 1 and n >= tp:
+            dtype = ns_dtype if isinstance(n, Gather) else "float32"
+            sliced.append(TPCollective("all_gather_into_tensor", -(-int(n) // tp), dtype, tp))
+    whole = []
+    for i in [i for i in owned if i not in gangs]:
+        info = plan.matrices[i].info
+        whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
+    return gathered, sliced, whole
+
+
+def _owned(plan: MuonExchangePlan, ex: Exchange) -> dict[int, list[int]]:
+    """{rank: the matrices it receives pieces of in ``ex``, first-seen (its NS) order}, computed
+    once per plan (one pass over the pieces, not one per rank)."""
+    cache = plan.__dict__.setdefault("_owned_cache", {})
+    if id(ex) not in cache:
+        owned: dict[int, dict] = {}
+        for p in ex.pieces:
+            owned.setdefault(p.owner, {})[p.matrix] = None
+        cache[id(ex)] = {r: list(m) for r, m in owned.items()}
+    return cache[id(ex)]
+
+
+def tp_collectives_per_step(plan: MuonExchangePlan, rank=None) -> list[TPCollective]:
+    """Every TP collective DP rank ``rank``'s TP ranks issue in a step, in order (``tp_schedule``
+    of each exchange).
+
+    Args:
+        plan: the plan.
+        rank: a DP rank; None: the plan's rank.
+
+    Returns:
+        The collectives.
+    """
+    rank = plan.rank if rank is None else rank
+    return [c for ex in plan.exchanges for run in tp_schedule(plan, ex, rank) for c in run]
 
 
 def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...], int]]:

@@ -5,11 +5,13 @@ in docs/distopt_exchange.md.
 """
 
 import dataclasses
+import math
+from dataclasses import dataclass
 from typing import Optional
 
 from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece
 from ..functional import MuonParamInfo
-from ..newton_schulz import ns_flops, splits_polynomial
+from ..newton_schulz import ns_flops, packed_size, splits_polynomial
 from .cost_model import NSCostModel
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
@@ -65,6 +67,75 @@ def tp_ns_cost(
         poly = -(-whole // tp) if splits_polynomial(whole, split * tp, tp, False) else whole
         total += steps * (4 * split * whole**2 + 2 * whole**2 * poly)
     return total
+
+
+# Bytes per element of the dtypes Muon's TP collectives move (``TPCollective.dtype``).
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    """One collective over a TP group as tp.py / planner/gangs.py call it (what
+    bench/collectives.py records): torch.distributed's op, the elements of this rank's input
+    tensor, its dtype (torch's name without ``torch.``), the group size."""
+
+    op: str  # "all_gather" (list form), "all_gather_into_tensor" or "all_reduce"
+    elements: int
+    dtype: str
+    tp: int
+
+    def link_bytes(self) -> float:
+        """Bytes one TP rank sends (as many it receives) in a ring over the TP link: an
+        all-reduce ``2 (tp - 1) / tp`` of its tensor, a gather ``tp - 1`` times its input."""
+        size = self.elements * ITEMSIZES[self.dtype]
+        if self.op == "all_reduce":
+            return 2 * (self.tp - 1) / self.tp * size
+        return float((self.tp - 1) * size)
+
+
+def tp_collectives(
+    info: MuonParamInfo,
+    steps: int,
+    mode: str,
+    tp: int,
+    ns_dtype: str = "bfloat16",
+    update_dtype: str = "float32",
+) -> list[TPCollective]:
+    """The TP collectives one TP rank issues, in order, to orthogonalize one whole matrix
+    (``TPOrthogonalizer.__call__``: tp.py, docs/tp_modes.md).
+
+    ``duplicated``: one all-gather of the shard (update dtype). ``distributed``, per Newton-Schulz
+    block (each Q/K/V block of a split QKV weight): the squared norm (fp32 all-reduce of 1), then
+    per step the packed Gram sum (fp32 all-reduce of ``g (g + 1) / 2``, ``g`` the Gram side: the
+    columns of row shards, the rows of column shards) and the gather of the polynomial's rows
+    (``gather_rows``: ``all_gather_into_tensor`` of ``ceil(g / tp)`` rows of ``g``, NS dtype).
+    ``blockwise``, or a matrix TP does not shard: none.
+
+    Args:
+        info: the matrix's TP-global info (``partition_dim`` where TP-sharded).
+        steps: Newton-Schulz iterations.
+        mode: "duplicated", "blockwise" or "distributed".
+        tp: the tensor-parallel size.
+        ns_dtype: Newton-Schulz's compute dtype (the polynomial's rows move in it).
+        update_dtype: the update's dtype (DistOpt's fp32 main params).
+
+    Returns:
+        The collectives, in the order the step issues them.
+    """
+    dim = getattr(info, "partition_dim", None)
+    if tp == 1 or dim is None or mode == "blockwise":
+        return []
+    if mode == "duplicated":
+        return [TPCollective("all_gather", math.prod(info.shape) // tp, update_dtype, tp)]
+    out = []
+    for rows, cols in _blocks(info):  # Q, K, V blocks all share the Gram side (dim 0)
+        g, lines = (cols, rows) if dim == 0 else (rows, cols)
+        out.append(TPCollective("all_reduce", 1, "float32", tp))
+        for _ in range(steps):
+            out.append(TPCollective("all_reduce", packed_size(g), "float32", tp))
+            if splits_polynomial(g, lines, tp, False):  # the distributed mode never reassociates
+                out.append(TPCollective("all_gather_into_tensor", -(-g // tp) * g, ns_dtype, tp))
+    return out
 
 
 def piece(slot: MatrixSlot, rank: int, shard_size: int) -> tuple[int, int]:

@@ -1,0 +1,116 @@
+"""The TP collectives a real TP=2 x DP=2 DistOpt Muon step issues are the ones the planner counts
+(``planner/plan.py``'s ``tp_collectives`` per matrix, ``planner/figures.py``'s ``tp_schedule``
+per DP rank), which bench/projection.py times at the NVLink bandwidth: op, elements, dtype and
+order, in each TP mode, with and without gangs. Reproduce by hand:
+
+    .venv/bin/python -m pytest tests/distributed/test_muon_tp_collectives.py -q
+"""
+
+import copy
+import dataclasses
+import functools
+import os
+import sys
+
+import pytest
+from harness import run_distributed
+from test_muon_distopt import BUCKET, MUON, distopts
+from test_muon_gangs import _split
+from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step
+
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+# bf16 Newton-Schulz: the polynomial's rows move in bf16, the Gram sums and the TP gathers of
+# the (fp32) update in fp32, so a wrong dtype in the count shows.
+PRECISION = "medium"
+
+
+def _recorded(obj, name: str, recorder) -> None:
+    """Record the collectives of every call of ``obj.name``."""
+    call = getattr(obj, name)
+
+    def recorded(*args, **kwargs):
+        with recorder:
+            return call(*args, **kwargs)
+
+    setattr(obj, name, recorded)
+
+
+def _step(mode: str, gangs: bool) -> dict:
+    """One real step; the TP-group collectives of Muon's inner step and of the whole optimizer
+    step, and the plan's count (also for another mode and one NS step fewer: controls)."""
+    import torch.distributed as dist
+    from collectives import CollectiveRecorder
+
+    from megatron.core import parallel_state as ps
+
+    spec = TinyGPT()
+    model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
+    muon = dict(MUON, muon_tp_mode=mode, muon_fp32_matmul_prec=PRECISION)
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **muon)
+    if gangs:
+        _split(optimizer)
+    (distopt,) = distopts(optimizer)
+    plan = distopt.muon_plan
+    inner, outer = CollectiveRecorder(), CollectiveRecorder()
+    _recorded(distopt.optimizer, "step", inner)
+    _recorded(optimizer, "step", outer)
+    train_step(spec, model, optimizer, global_batches(spec, 1)[0])
+    tp = tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
+
+    def ours(calls):
+        return [(c.op, c.numel, c.dtype, c.world, c.bytes) for c in calls if c.ranks == tp]
+
+    other = "distributed" if mode != "distributed" else "duplicated"
+    return {
+        "muon": ours(inner.calls),
+        "step": ours(outer.calls),
+        "counted": _counted(plan),
+        "other_mode": _counted(_with_model(plan, mode=other)),
+        "fewer_steps": _counted(_with_model(plan, steps=plan.model.steps - 1)),
+        "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
+    }
+
+
+def _counted(plan) -> list[tuple]:
+    """The plan's count, as recorded: bytes sent plus received (twice each way)."""
+    return [
+        (c.op, c.elements, c.dtype, c.tp, 2 * c.link_bytes())
+        for c in plan_figures.tp_collectives_per_step(plan)
+    ]
+
+
+def _with_model(plan, **changes):
+    """``plan`` with its cost model changed (its cached schedule dropped)."""
+    other = copy.copy(plan)
+    other.__dict__.pop("_schedule_cache", None)  # the owners stay: same pieces
+    other.model = dataclasses.replace(plan.model, **changes)
+    return other
+
+
+@functools.cache
+def _runs(mode: str, gangs: bool = False) -> list[dict]:
+    return run_distributed(_step, 4, tp=2, args=(mode, gangs))
+
+
+CASES = [("duplicated", False), ("duplicated", True), ("distributed", False), ("blockwise", False)]
+
+
+@pytest.mark.parametrize("mode,gangs", CASES)
+def test_tp_collectives_of_a_step_are_the_counted_ones(mode, gangs):
+    """Every TP-group collective of Muon's step (op, elements, dtype, group size, ring bytes, in
+    order) is the count's, and the whole optimizer step issues no other TP collective (Megatron's
+    grad norm sums over another group). Controls: the count for another TP mode, or (where
+    it depends on the steps) one NS step fewer, differs."""
+    for rank, r in enumerate(_runs(mode, gangs)):
+        assert r["muon"] == r["counted"], rank
+        assert r["step"] == r["muon"], rank
+        assert (r["gangs"] > 0) == gangs
+        if mode == "blockwise":
+            assert r["counted"] == [] and r["other_mode"] != []
+            continue
+        assert r["counted"] and r["other_mode"] != r["counted"]
+        if mode == "distributed" or gangs:
+            assert r["fewer_steps"] != r["counted"]
