@@ -1,0 +1,1 @@
+"""Our Muon (``--muon-impl megatron_muon``)."""

@@ -1,0 +1,145 @@
+"""Our Muon under ZeRO-3 (torch FSDP2, Megatron-FSDP) is exact Muon: the same numbers as one
+process, every matrix orthogonalized whole, once, by one owner.
+
+A tiny real GPT (local spec, GQA, SwiGLU, QKV split) trains on gloo CPU ranks; every rank's
+unsharded params after the steps are compared with one process's. Reproduce a case by hand:
+
+    .venv/bin/python -m pytest tests/distributed/test_fsdp_muon.py -k fsdp2_dp2 -q
+"""
+
+import functools
+
+import pytest
+import torch
+from harness import run_distributed
+from parity import assert_close_runs, misses, update_rel_error
+from tiny_gpt import TinyGPT, _gpt, global_batches, global_name, layout_invariant_init
+from tiny_gpt import transformer_config
+
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.megatron_muon import fsdp
+from megatron.core.optimizer.muon_functional import MuonParamInfo
+from megatron.core.optimizer.muon_megatron import build_muon
+from megatron.training.muon_recipe import SEED_RECIPE
+
+STEPS = 3
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", lr=1e-2, weight_decay=0.01)
+MUON.update(SEED_RECIPE)
+
+# Tolerance on parity.update_rel_error, as the DistOpt parity tests (test_muon_distopt.py) and
+# for their reason: ZeRO-3 only reorders fp32 gradient sums (FSDP2 reduce-scatters per
+# micro-batch; Megatron-FSDP per bucket), the exchange moves fp32 values unchanged and Newton-
+# Schulz runs on the very same whole matrix, so fp32 runs agree to ~1e-5; 1e-4 keeps a 10x margin
+# and sits far below NS of a local piece (~1, the negative control).
+TOL = 1e-4
+LOSS_RTOL = 1e-5
+
+
+# ------------------------------------------------------------------ torch FSDP2 (fully_shard)
+
+
+def _build_muon(spec, model, config_overrides):
+    config = OptimizerConfig(**{**MUON, **config_overrides})
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=params, wd_mult=1.0, lr_mult=1.0)]
+    muon, _ = build_muon(config, [model], groups)
+    return muon
+
+
+def _forward_backward(spec, model, batch):
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    micro = list(batch.chunk(dp)[rank].split(spec.micro_batch_size))
+    total = 0.0
+    for tokens in micro:
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+        loss = model(inputs, positions, None, labels=labels).float().mean() / len(micro)
+        loss.backward()
+        total += loss.item()
+    out = torch.tensor([total])
+    torch.distributed.all_reduce(out, group=ps.get_data_parallel_group())
+    return out.item() / dp
+
+
+def _full(model, spec) -> dict:
+    """{global name: the full param} as this rank sees it (its DTensor's full tensor)."""
+    out = {}
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
+        out[global_name(model, n, spec)] = full.detach().float().clone()
+    return out
+
+
+def train_fsdp2(spec: TinyGPT, steps: int, hook=None, **config_overrides):
+    """(initial params, final params, losses) of ``steps`` steps under FSDP2 (one process:
+    plain params)."""
+    model = _gpt(spec, transformer_config(spec), None)
+    layout_invariant_init(model, spec)
+    attrs = {n: dict(vars(p)) for n, p in model.named_parameters()}
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(ps.get_data_parallel_group(), "cpu")
+        for layer in model.decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for n, p in model.named_parameters():
+            for key, value in attrs[n].items():
+                setattr(p, key, value)
+    initial = _full(model, spec)
+    muon = _build_muon(spec, model, config_overrides)
+    if dp > 1:
+        names = {p: global_name(model, n, spec) for n, p in model.named_parameters()}
+        fsdp.attach_fsdp2(muon, names)
+    if hook is not None:
+        hook(muon)
+    losses = []
+    for batch in global_batches(spec, steps):
+        muon.zero_grad()
+        losses.append(_forward_backward(spec, model, batch))
+        muon.step()
+    return initial, _full(model, spec), losses
+
+
+@functools.cache
+def reference_fsdp2(steps: int = STEPS):
+    return run_distributed(train_fsdp2, 1, args=(TinyGPT(), steps))[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp2_muon_matches_one_process(world_size):
+    got = run_distributed(train_fsdp2, world_size, args=(TinyGPT(), STEPS))
+    for rank_result in got:  # every DP replica's unsharded params
+        assert_close_runs(reference_fsdp2(), [rank_result], tol=TOL, loss_rtol=LOSS_RTOL)
+
+
+def _ns_on_local_pieces(muon):
+    """Negative control (upstream PR #5961's warning): each rank runs Newton-Schulz on its own
+    Shard(0) piece, as if it were the matrix, instead of the exchange."""
+    ortho = muon.orthogonalizer
+
+    def local_ns(updates, infos, matrix_fn):
+        out = []
+        for u, info in zip(updates, infos):
+            piece = fsdp.local(u)
+            if not piece.numel():
+                out.append(torch.zeros_like(u))
+                continue
+            shape = tuple(piece.shape)
+            o = matrix_fn([piece.clone()], [MuonParamInfo(shape)])[0]
+            out.append(fsdp.like(u, o.reshape(-1)))
+        return out
+
+    assert isinstance(ortho, fsdp.Zero3Orthogonalizer)
+    muon.orthogonalizer = local_ns
+
+
+def test_negative_control_ns_on_local_pieces_misses():
+    initial, ref, _ = reference_fsdp2(1)
+    got = run_distributed(
+        train_fsdp2, 2, args=(TinyGPT(), 1), kwargs=dict(hook=_ns_on_local_pieces)
+    )
+    assert misses(update_rel_error(initial, ref, got[0][1]), 100 * TOL)
