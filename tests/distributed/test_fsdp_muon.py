@@ -13,8 +13,14 @@ import pytest
 import torch
 from harness import run_distributed
 from parity import assert_close_runs, misses, update_rel_error
-from tiny_gpt import TinyGPT, _gpt, global_batches, global_name, layout_invariant_init
-from tiny_gpt import transformer_config
+from tiny_gpt import (
+    TinyGPT,
+    _gpt,
+    global_batches,
+    global_name,
+    layout_invariant_init,
+    transformer_config,
+)
 
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig
@@ -121,9 +127,9 @@ def _ns_on_local_pieces(muon):
     Shard(0) piece, as if it were the matrix, instead of the exchange."""
     ortho = muon.orthogonalizer
 
-    def local_ns(updates, infos, matrix_fn):
+    def local_ns(updates, _infos, matrix_fn):
         out = []
-        for u, info in zip(updates, infos):
+        for u in updates:
             piece = fsdp.local(u)
             if not piece.numel():
                 out.append(torch.zeros_like(u))

@@ -20,8 +20,14 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..muon_distopt import BucketSlot, DistributedMuonOrthogonalizer, MatrixSlot, ShardInfo
-from ..muon_distopt import DTYPES, exchange_dtypes
+from ..muon_distopt import (
+    DTYPES,
+    BucketSlot,
+    DistributedMuonOrthogonalizer,
+    MatrixSlot,
+    ShardInfo,
+    exchange_dtypes,
+)
 from ..muon_distrib_optimizer import _owners_orthogonalizer, cost_model
 from ..muon_functional import MatrixFn, MuonParamInfo
 from ..muon_gangs import GangRunner, gang_nodes
@@ -32,8 +38,8 @@ from ..newton_schulz import compute_dtype
 
 @dataclass(frozen=True, eq=False)
 class HeldMatrix:
-    """A Muon matrix as a ZeRO-3 layout holds it: elements ``[start, end)`` of a flat bucket that
-    the DP ``group`` cuts into equal shards of ``shard_size`` elements (rank ``r``: the ``r``-th)."""
+    """A Muon matrix as a ZeRO-3 layout holds it: elements ``[start, end)`` of a flat bucket
+    that the DP ``group`` cuts into shards of ``shard_size`` elements (rank ``r``: the r-th)."""
 
     param: Tensor  # the optimizer's param (a DTensor, or this rank's plain piece)
     name: str
