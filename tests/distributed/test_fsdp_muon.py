@@ -8,6 +8,7 @@ unsharded params after the steps are compared with one process's. Reproduce a ca
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -16,10 +17,16 @@ from parity import assert_close_runs, misses, update_rel_error
 from tiny_gpt import (
     TinyGPT,
     _gpt,
+    _hook_up_schedule,
+    _tp_world,
+    build_optimizer,
     global_batches,
     global_name,
     layout_invariant_init,
+    train,
+    train_step,
     transformer_config,
+    unshard,
 )
 
 from megatron.core import parallel_state as ps
@@ -148,4 +155,126 @@ def test_negative_control_ns_on_local_pieces_misses():
     got = run_distributed(
         train_fsdp2, 2, args=(TinyGPT(), 1), kwargs=dict(hook=_ns_on_local_pieces)
     )
+    assert misses(update_rel_error(initial, ref, got[0][1]), 100 * TOL)
+
+
+# ------------------------------------------------------------------ Megatron-FSDP
+
+
+def build_megatron_fsdp(spec: TinyGPT, strategy: str, bucket_size=None):
+    """This rank's GPT as Megatron-LM's get_model wraps it for ``--use-megatron-fsdp``
+    (``FullyShardedDataParallel``), initialized layout-invariantly."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    config = transformer_config(spec)
+    model = _gpt(spec, config, None)
+    layout_invariant_init(model, spec)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        bucket_size=bucket_size,
+        # Megatron-FSDP forces it for optim_grads*; for 'optim' without it Megatron-FSDP trains
+        # wrongly on CPU ranks with AdamW too (update error 0.7 vs one process, measured)
+        overlap_grad_reduce=True,
+        overlap_param_gather=strategy == "optim_grads_params",
+    )
+    chunk = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    _hook_up_schedule(config, [chunk], ddp_config.overlap_grad_reduce, False)
+    return [chunk]
+
+
+def _gathered_fsdp(chunks, spec: TinyGPT) -> dict:
+    """{global name: full fp32 tensor} of this rank's Megatron-FSDP params: each optimizer
+    param's piece (a range of the flattened TP-local param) gathered over DP, then the TP shards
+    as tiny_gpt gathers them."""
+    out = {}
+    for chunk in chunks:
+        model = chunk.module.module
+        for local_name, param in chunk.module.param_and_grad_buffer.optimizer_named_parameters:
+            name = global_name(model, local_name.removeprefix("module."), spec)
+            orig = param.orig_param
+            tp_local = _dp_gathered(param)
+            tp, _, group = _tp_world(orig)
+            shards = [torch.empty_like(tp_local) for _ in range(tp)]
+            if tp > 1:
+                torch.distributed.all_gather(shards, tp_local, group=group)
+            else:
+                shards = [tp_local]
+            out[name] = unshard(shards, name, getattr(orig, "partition_dim", 0))
+    return out
+
+
+def _dp_gathered(param) -> torch.Tensor:
+    """The TP-local param from every DP rank's piece of Megatron-FSDP's flat buffer."""
+    buffers = param._megatron_fsdp_model.param_and_grad_buffer
+    group = buffers.parameter_groups[buffers.param_to_param_group[param.orig_param]]
+    buffer = group.main_weight_buffer or group.model_weight_buffer
+    item = buffer.param_idx[param.orig_param]
+    lo, _ = buffer._get_item_slice_in_shard(item)
+    pieces = [None] * buffer.dp_world_size
+    mine = (lo, fsdp.local(param).detach().float().reshape(-1).clone())
+    torch.distributed.all_gather_object(pieces, mine, group=buffer.data_parallel_group)
+    shape = tuple(buffer.item_index_map[item].shape)
+    full = torch.full((math.prod(shape),), float("nan"))
+    for at, piece in pieces:
+        full[at : at + piece.numel()] = piece
+    assert not full.isnan().any(), "the DP pieces cover the param"
+    return full.view(shape)
+
+
+def train_megatron_fsdp(
+    spec: TinyGPT,
+    steps: int,
+    strategy="optim_grads_params",
+    hook=None,
+    bucket_size=None,
+    **overrides,
+):
+    """(initial params, final params, losses) of ``steps`` steps under Megatron-FSDP."""
+    chunks = build_megatron_fsdp(spec, strategy, bucket_size)
+    initial = _gathered_fsdp(chunks, spec)
+    optimizer = build_optimizer(
+        spec, chunks, use_distributed_optimizer=True, **{**MUON, **overrides}
+    )
+    if hook is not None:
+        hook(optimizer)
+    losses = [train_step(spec, chunks, optimizer, b)["loss"] for b in global_batches(spec, steps)]
+    return initial, _gathered_fsdp(chunks, spec), losses
+
+
+@functools.cache
+def reference(steps: int = STEPS):
+    """One process, Megatron's own path (DDP, no DistOpt), our Muon."""
+    return run_distributed(train, 1, args=(TinyGPT(), steps), kwargs=MUON)[0]
+
+
+MEGATRON_FSDP = {
+    "optim": dict(world_size=2, strategy="optim"),
+    "optim_grads": dict(world_size=2, strategy="optim_grads"),
+    "optim_grads_params": dict(world_size=2, strategy="optim_grads_params"),
+    # small buckets: several parameter groups, matrices cut by 4 shards, some ranks hold none
+    "optim_grads_params_dp4_buckets": dict(
+        world_size=4, strategy="optim_grads_params", bucket_size=6000
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", MEGATRON_FSDP)
+def test_megatron_fsdp_muon_matches_one_process(layout):
+    case = dict(MEGATRON_FSDP[layout])
+    world_size, strategy = case.pop("world_size"), case.pop("strategy")
+    got = run_distributed(
+        train_megatron_fsdp, world_size, args=(TinyGPT(), STEPS, strategy), kwargs=case
+    )
+    for rank_result in got:  # every DP replica's gathered params
+        assert_close_runs(reference(), [rank_result], tol=TOL, loss_rtol=LOSS_RTOL)
+
+
+def test_megatron_fsdp_negative_control_ns_on_local_pieces_misses():
+    initial, ref, _ = reference(1)
+    hook = lambda optimizer: _ns_on_local_pieces(optimizer.optimizer)  # noqa: E731
+    got = run_distributed(train_megatron_fsdp, 2, args=(TinyGPT(), 1), kwargs=dict(hook=hook))
     assert misses(update_rel_error(initial, ref, got[0][1]), 100 * TOL)

@@ -41,6 +41,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         muon = self.optimizer
+        if self.ddp_config.use_megatron_fsdp:  # ZeRO-3: megatron_muon/fsdp.py
+            from .megatron_muon.fsdp import attach_megatron_fsdp
+
+            links = muon.distopt_plan_links
+            attach_megatron_fsdp(muon, muon.distopt_exchange_dtype, links)
+            return
         attach(self, muon, muon.distopt_exchange_dtype, links=muon.distopt_plan_links)
         aligned = any(muon_layout.is_shard_aligned(b) for b in self.buffers)
         layout = "shard-aligned" if aligned else "byte-level"

@@ -147,7 +147,8 @@ def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
         for name, param in chunk.named_parameters():
             if _is_muon_param(param, name):
                 qkv = split if name.endswith("linear_qkv.weight") else None
-                infos[param] = param_info(param, sizes[is_expert_param(param)], qkv)
+                local = getattr(param, "orig_param", param)  # Megatron-FSDP: TP-local param
+                infos[param] = param_info(local, sizes[is_expert_param(param)], qkv)
     return infos
 
 
@@ -186,7 +187,9 @@ def check_muon_supported(config, model_chunks) -> None:
             "params use decoupled weight decay only"
         )
     if any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in model_chunks):
-        raise ValueError("DistributedDataParallelConfig.use_megatron_fsdp=True: not with Muon")
+        from .megatron_muon.fsdp import check_megatron_fsdp  # ZeRO-3: docs/fsdp.md, "Muon"
+
+        check_megatron_fsdp(config, model_chunks)
     check_experts_apart(model_chunks)
 
 

@@ -333,6 +333,32 @@ def _itemsize(dtype: torch.dtype) -> int:
 # ------------------------------------------------------------------ entry points
 
 
+SHARDED_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+
+
+def check_megatron_fsdp(config, model_chunks) -> None:
+    """ValueError naming the setting, where our Muon cannot run under Megatron-FSDP.
+
+    Args:
+        config: the ``OptimizerConfig`` (``muon_impl='megatron_muon'``).
+        model_chunks: the model chunks (their ``ddp_config``).
+    """
+    for chunk in model_chunks:
+        ddp = chunk.ddp_config
+        strategy = ddp.data_parallel_sharding_strategy
+        if strategy not in SHARDED_STRATEGIES:
+            raise ValueError(
+                f"data_parallel_sharding_strategy={strategy!r} with use_megatron_fsdp=True and "
+                f"optimizer='muon': our Muon takes {list(SHARDED_STRATEGIES)}"
+            )
+        if getattr(ddp, "megatron_fsdp_use_decoupled_grad", False):
+            raise ValueError(
+                "megatron_fsdp_use_decoupled_grad=True (--use-precision-aware-optimizer) with "
+                "optimizer='muon': Muon keeps its state in the main params' dtype"
+            )
+
+
+
 def muon_params(muon) -> list[Tensor]:
     """The Muon (``use_muon``) params of ``muon``, in group order."""
     return [p for g in muon.param_groups if g["use_muon"] for p in g["params"]]
