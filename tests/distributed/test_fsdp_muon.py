@@ -246,9 +246,10 @@ def train_megatron_fsdp(
 
 
 @functools.cache
-def reference(steps: int = STEPS):
+def reference(steps: int = STEPS, moe: bool = False):
     """One process, Megatron's own path (DDP, no DistOpt), our Muon."""
-    return run_distributed(train, 1, args=(TinyGPT(), steps), kwargs=MUON)[0]
+    spec = TinyGPT(**(MOE if moe else {}))
+    return run_distributed(train, 1, args=(spec, steps), kwargs=MUON)[0]
 
 
 MEGATRON_FSDP = {
@@ -259,18 +260,34 @@ MEGATRON_FSDP = {
     "optim_grads_params_dp4_buckets": dict(
         world_size=4, strategy="optim_grads_params", bucket_size=6000
     ),
+    "tp2_optim_grads_params": dict(world_size=4, tp=2, strategy="optim_grads_params"),
+    # experts over EP 2: their own (expert DP) buffers and exchange beside the dense one
+    "ep2_moe_optim_grads_params": dict(world_size=4, ep=2, strategy="optim_grads_params"),
 }
+MOE = dict(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather")
 
 
 @pytest.mark.parametrize("layout", MEGATRON_FSDP)
 def test_megatron_fsdp_muon_matches_one_process(layout):
     case = dict(MEGATRON_FSDP[layout])
     world_size, strategy = case.pop("world_size"), case.pop("strategy")
-    got = run_distributed(
-        train_megatron_fsdp, world_size, args=(TinyGPT(), STEPS, strategy), kwargs=case
-    )
-    for rank_result in got:  # every DP replica's gathered params
-        assert_close_runs(reference(), [rank_result], tol=TOL, loss_rtol=LOSS_RTOL)
+    layout = dict(tp=case.pop("tp", 1), ep=case.pop("ep", 1))
+    moe = layout["ep"] > 1
+    args = (TinyGPT(**(MOE if moe else {})), STEPS, strategy)
+    got = run_distributed(train_megatron_fsdp, world_size, **layout, args=args, kwargs=case)
+    assert_every_rank_close(reference(moe=moe), got)
+
+
+def assert_every_rank_close(ref_result, results) -> None:
+    """Every rank's params (its stage's, its experts') against the reference's same params, and
+    the ranks together hold every param: each replica compared, none merged into another."""
+    initial, ref, losses = ref_result
+    for rank_initial, params, rank_losses in results:
+        rank_ref = ({k: initial[k] for k in params}, {k: ref[k] for k in params}, losses)
+        assert_close_runs(
+            rank_ref, [(rank_initial, params, rank_losses)], tol=TOL, loss_rtol=LOSS_RTOL
+        )
+    assert set().union(*(params for _, params, _ in results)) == set(ref)
 
 
 def test_megatron_fsdp_negative_control_ns_on_local_pieces_misses():
