@@ -168,8 +168,6 @@ REFUSED = (
         "our Muon keeps its state in the main params' dtype",
     ),
     ("optimizer_cuda_graph", bool, "--optimizer-cuda-graph", "no CUDA graph of our Muon's step"),
-    ("use_megatron_fsdp", bool, "--use-megatron-fsdp", "our Muon shards inside the DistOpt only"),
-    ("use_torch_fsdp2", bool, "--use-torch-fsdp2", "our Muon shards inside the DistOpt only"),
 )
 
 
@@ -266,11 +264,12 @@ def validate_megatron_muon_args(args) -> None:
             f"--optimizer is {args.optimizer!r}: add --optimizer muon or drop --muon-impl"
         )
     distopt = sorted(flag for dest, flag in given.items() if dest in DISTOPT_ONLY)
-    if distopt and not args.use_distributed_optimizer:
+    sharded = args.use_distributed_optimizer or getattr(args, "use_torch_fsdp2", False)
+    if distopt and not sharded:  # FSDP2 runs the same exchange (megatron_muon/fsdp.py)
         verb = "configures" if len(distopt) == 1 else "configure"
         raise ValueError(
             f"{', '.join(distopt)} {verb} the DistributedOptimizer's Muon exchange and plan: "
-            "add --use-distributed-optimizer or drop them"
+            "add --use-distributed-optimizer (or --use-torch-fsdp2) or drop them"
         )
     for dest, refused, flag, reason in REFUSED:
         value = getattr(args, dest, None)

@@ -103,10 +103,8 @@ def train_fsdp2(spec: TinyGPT, steps: int, hook=None, **config_overrides):
             for key, value in attrs[n].items():
                 setattr(p, key, value)
     initial = _full(model, spec)
-    muon = _build_muon(spec, model, config_overrides)
-    if dp > 1:
-        names = {p: global_name(model, n, spec) for n, p in model.named_parameters()}
-        fsdp.attach_fsdp2(muon, names)
+    muon = _build_muon(spec, model, config_overrides)  # over DTensors: the exchange attached
+    assert isinstance(muon.orthogonalizer, fsdp.Zero3Orthogonalizer) == (dp > 1)
     if hook is not None:
         hook(muon)
     losses = []

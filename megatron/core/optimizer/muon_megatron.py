@@ -278,7 +278,23 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
         ),
         **muon_kwargs(config),
     )
+    if _uses_torch_fsdp2(model_chunks, infos):  # ZeRO-3 params: megatron_muon/fsdp.py
+        from .megatron_muon.fsdp import attach_fsdp2
+
+        names = {p: n for chunk in model_chunks for n, p in chunk.named_parameters()}
+        # Megatron's optimizer wrappers step fp32 (main) params whatever the model's dtype
+        attach_fsdp2(optimizer, names, optimizer.distopt_exchange_dtype,
+                     optimizer.distopt_plan_links, update_dtype=torch.float32)  # fmt: skip
     return optimizer, _init_muon_state
+
+
+def _uses_torch_fsdp2(model_chunks, infos: dict) -> bool:
+    """Whether the Muon params are torch FSDP2 DTensors (Megatron-FSDP's attach elsewhere)."""
+    from torch.distributed.tensor import DTensor
+
+    configs = [getattr(c, "ddp_config", None) for c in model_chunks]
+    megatron_fsdp = any(getattr(c, "use_megatron_fsdp", False) for c in configs)
+    return not megatron_fsdp and any(isinstance(p, DTensor) for p in infos)
 
 
 def _init_muon_state(optimizer, config=None) -> None:

@@ -247,6 +247,7 @@ def attach_zero3(
     matrices: list[HeldMatrix],
     exchange_dtype: str = "fp32",
     links: PlanLinks = DEFAULT_LINKS,
+    update_dtype: Optional[torch.dtype] = None,
 ) -> Zero3Orthogonalizer:
     """Make ``muon`` step ZeRO-3 params exactly: its ``param_info`` becomes ``Zero3ShardInfo``s
     and its orthogonalizer the exchange around the owners' (TP) Newton-Schulz.
@@ -256,6 +257,7 @@ def attach_zero3(
         matrices: the layout of every Muon param (``fsdp2_matrix``, ``megatron_fsdp_matrix``).
         exchange_dtype: ``muon_distopt_exchange_dtype``.
         links: the machine the planner assumes.
+        update_dtype: the dtype of the updates ``muon`` computes; None: the params'.
 
     Returns:
         The orthogonalizer installed.
@@ -284,7 +286,7 @@ def attach_zero3(
         return dataclasses.replace(base, nodes=nodes)
 
     owners = _owners_orthogonalizer(muon.orthogonalizer, infos)
-    update_dtype = _update_dtype(matrices)
+    update_dtype = update_dtype or _update_dtype(matrices)
     device = local(matrices[0].param).device if matrices else None
     exchanges, by_param = [], {}
     for j, (plan, order) in enumerate(build_plans(matrices, model)):
@@ -358,13 +360,18 @@ def check_megatron_fsdp(config, model_chunks) -> None:
             )
 
 
-
 def muon_params(muon) -> list[Tensor]:
     """The Muon (``use_muon``) params of ``muon``, in group order."""
     return [p for g in muon.param_groups if g["use_muon"] for p in g["params"]]
 
 
-def attach_fsdp2(muon, names: Optional[dict] = None, exchange_dtype="fp32", links=DEFAULT_LINKS):
+def attach_fsdp2(
+    muon,
+    names: Optional[dict] = None,
+    exchange_dtype="fp32",
+    links=DEFAULT_LINKS,
+    update_dtype: Optional[torch.dtype] = None,
+):
     """``attach_zero3`` for a ``Muon`` over torch FSDP2 (``fully_shard``) params.
 
     Args:
@@ -372,6 +379,8 @@ def attach_fsdp2(muon, names: Optional[dict] = None, exchange_dtype="fp32", link
         names: {param: name}, for the plan's logs; else positional names.
         exchange_dtype: ``muon_distopt_exchange_dtype``.
         links: the machine the planner assumes.
+        update_dtype: the dtype ``muon`` steps (Megatron's wrappers: fp32 main params); None:
+            the params'.
 
     Returns:
         The orthogonalizer installed.
@@ -381,7 +390,7 @@ def attach_fsdp2(muon, names: Optional[dict] = None, exchange_dtype="fp32", link
         fsdp2_matrix(p, names.get(p, f"muon_param_{i}"), muon.param_info[p])
         for i, p in enumerate(muon_params(muon))
     ]
-    return attach_zero3(muon, matrices, exchange_dtype, links)
+    return attach_zero3(muon, matrices, exchange_dtype, links, update_dtype)
 
 
 def attach_megatron_fsdp(muon, exchange_dtype="fp32", links=DEFAULT_LINKS):
