@@ -84,9 +84,15 @@ CASES = {
     "ours-megatron-fsdp": OURS + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
     "ours-torch-fsdp2": OURS
     + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
-    + ["--muon-distopt-exchange-dtype", "bf16"],  # FSDP2 runs the same exchange
+    + [
+        "--no-gradient-accumulation-fusion",
+        "--muon-distopt-exchange-dtype",
+        "bf16",
+    ],  # FSDP2 runs the same exchange
     "emerging-megatron-fsdp": MUON + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
-    "emerging-torch-fsdp2": MUON + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
+    "emerging-torch-fsdp2": MUON
+    + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+    + ["--no-gradient-accumulation-fusion"],
 }
 # checkpoint cases: (this run's case, the saved args: None is this run's own; else
 # {attribute: value} over them, a None value deleting it), flags added to this run
