@@ -30,7 +30,8 @@ module, so a test sees both a stand-in that is no longer reached and one reached
   - **T7** ``validate_args`` reads the GPU architecture (``get_device_arch_version``, through
     ``torch.cuda.get_device_properties``) with TP or CP > 1, and a CPU has none: 0 there, as a
     pre-Blackwell GPU, so upstream's rules for those (``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP)
-    apply unchanged. Reached only with TP or CP > 1 (``LAYOUT_STAND_INS``).
+    apply unchanged. Reached only with TP or CP > 1 or ``--use-megatron-fsdp`` (its high-priority
+    stream groups, Blackwell and later) (``LAYOUT_STAND_INS``).
 
 Not stand-ins: packages that upstream's loop imports only for some flags, which
 ``missing_dependencies`` names before the run starts: ``psutil``, an undeclared dependency of the

@@ -12,6 +12,12 @@ What it redirects (the CUDA assumptions of megatron-core found on CPU):
   CUDA devices to the CPU at the call. torch runs ``autograd.Function.apply`` and
   ``autograd.backward`` inside their own ``__torch_function__`` dispatch, where the mode is off,
   so what Megatron's autograd Functions do is covered by the patches below instead.
+* ``torch.device('cuda:N')`` (also ``f'cuda:{torch.cuda.current_device()}'``, which the CPU
+  device below would make ``'cuda:cpu'``): the CPU device (Megatron-FSDP's adapter).
+* ``DeviceMesh(device_type='cuda')`` (Megatron-FSDP, torch FSDP2, fsdp_dtensor checkpoints): a CPU
+  mesh, so FSDP2 shards live on the CPU and its device is not asked of the CUDA handle.
+* Megatron-FSDP's gradient division fused into the reduction (NCCL's ``PREMUL_SUM``, which gloo
+  lacks): its unfused path, the gradients scaled and then summed.
 * ``param.type() == 'torch.cuda.FloatTensor'`` checks (optimizers, grad clipping): ``Tensor.type()``
   answers with the ``torch.cuda.*`` name of the CPU tensor's type.
 * ``torch.cuda.current_device / synchronize / nvtx``: the CPU device and no-ops; streams and
@@ -60,6 +66,8 @@ class CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return _cuda_type_name(func(*args))
+        if func is torch.device and args and _is_cuda(args[0]):
+            return _CPU  # torch.device('cuda:0'), ('cuda', index), (index)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = _CPU
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -137,6 +145,40 @@ def _patch_rng_tracker() -> None:
     )
 
 
+def _patch_device_mesh() -> None:
+    # Megatron-FSDP and FSDP2 (and the fsdp_dtensor checkpoints) build their meshes with
+    # device_type="cuda"; torch's fully_shard then asks the CUDA handle for its device. A CPU mesh
+    # makes FSDP2 and the DTensors live on the CPU, where the ranks' tensors are.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    @functools.wraps(original)
+    def __init__(self, device_type, *args, **kwargs):
+        original(self, "cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)
+
+    DeviceMesh.__init__ = __init__
+
+
+def _patch_megatron_fsdp() -> None:
+    # Megatron-FSDP divides gradients inside the reduction (NCCL's PREMUL_SUM) when
+    # gradient_reduce_div_fusion is on (its default); gloo has no such op ("Cannot use
+    # ReduceOp.PREMUL_SUM with Gloo"). Its own fallback (scale, then SUM: what NCCL fuses) here.
+    import dataclasses
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffer
+
+    original = buffer.gradient_reduce_preprocessing
+
+    @functools.wraps(original)
+    def gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config):
+        if ddp_config.gradient_reduce_div_fusion:
+            ddp_config = dataclasses.replace(ddp_config, gradient_reduce_div_fusion=False)
+        return original(grad_data, scaling_factor, ddp_config)
+
+    buffer.gradient_reduce_preprocessing = gradient_reduce_preprocessing
+
+
 def requested() -> bool:
     """True when CPU mode should be on: no CUDA, or ``MEGATRON_CPU_MODE=1``."""
     forced = os.environ.get("MEGATRON_CPU_MODE", "").lower() in ("1", "true", "yes")
@@ -156,6 +198,8 @@ def enable() -> None:
     _patch_torch_cuda()
     _patch_all_to_all()
     _patch_rng_tracker()
+    _patch_megatron_fsdp()
+    _patch_device_mesh()
     _mode = CudaToCpuMode()
     _mode.__enter__()
 
