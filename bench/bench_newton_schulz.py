@@ -21,9 +21,9 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
-from megatron.core.optimizer.muon_functional import MuonParamInfo
-from megatron.core.optimizer.muon_plan import ns_cost
-from megatron.core.optimizer.newton_schulz import newton_schulz, uses_gram
+from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo
+from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz, uses_gram
+from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost
 
 STEPS = 5
 ABC = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
@@ -86,7 +86,7 @@ def bench_row(shape, precision, repeats, warmup, stat):
 
 
 # Llama-3-8B's Muon matrices of one layer (hidden 4096, SwiGLU ffn 14336, GQA 32/8 heads of 128):
-# the fused QKV weight (8 groups of Q 512, K 128, V 128 rows) as muon_functional splits it.
+# the fused QKV weight (8 groups of Q 512, K 128, V 128 rows) as functional.py splits it.
 LLAMA_8B = {
     "qkv": MuonParamInfo((6144, 4096), qkv_split=(512, 128, 128)),
     "proj": MuonParamInfo((4096, 4096)),
@@ -105,7 +105,7 @@ LLAMA_8B_BLOCKS = {
 
 
 def gram_table(scale: int, repeats: int, precision: str) -> None:
-    """Counted NS FLOPs of an 8B layer, standard vs ``form='auto'`` (``muon_plan.ns_cost``, what
+    """Counted NS FLOPs of an 8B layer, standard vs ``form='auto'`` (``plan.ns_cost``, what
     the DistOpt planner counts), and CPU time of one orthogonalization per block at 1/scale."""
     print(f"Newton-Schulz FLOPs per Muon step, one Llama-3-8B layer, {STEPS} steps (counted)")
     print(f"{'matrix':>6} {'shape':>11} {'standard GF':>12} {'auto GF':>9} {'auto/std':>8}")

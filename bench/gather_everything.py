@@ -4,7 +4,7 @@ Every rank all-gathers every Muon bucket over DP and orthogonalizes *every* matr
 keeps its own shard of each result. Exact, like ours, but each rank does the whole model's
 Newton-Schulz work and receives all Muon momentum bytes. Plugged in through the inner optimizer's
 ``orthogonalizer`` attribute, around the same orthogonalizer our owners run
-(``muon_distrib_optimizer.attach``), so only the DP exchange differs from ours:
+(``distrib_optimizer.attach``), so only the DP exchange differs from ours:
 
     use_gather_everything(optimizer)   # after get_megatron_optimizer(..., DistOpt + Muon)
 """
@@ -12,7 +12,7 @@ Newton-Schulz work and receives all Muon momentum bytes. Plugged in through the 
 import torch
 from torch import Tensor
 
-from megatron.core.optimizer.muon_plan import MuonExchangePlan, piece
+from megatron.core.optimizer.megatron_muon.planner.plan import MuonExchangePlan, piece
 
 
 class GatherEverythingOrthogonalizer:

@@ -11,17 +11,17 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   ``bucket_size = max(40M, 1M * dp)`` (``--overlap-grad-reduce``; one bucket without it) and
   padded to ``lcm(dp, 128)``; TP-local shapes (QKV, fc1 split by rows, proj, fc2 by columns);
 * our layout: the one the optimizer takes (``ours_layout``: ``MuonDistributedOptimizer.
-  compute_full_param_layout``, muon_layout.py's decision, on meta tensors): shard-aligned where
+  compute_full_param_layout``, layout.py's decision, on meta tensors): shard-aligned where
   the holders' loads balance (upstream's LayerWise layout for the matrices: the exchange moves
   the few matrices ``holder_owners`` moves, skipped all-to-alls are no sync point, and its
   padded buffers cost the same extra grad reduce-scatter and param all-gather as LayerWise's),
   else the byte-level buffer above; each row says which;
-* the plan: muon_plan.py's ``MuonExchangePlan`` on those buckets, costs from its
+* the plan: megatron_muon/planner/plan.py's ``MuonExchangePlan`` on those buckets, costs from its
   ``tp_ns_cost`` for the TP mode (owners, exchanges, pieces as on a real run; a test ties this
   layout to a real DDP buffer and the plan to the optimizer's);
-* Newton-Schulz time = every rank's trace (muon_plan_figures.py's ``trace``: its gang blocks
+* Newton-Schulz time = every rank's trace (planner/figures.py's ``trace``: its gang blocks
   interleaved, their collectives posted to a communication thread, then its whole matrices) run by
-  ``muon_split.critical_path`` (``ns_seconds``): matmuls at peak * mfu, gang collectives at the
+  ``cost_model.critical_path`` (``ns_seconds``): matmuls at peak * mfu, gang collectives at the
   links' bandwidth (plus ``--step-latency-us`` per ring step); exchange time = per exchange and
   direction, the busiest rank's max(sent, received) bytes / link (full duplex), forward in the NS
   dtype's width where narrower.
@@ -39,12 +39,16 @@ import math
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 
-from megatron.core.optimizer import muon_plan_figures as plan_figures
-from megatron.core.optimizer.muon_distopt import BucketSlot, MatrixSlot, exchange_dtypes
-from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
-from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
-from megatron.core.optimizer.muon_plan import MuonExchangePlan, ns_cost, tp_ns_cost
-from megatron.core.optimizer.muon_split import NSCostModel, PlanLinks, critical_path
+from megatron.core.optimizer.megatron_muon.distrib_optimizer import MuonDistributedOptimizer
+from megatron.core.optimizer.megatron_muon.exchange import BucketSlot, MatrixSlot, exchange_dtypes
+from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
+from megatron.core.optimizer.megatron_muon.planner.cost_model import (
+    NSCostModel,
+    PlanLinks,
+    critical_path,
+)
+from megatron.core.optimizer.megatron_muon.planner.plan import MuonExchangePlan, ns_cost, tp_ns_cost
 
 # name: (layers, hidden, ffn, heads, kv heads, vocab, tp); Llama 3.2 1B, Llama 3 8B / 70B shapes.
 MODELS = {
@@ -187,7 +191,7 @@ def byte_level(params: list[tuple], dp: int, bucket_size) -> list:
 
 def ours_layout(params: list[tuple], dp: int, bucket_size) -> tuple[bool, list]:
     """The layout our optimizer takes: ``MuonDistributedOptimizer.compute_full_param_layout``
-    (muon_layout.py's decision, upstream's rules) run on meta tensors of the TP-local shapes.
+    (layout.py's decision, upstream's rules) run on meta tensors of the TP-local shapes.
     Returns (shard-aligned, buckets, padded elements of all buffers) with buckets as
     ``ddp_layout``'s, of every buffer in turn (positions within its own buffer)."""
     metas = []
@@ -433,7 +437,7 @@ def _ms(seconds: float) -> str:
 
 def wire_bytes(a) -> tuple[int, int]:
     """Bytes per element the exchange moves out and back, by the optimizer's own rule
-    (``muon_distopt.exchange_dtypes``: out the narrower of the exchange and NS dtypes; back the
+    (``exchange.exchange_dtypes``: out the narrower of the exchange and NS dtypes; back the
     NS dtype where it is narrower than the fp32 update, else the exchange dtype)."""
     names = {4: "fp32", 2: "bf16"}
     dtypes = {4: torch.float32, 2: torch.bfloat16}

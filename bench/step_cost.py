@@ -52,7 +52,7 @@ from harness import run_distributed  # noqa: E402
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step  # noqa: E402
 
 from megatron.core.optimizer import OptimizerConfig  # noqa: E402
-from megatron.core.optimizer import muon_plan_figures as plan_figures  # noqa: E402
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures  # noqa: E402
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
@@ -62,7 +62,7 @@ MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 # where upstream has them: Nesterov, momentum 0.95, Keller Jordan's 'simple' coefficients, TP mode
 # 'duplicated', 5 NS steps, fp32 Newton-Schulz ('highest'); the scale rule matched_adamw_rms=0.2
 # is s = 0.2 sqrt(max(m, n)), which upstream spells scale_mode='spectral' (sqrt(max(m, n)),
-# emerging_optimizers' get_muon_scale_factor) x extra_scale_factor=0.2 (muon_config.resolve_scale:
+# emerging_optimizers' get_muon_scale_factor) x extra_scale_factor=0.2 (config.resolve_scale:
 # the same pair). LayerWise needs bf16: in fp32 its chain fails (ChainedOptimizer's config check).
 _SHARED = {k: v for k, v in SEED_RECIPE.items() if k not in ("muon_impl", "muon_matched_adamw_rms")}
 UPSTREAM_MUON = dict(
@@ -293,8 +293,8 @@ def ns_flops_per_rank(optimizer, model) -> list:
     """Newton-Schulz FLOPs of each DP rank: ours and the baseline from the plan; LayerWise from
     its real assignment (``dp_cp_params_list``: whole matrices per rank), each matrix counted
     with the same ``ns_cost`` (Q, K, V blocks apart, as both Muons split them)."""
-    from megatron.core.optimizer.muon_megatron import muon_param_infos
-    from megatron.core.optimizer.muon_plan import ns_cost
+    from megatron.core.optimizer.megatron_muon.factory import muon_param_infos
+    from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost
 
     for d in distopts(optimizer):
         if getattr(d, "muon_plan", None) is not None:

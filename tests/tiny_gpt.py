@@ -151,7 +151,7 @@ def build_model(
     if layer_wise:
         chunks = _wrap_layer_wise(chunks, config, ddp_config)
     elif muon_layout:
-        from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
+        from megatron.core.optimizer.megatron_muon.distrib_optimizer import MuonDistributedOptimizer
 
         wrap = dict(distributed_optimizer_class=MuonDistributedOptimizer)
         chunks = _wrap_layer_wise(chunks, config, ddp_config, **wrap)

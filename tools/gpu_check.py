@@ -28,7 +28,7 @@ _LOSS = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
 def check_newton_schulz(device: str) -> str:
     """NS on the device matches the CPU fp32 result (bf16: within bf16's rounding)."""
-    from megatron.core.optimizer.newton_schulz import newton_schulz
+    from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz
 
     gen = torch.Generator().manual_seed(0)
     worst = {}
@@ -47,7 +47,7 @@ def check_ns_speed(device: str) -> str:
     """Our NS vs torch.optim.Muon's on the same bf16 input (timing; reported, not asserted)."""
     from torch.optim import _muon
 
-    from megatron.core.optimizer.newton_schulz import newton_schulz
+    from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz
 
     n = 4096 if device == "cuda" else 512  # ``--device cpu`` tests the script, quickly
     x = torch.randn(n, n, device=device)
@@ -60,7 +60,7 @@ def check_ns_speed(device: str) -> str:
 def check_packed_gram(device: str) -> str:
     """A gang's Gram sum moves the packed upper triangle: packing and unpacking on the device
     restore the matrix exactly; their time beside the Gram matmul's is reported."""
-    from megatron.core.optimizer.newton_schulz import pack_symmetric, unpack_symmetric
+    from megatron.core.optimizer.megatron_muon.newton_schulz import pack_symmetric, unpack_symmetric
 
     g = 4096 if device == "cuda" else 256  # ``--device cpu`` tests the script, quickly
     x = torch.randn(g, 2 * g, device=device, dtype=torch.bfloat16)
@@ -75,12 +75,12 @@ def check_packed_gram(device: str) -> str:
 
 
 def check_comm_streams(device: str) -> str:
-    """The gang communication thread's stream protocol (muon_gangs.py, ``CommStreams``) on the
+    """The gang communication thread's stream protocol (planner/gangs.py, ``CommStreams``) on the
     device: a tensor produced by a long matmul chain on the compute stream is changed in place on
     the communication thread's own stream, and the compute stream reads it after the wait. A
     missing event would read a stale or half-written tensor (the chain is long enough to still
     be running when the thread starts)."""
-    from megatron.core.optimizer.muon_gangs import CommStreams, CommThread
+    from megatron.core.optimizer.megatron_muon.planner.gangs import CommStreams, CommThread
 
     streams = CommStreams.of(torch.device(device))
     x = torch.randn(2048, 2048, device=device) / 2048**0.5

@@ -13,10 +13,12 @@ TRAIN = "megatron/training/"
 SERIES = [
     (
         "distrib_optimizer: the DistOpt shard layout in one module",
-        "distopt_layout.py: where DDP's buckets and DistOpt's shards put each model param, and\n"
+        "repairs/distopt_layout.py: where DDP's buckets and DistOpt's shards put each model\n"
+        "param, "
+        "and "
         "the model-space names checkpoints use; read by the Adam checkpoint repairs, the Muon\n"
         "DistOpt exchange and the declared-state checkpoints alike.",
-        [OPT + "distopt_layout.py"],
+        [OPT + "repairs/__init__.py", OPT + "repairs/distopt_layout.py"],
         [],
     ),
     (
@@ -26,15 +28,16 @@ SERIES = [
         "step and writes params outside no_grad, all params share one step tensor after\n"
         "load_state_dict, and fully_reshardable saves shifted state with several buckets\n"
         "(fixed on main by NVIDIA/Megatron-LM#5077, not in 0.19). The format is unchanged.",
-        [OPT + "distopt_adam_checkpoint.py"],
+        [OPT + "repairs/distopt_adam_checkpoint.py"],
         ["0009-distopt-torch-adam-checkpoint-repairs.patch"],
     ),
     (
         "optimizer: Muon config vocabularies and defaults in one module",
-        "muon_config.py holds the Muon vocabularies, the defaults of OptimizerConfig's muon_*\n"
+        "megatron_muon/config.py holds the Muon vocabularies, the defaults of OptimizerConfig's\n"
+        "muon_* "
         "fields (upstream's names and defaults kept; muon_impl and our fields, off by default)\n"
         "and their validation, run where Muon is built.",
-        [OPT + "muon_config.py"],
+        [OPT + "megatron_muon/__init__.py", OPT + "megatron_muon/config.py"],
         ["0001-optimizer-config-muon.patch"],
     ),
     (
@@ -42,7 +45,11 @@ SERIES = [
         "Pure Newton-Schulz (simple, quintic, polar_express coefficients), the three stages of a\n"
         "Muon step with one Q/K/V split and one scale rule, and a plain torch optimizer holding\n"
         "Muon and AdamW param groups.",
-        [OPT + "newton_schulz.py", OPT + "muon_functional.py", OPT + "muon_optimizer.py"],
+        [
+            OPT + "megatron_muon/newton_schulz.py",
+            OPT + "megatron_muon/functional.py",
+            OPT + "megatron_muon/optimizer.py",
+        ],
         [],
     ),
     (
@@ -58,18 +65,19 @@ SERIES = [
         "DistributedOptimizer refuses such a checkpoint by name; use_muon joins\n"
         "param_group_identifier_keys.",
         [
-            OPT + "muon_tp.py",
-            OPT + "muon_split.py",
-            OPT + "muon_placement.py",
-            OPT + "muon_plan.py",
-            OPT + "muon_plan_figures.py",
-            OPT + "muon_gangs.py",
-            OPT + "muon_distopt.py",
-            OPT + "group_matching.py",
-            OPT + "muon_checkpoint.py",
-            OPT + "muon_checkpoint_sharded.py",
-            OPT + "muon_distrib_optimizer.py",
-            OPT + "muon_megatron.py",
+            OPT + "megatron_muon/tp.py",
+            OPT + "megatron_muon/planner/__init__.py",
+            OPT + "megatron_muon/planner/cost_model.py",
+            OPT + "megatron_muon/planner/placement.py",
+            OPT + "megatron_muon/planner/plan.py",
+            OPT + "megatron_muon/planner/figures.py",
+            OPT + "megatron_muon/planner/gangs.py",
+            OPT + "megatron_muon/exchange.py",
+            OPT + "repairs/group_matching.py",
+            OPT + "megatron_muon/checkpoint.py",
+            OPT + "megatron_muon/checkpoint_sharded.py",
+            OPT + "megatron_muon/distrib_optimizer.py",
+            OPT + "megatron_muon/factory.py",
             OPT + "muon.py",
         ],
         [
@@ -153,8 +161,8 @@ SERIES = [
         "each updated it with its own inf/NaN check; the loss is scaled by the first one's.\n"
         "An inf only in expert grads backed off the expert scaler alone, and later expert grads\n"
         "were unscaled by the wrong factor. ChainedOptimizer.prepare_grads now updates every\n"
-        "scaler with the chain's verdict (chained_grad_scaler.py).",
-        [OPT + "chained_grad_scaler.py"],
+        "scaler with the chain's verdict (repairs/chained_grad_scaler.py).",
+        [OPT + "repairs/chained_grad_scaler.py"],
         ["0021-chained-optimizer-one-loss-scale.patch"],
     ),
     (
@@ -198,9 +206,10 @@ SERIES = [
         "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0:\n"
         "TensorParallelAdaptiveMuon sets scale_mode/extra_scale_factor (as upstream main does),\n"
         "SOAP no longer takes precondition_frequency, and a config field the installed class\n"
-        "does not take is refused by name when set away from its default (emerging_fields.py;\n"
+        "does not take is refused by name when set away from its default\n"
+        "(repairs/emerging_fields.py; "
         "--lion-beta1/2, which upstream silently ignored, among them).",
-        [OPT + "emerging_fields.py"],
+        [OPT + "repairs/emerging_fields.py"],
         ["0040-emerging-optimizers-0.3.0-api.patch"],
     ),
     (
@@ -208,17 +217,18 @@ SERIES = [
         "The legacy LayerWise path all-gathers tensors of different sizes per rank, after the\n"
         "step and in the DDP buckets' param sync (--overlap-param-gather included), which NCCL\n"
         "allows and gloo refuses: on gloo each part is padded to the largest and sliced back\n"
-        "(uneven_all_gather.py), and a bucket group's wait waits for each padded gather; NCCL\n"
+        "(repairs/uneven_all_gather.py), and a bucket group's wait waits for each padded gather;\n"
+        "NCCL "
         "calls torch's all_gather and waits for the last as before.",
-        [OPT + "uneven_all_gather.py"],
+        [OPT + "repairs/uneven_all_gather.py"],
         ["0041-layer-wise-all-gather-on-gloo.patch"],
     ),
     (
         "optimizer: torch Adam's per-param step kept in seeded and saved states",
         "Without TE/Apex the states seeded for loading got no 'step', and 'if step:' dropped a\n"
         "step of 0 when saving: loading raised KeyError: 'step'. init_state_fn seeds it\n"
-        "(torch_adam_step.py, torch's Adam only) and a step of 0 is saved.",
-        [OPT + "torch_adam_step.py"],
+        "(repairs/torch_adam_step.py, torch's Adam only) and a step of 0 is saved.",
+        [OPT + "repairs/torch_adam_step.py"],
         ["0042-torch-adam-step-kept.patch"],
     ),
     (
@@ -256,15 +266,6 @@ SERIES = [
         "in one line naming the flag; --no-load-optim loads the model only.",
         [],
         ["0031-checkpoint-args-muon-impl.patch"],
-    ),
-    (
-        "checkpointing: a checkpoint of megatron-muon's 0.16.1 loop is refused in one line",
-        "megatron-muon's own loop on megatron-core 0.16.1 saved its args as a dict, which\n"
-        "upstream reads with getattr (checks failing unnamed, consumed samples read as 0).\n"
-        "Wherever a checkpoint's args are read, such a checkpoint is refused naming the version\n"
-        "and what to do; --finetune loads its model weights only.",
-        [TRAIN + "checkpoint_origin.py"],
-        ["0051-checkpoint-origin-0.16.1.patch"],
     ),
     (
         "training: pretrain_gpt's GPT entry on pretrain(), and CPU ranks for it",
@@ -307,7 +308,7 @@ SERIES = [
         "matrices and the exchange moves nothing. Elsewhere DistOpt's layout and the exchange.\n"
         "get_model asks our Muon's class for the layout (wrap_model_chunks_with_ddp's new\n"
         "distributed_optimizer_class, upstream's DistributedOptimizer by default).",
-        [OPT + "muon_layout.py"],
+        [OPT + "megatron_muon/layout.py"],
         ["0063-training-ddp-layout-megatron-muon.patch"],
     ),
 ]

@@ -21,7 +21,7 @@ copies back by name.
 
 Patch ``0063-training-ddp-layout-megatron-muon`` asks ``distributed_optimizer_class(args)``
 which DistributedOptimizer lays out DDP's buffers in ``get_model`` (ours: shard-aligned Muon
-matrices where that balances, ``muon_layout.py``).
+matrices where that balances, ``megatron_muon/layout.py``).
 
 Patch ``0031-checkpoint-args-muon-impl`` calls ``check_checkpoint_muon_impl`` from
 upstream's ``check_checkpoint_args``: the two Muons' optimizer states are not interchangeable.
@@ -38,14 +38,14 @@ import re
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron.core.optimizer.muon_config import (
+from megatron.core.optimizer.megatron_muon.config import (
     EXCHANGE_DTYPES,
     MUON_IMPLS,
     NS_FORMS,
     is_megatron_muon,
     validate_muon_config,
 )
-from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
+from megatron.core.optimizer.megatron_muon.distrib_optimizer import MuonDistributedOptimizer
 
 __all__ = [
     "add_megatron_muon_args",

@@ -1,6 +1,6 @@
 """The seed's Muon recipe: one set of settings, not a default.
 
-Upstream's defaults stay upstream's (``megatron/core/optimizer/muon_config.py``); the recipe the
+Upstream's defaults stay upstream's (``megatron/core/optimizer/config.py``); the recipe the
 seed trained with, and that our demo, benchmarks and exactness tests use, is spelled out here
 once, as ``OptimizerConfig`` fields of the installed base, and as the ``pretrain_gpt.py`` flags
 that set them (a test checks that the flags parse to the fields):

@@ -28,7 +28,7 @@ from upstream_core import (
     steps,
 )
 
-from megatron.core.optimizer import distopt_adam_checkpoint, distopt_layout
+from megatron.core.optimizer.repairs import distopt_adam_checkpoint, distopt_layout
 
 SPEC = TinyGPT(dtype="bf16")
 

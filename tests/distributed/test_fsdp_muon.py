@@ -32,8 +32,8 @@ from tiny_gpt import (
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.megatron_muon import fsdp
-from megatron.core.optimizer.muon_functional import MuonParamInfo
-from megatron.core.optimizer.muon_megatron import build_muon
+from megatron.core.optimizer.megatron_muon.factory import build_muon
+from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3

@@ -15,8 +15,8 @@ from harness import RankFailure, run_distributed
 from parity import update_rel_error, within, worst
 from tiny_gpt import TinyGPT, build_model, build_optimizer, full_params, global_batches, train_step
 
-from megatron.core.optimizer import muon_checkpoint
-from megatron.core.optimizer.muon_layout import is_shard_aligned
+from megatron.core.optimizer.megatron_muon import checkpoint
+from megatron.core.optimizer.megatron_muon.layout import is_shard_aligned
 from megatron.training.muon_recipe import SEED_RECIPE
 
 BEFORE, AFTER = 2, 2
@@ -50,7 +50,7 @@ def distopts(optimizer):
 
 def model_space_state(optimizer):
     """Every param's main param and state, whole, by name: comparable across DP sizes."""
-    return [muon_checkpoint.gather_state(d, everywhere=True) for d in distopts(optimizer)]
+    return [checkpoint.gather_state(d, everywhere=True) for d in distopts(optimizer)]
 
 
 def save_then_resume(spec, fmt, directory, optimizer_kwargs):
@@ -194,7 +194,7 @@ def save_at(spec, fmt, directory, muon_layout=False):
 
 def resume_at(spec, fmt, directory, muon_layout=False):
     """Load into a fresh model at this rank count; return the loaded state, the continuation
-    and whether the layout was shard-aligned (``muon_layout.py``)."""
+    and whether the layout was shard-aligned (``megatron_muon/layout.py``)."""
     model, optimizer = build(spec, MUON, seed=1, muon_layout=muon_layout)
     aligned = any(is_shard_aligned(b) for d in distopts(optimizer) for b in d.buffers)
     load(fmt, directory, model, optimizer)
@@ -312,7 +312,7 @@ MOE = TinyGPT(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgat
 
 def moe_meta_keys(spec):
     """The declared-state metadata key of the dense and of the expert DistOpt on this rank."""
-    from megatron.core.optimizer.muon_checkpoint_sharded import _meta_key
+    from megatron.core.optimizer.megatron_muon.checkpoint_sharded import _meta_key
 
     _, optimizer = build(spec, MUON)
     return [(d.data_parallel_group_idx, _meta_key(d)) for d in distopts(optimizer)]

@@ -19,8 +19,8 @@ from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, trai
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.core.optimizer import muon_plan_figures as plan_figures
-from megatron.core.optimizer.muon_layout import is_shard_aligned
+from megatron.core.optimizer.megatron_muon.layout import is_shard_aligned
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -512,7 +512,7 @@ def _address(x) -> int:
 
 
 def _measured_transient():
-    from megatron.core.optimizer.muon_plan_figures import working_set_bytes
+    from megatron.core.optimizer.megatron_muon.planner.figures import working_set_bytes
 
     model = build_model(
         COUNT_SPEC, distopt=True, bucket_size=COUNT_BUCKET, overlap_grad_reduce=True

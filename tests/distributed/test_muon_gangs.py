@@ -2,7 +2,8 @@
 figures are what the step runs.
 
 Past DP ~ the number of matrices the plan cuts large matrices into row or column blocks, one per
-gang member, the Gram matrices summed over the gang inside every iteration (``muon_split.py``).
+gang member, the Gram matrices summed over the gang inside every iteration
+(``planner/cost_model.py``).
 The tiny GPT has too few FLOPs per matrix for DP=4 to need that, so the tests plan with low
 split targets (``plan.rebuilt(targets=...)``): every matrix above 0.15 x total/dp splits, which
 gives gangs of 2 and 4 ranks, row blocks (fc1, proj) and column blocks (QKV, fc2), gangs that
@@ -45,10 +46,10 @@ from tiny_gpt import (
     train_step,
 )
 
-from megatron.core.optimizer import muon_gangs, muon_split
-from megatron.core.optimizer import muon_plan_figures as plan_figures
-from megatron.core.optimizer.muon_plan_figures import working_set_bytes
-from megatron.core.optimizer.muon_split import ALL, POST, WAIT, critical_path
+from megatron.core.optimizer.megatron_muon.planner import cost_model, gangs
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
+from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
+from megatron.core.optimizer.megatron_muon.planner.figures import working_set_bytes
 
 # x total/dp: every matrix splits: fc1 (row blocks) over 4 ranks, proj (row blocks), QKV and fc2
 # (column blocks) over 2. Both forms of a member's step run: blocks narrower than their Gram
@@ -87,10 +88,10 @@ def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False, no
         if broken_gather:
             ortho.gangs._gang_gather = functools.partial(_own_rows_only, plan.rank)
         if broken_tp:
-            muon_gangs.all_gather_ranges = lambda flat, bounds, p, group: None
+            gangs.all_gather_ranges = lambda flat, bounds, p, group: None
         if kw.pop("broken_nodes", False):  # rings between the pretended nodes do nothing
-            ring = muon_gangs.ring_all_reduce
-            muon_gangs.ring_all_reduce = functools.partial(_within_nodes, ring, nodes)
+            ring = gangs.ring_all_reduce
+            gangs.ring_all_reduce = functools.partial(_within_nodes, ring, nodes)
     assert not kw, kw
 
 
@@ -122,7 +123,7 @@ def test_gangs_at_dp4_match_one_process():
 def test_gangs_over_tp_duplicated_match_one_process():
     """TP=2 x DP=2 (``duplicated``): gang blocks are TP-gathered before the iteration; the two
     TP ranks of a member each sum (gather) half of every Gram (polynomial) over DP and
-    all-gather the halves over TP (muon_gangs.py, ``_gang_sum``). Negative control: without that
+    all-gather the halves over TP (planner/gangs.py, ``_gang_sum``). Negative control: without that
     all-gather the result misses."""
     got = run_layout("fp32", 4, tp=2, hook=_split)
     assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
@@ -218,7 +219,7 @@ def counted_split_runs(tp: int = 1, nodes: tuple = (), disjoint: bool = False):
 
 
 # DP ranks 0, 1 on one pretended node and 2, 3 on another: the gang of 4 runs its collectives
-# hierarchically (2 per node, muon_gangs.py's ``node_all_reduce``).
+# hierarchically (2 per node, megatron_muon/planner/gangs.py's ``node_all_reduce``).
 NODES = (0, 0, 1, 1)
 
 
@@ -253,7 +254,7 @@ def test_counted_step_with_gangs_is_the_plans_schedule():
     """Per rank, the real step's matmul FLOPs between the points where its main thread posts a
     gang collective to the communication thread, waits for one, or runs an all-to-all, and who
     takes part in each collective with how many elements, are the plan's trace (gang units
-    interleaved, ``muon_split.pipelined``); so the critical path run on the counted traces is
+    interleaved, ``cost_model.pipelined``); so the critical path run on the counted traces is
     the plan's, and the sync points are the collectives counted."""
     ranks = counted_split_runs()
     for r in ranks:
@@ -316,7 +317,7 @@ WIDE = dict(num_layers=1, ffn_hidden_size=384)
 
 
 def _bundle(optimizer):
-    """Hook: disjoint gangs of up to 3 matrices (``muon_placement.bundle_units``), by FLOPs."""
+    """Hook: disjoint gangs of up to 3 matrices (``placement.bundle_units``), by FLOPs."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         plan = ortho.plan.rebuilt(model=_flops_only(ortho.plan), targets=(), bundles=(3,))
@@ -369,7 +370,7 @@ def test_plan_settings_reach_the_planner():
     for got in run_distributed(_planning_models, 4, args=([free, slow, {}],)):
         assert got[0] == (0.0, 0.0, (0, 0, 1, 1), 0.0)
         assert got[1][:2] == (100e12 / 1e9, 100e12 / 450e9) and got[1][2:] == ((0, 0, 0, 0), 0.9)
-        default = muon_split.LINK_FLOPS_PER_BYTE, muon_split.TP_LINK_FLOPS_PER_BYTE
+        default = cost_model.LINK_FLOPS_PER_BYTE, cost_model.TP_LINK_FLOPS_PER_BYTE
         assert got[2] == (*default, (0, 0, 0, 0), 0.0)
     # TP 2 x DP 2, domains of 3 GPUs: the DP group of TP rank 0 (global 0, 2) lies in one
     # domain, that of TP rank 1 (1, 3) in two; both TP ranks plan with TP rank 0's layout

@@ -15,7 +15,7 @@ from harness import run_distributed
 from parity import assert_close_runs, misses, update_rel_error
 from tiny_gpt import TinyGPT, build_model, shard, train, unshard
 
-from megatron.core.optimizer.muon_functional import MuonParamInfo
+from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3

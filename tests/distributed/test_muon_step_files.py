@@ -20,17 +20,19 @@ from harness import run_distributed
 from test_muon_distopt import BUCKET, MUON, distopts
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step
 
-OURS = {p.name for p in (Path(__file__).parents[2] / "megatron/core/optimizer").glob("*.py")}
+OPT = Path(__file__).parents[2] / "megatron/core/optimizer"
+# Our files, by path under megatron/core/optimizer/ ("megatron_muon/exchange.py", "muon.py", ...)
+OURS = {p.relative_to(OPT).as_posix() for p in OPT.rglob("*.py")}
 
 # The step's files in the common case: the optimizer (the DistOpt subclass and Muon), the math
 # (the stages of a step, Newton-Schulz), the exchange. Before issue #28's cut: these and
-# muon_config, muon_plan, muon_split and muon_tp.
+# config, planner/plan, planner/cost_model and tp.
 COMMON_STEP = {
-    "muon_distrib_optimizer.py",
-    "muon_optimizer.py",
-    "muon_functional.py",
-    "newton_schulz.py",
-    "muon_distopt.py",
+    "megatron_muon/distrib_optimizer.py",
+    "megatron_muon/optimizer.py",
+    "megatron_muon/functional.py",
+    "megatron_muon/newton_schulz.py",
+    "megatron_muon/exchange.py",
 }
 
 
@@ -40,9 +42,9 @@ def _record_step(optimizer, files: set) -> None:
 
     def profile(frame, event, arg):
         if event == "call":
-            path = frame.f_code.co_filename
-            name = os.path.basename(path)
-            if name in OURS and path.replace(os.sep, "/").endswith(f"core/optimizer/{name}"):
+            path = frame.f_code.co_filename.replace(os.sep, "/")
+            _, found, name = path.rpartition("/megatron/core/optimizer/")
+            if found and name in OURS:
                 files.add(name)
 
     def recorded():
@@ -92,13 +94,13 @@ def _files(world_size: int, tp: int = 1, gangs: bool = False, precision="highest
 
 
 # "highest": fp32 Newton-Schulz, owners return the scaled update; "medium" (the default): bf16
-# Newton-Schulz, owners return it unscaled and holders scale (muon_distopt.exchange_dtypes).
+# Newton-Schulz, owners return it unscaled and holders scale (exchange.exchange_dtypes).
 @pytest.mark.parametrize("precision", ["highest", "medium"])
 def test_common_step_reads_the_optimizer_the_math_and_the_exchange(precision):
     assert _files(2, precision=precision) == COMMON_STEP
 
 
 def test_tp_and_gangs_are_plug_ins_the_common_step_never_enters():
-    """Negative controls: the same measurement sees muon_tp at TP=2 and muon_gangs with gangs."""
-    assert _files(2, tp=2) - COMMON_STEP == {"muon_tp.py"}
-    assert "muon_gangs.py" in _files(2, gangs=True) - COMMON_STEP
+    """Negative controls: the same measurement sees tp.py at TP=2 and gangs.py with gangs."""
+    assert _files(2, tp=2) - COMMON_STEP == {"megatron_muon/tp.py"}
+    assert "megatron_muon/planner/gangs.py" in _files(2, gangs=True) - COMMON_STEP

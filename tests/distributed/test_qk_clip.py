@@ -33,7 +33,7 @@ from tiny_gpt import (
 
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, qk_clip
-from megatron.core.optimizer.muon_megatron import MegatronMuon
+from megatron.core.optimizer.megatron_muon.factory import MegatronMuon
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3

@@ -73,10 +73,10 @@ def _counted(broken_gather: bool = False) -> float:
     negative control below, the other rank's polynomial rows never arrive)."""
     from test_muon_distopt import MatmulFlops
 
-    from megatron.core.optimizer import muon_tp
+    from megatron.core.optimizer.megatron_muon import tp
 
     if broken_gather:
-        muon_tp.gather_rows = lambda poly, p, k, group: None
+        tp.gather_rows = lambda poly, p, k, group: None
     counter = MatmulFlops()
     with counter:
         result = _run("distributed")
@@ -84,11 +84,11 @@ def _counted(broken_gather: bool = False) -> float:
 
 
 def test_distributed_mode_splits_the_polynomial_and_runs_the_counted_flops():
-    """Each TP rank computes half of every polynomial ``p(G)`` (``muon_tp.gather_rows``): the
+    """Each TP rank computes half of every polynomial ``p(G)`` (``tp.gather_rows``): the
     matmul FLOPs a rank runs per step are ``tp_ns_cost``'s (``4 r n^2 + 2 n^2 ceil(n / tp)``),
     below the ``2 n^3`` of the whole polynomial; without the gather the result is wrong."""
-    from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
-    from megatron.core.optimizer.muon_plan import tp_ns_cost
+    from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
+    from megatron.core.optimizer.megatron_muon.planner.plan import tp_ns_cost
 
     infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in MATRICES]
     # 64 x 32 row shards: 32 lines, Gram 32^2; 32 x 48 column shards: 24 lines, Gram 32^2;

@@ -9,7 +9,7 @@ SIZES = (3, 7)  # rank r's part has SIZES[r] elements: uneven, which gloo alone 
 
 
 def _gather(async_op: bool, buckets: int, wait=None):
-    from megatron.core.optimizer import uneven_all_gather as uag
+    from megatron.core.optimizer.repairs import uneven_all_gather as uag
 
     rank = torch.distributed.get_rank()
     group = torch.distributed.group.WORLD

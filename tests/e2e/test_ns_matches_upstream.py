@@ -9,8 +9,8 @@ import pytest
 import torch
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
-from megatron.core.optimizer.muon_optimizer import Muon
-from megatron.core.optimizer.newton_schulz import COEFFICIENT_SETS, newton_schulz
+from megatron.core.optimizer.megatron_muon.newton_schulz import COEFFICIENT_SETS, newton_schulz
+from megatron.core.optimizer.megatron_muon.optimizer import Muon
 
 SETS = sorted(COEFFICIENT_SETS)
 SHAPES = [(48, 80), (80, 48), (64, 64), (3, 24, 40)]  # wide, tall, square, batched

@@ -20,9 +20,9 @@ import projection  # noqa: E402
 import step_cost  # noqa: E402
 from gather_everything import distopts, use_gather_everything  # noqa: E402
 
-from megatron.core.optimizer import muon_plan_figures as plan_figures  # noqa: E402
-from megatron.core.optimizer.muon_functional import MuonParamInfo  # noqa: E402
-from megatron.core.optimizer.muon_plan import ns_cost  # noqa: E402
+from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo  # noqa: E402
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures  # noqa: E402
+from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost  # noqa: E402
 from megatron.training.muon_recipe import SEED_RECIPE  # noqa: E402
 
 MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
@@ -104,7 +104,7 @@ def _real_layout():
     from tiny_gpt import build_model, build_optimizer
 
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.muon_megatron import muon_param_infos
+    from megatron.core.optimizer.megatron_muon.factory import muon_param_infos
 
     spec = TinyGPT(num_layers=3)
     model = build_model(spec, distopt=True, bucket_size=LAYOUT_BUCKET, overlap_grad_reduce=True)
@@ -153,12 +153,12 @@ def _real_aligned():
     from tiny_gpt import build_model, build_optimizer, global_batches, train_step
 
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.muon_megatron import muon_param_infos
+    from megatron.core.optimizer.megatron_muon.factory import muon_param_infos
 
     logs = []
     handler = logging.Handler()
     handler.emit = lambda record: logs.append(record.getMessage())
-    log = logging.getLogger("megatron.core.optimizer.muon_distrib_optimizer")
+    log = logging.getLogger("megatron.core.optimizer.megatron_muon.distrib_optimizer")
     log.addHandler(handler)
     log.setLevel(logging.INFO)  # Megatron-LM's --logging-level; Python's default shows warnings
     spec = TinyGPT()
@@ -221,7 +221,7 @@ def _three_way():
     from tiny_gpt import global_batches, train_step
 
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.muon_megatron import muon_param_infos
+    from megatron.core.optimizer.megatron_muon.factory import muon_param_infos
 
     spec, out = TinyGPT(), {}
     (batch,) = global_batches(spec, 1)

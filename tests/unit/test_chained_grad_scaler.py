@@ -6,7 +6,7 @@
 import pytest
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 
-from megatron.core.optimizer.chained_grad_scaler import prepare_grads_with_one_scale
+from megatron.core.optimizer.repairs.chained_grad_scaler import prepare_grads_with_one_scale
 
 
 class Sub:

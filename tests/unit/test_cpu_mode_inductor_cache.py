@@ -3,7 +3,7 @@
 Why: torch 2.13 reused a kernel generated under avx2 in a run under ``ATEN_CPU_CAPABILITY=default``
 and compiled it with that run's flags (``'at::vec' has not been declared``): every e2e launch
 failed at its first ``jit_fuser`` fusion. Negative control (by hand): with the call removed from
-``cpu_mode.enable``, ``ATEN_CPU_CAPABILITY=default`` pytest tests/e2e/test_checkpoint_0_16_1.py
+``cpu_mode.enable``, ``ATEN_CPU_CAPABILITY=default`` pytest tests/e2e/test_upstream_loop.py
 after a run without it fails so; with it, both pass.
 """
 

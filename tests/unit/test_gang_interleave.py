@@ -1,4 +1,5 @@
-"""The gang blocks' interleaving (muon_gangs.py, ``GangRunner._interleave``) without ranks:
+"""The gang blocks' interleaving (planner/gangs.py, ``GangRunner._interleave``) without
+ranks:
 the order the communication thread serves requests in, and errors that surface at once."""
 
 import subprocess
@@ -8,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from megatron.core.optimizer.muon_gangs import GangRunner
-from megatron.core.optimizer.newton_schulz import SUM
+from megatron.core.optimizer.megatron_muon.newton_schulz import SUM
+from megatron.core.optimizer.megatron_muon.planner.gangs import GangRunner
 
 
 def _unit(name: str, requests: int, log: list):
@@ -84,8 +85,8 @@ import subprocess
 import sys
 import threading
 import torch
-from megatron.core.optimizer.muon_gangs import GangRunner
-from megatron.core.optimizer.newton_schulz import SUM
+from megatron.core.optimizer.megatron_muon.planner.gangs import GangRunner
+from megatron.core.optimizer.megatron_muon.newton_schulz import SUM
 
 def unit():
     yield SUM, torch.zeros(1)

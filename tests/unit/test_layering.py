@@ -19,38 +19,56 @@ PACKAGE = "megatron.core.optimizer"
 _spec = importlib.util.spec_from_file_location("fork", ROOT / "tools/fork.py")
 fork = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fork)
-OURS = sorted(p.stem for p in OPT.glob("*.py"))
+# Our optimizer modules, named relative to the package: "muon", "megatron_muon.config",
+# "megatron_muon.planner.plan", "repairs.group_matching", ...
+OURS = sorted(
+    ".".join(p.relative_to(OPT).with_suffix("").parts)
+    for p in OPT.rglob("*.py")
+    if p.name != "__init__.py"
+)
 # The package itself (upstream's __init__, patched by 0002 to import our factory hooks): a
 # module that imports from it and is imported by it closes a circle too.
 INIT = "__init__"
+MUON = "megatron_muon."
 
 
 def _source(module: str) -> str:
     if module == INIT:
         return (fork.FORK_DIR / "megatron/core/optimizer/__init__.py").read_text()
-    return (OPT / f"{module}.py").read_text()
+    return (OPT / (module.replace(".", "/") + ".py")).read_text()
+
+
+def _package_of(module: str) -> list[str]:
+    return [] if module == INIT else module.split(".")[:-1]
 
 
 def _imports(module: str) -> set[str]:
     """Our optimizer modules (and the package) that ``module`` imports, anywhere in the file."""
     found = set()
     for node in ast.walk(ast.parse(_source(module))):
+        targets = []
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                base = node.module
-            elif node.module and node.module.startswith(PACKAGE + "."):
+            if node.level:
+                package = _package_of(module)
+                if node.level - 1 > len(package):  # above megatron.core.optimizer: not ours
+                    continue
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            elif node.module == PACKAGE or (node.module or "").startswith(PACKAGE + "."):
                 base = node.module[len(PACKAGE) + 1 :]
-            elif node.level == 1 or node.module == PACKAGE:  # from . import name
-                found.update(a.name if a.name in OURS else INIT for a in node.names)
-                continue
             else:
                 continue
-            found.add(base.split(".")[0])
+            targets = [f"{base}.{a.name}".strip(".") for a in node.names]
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith(PACKAGE + "."):
-                    found.add(alias.name[len(PACKAGE) + 1 :].split(".")[0])
-    return {m for m in found if m in OURS + [INIT] and m != module}
+            targets = [a.name[len(PACKAGE) + 1 :] for a in node.names if a.name.startswith(PACKAGE)]
+        for target in targets:
+            if target.partition(".")[0] in ("megatron_muon", "repairs") or target in OURS:
+                while target not in OURS:  # a.b.c -> a.b: the module that holds c
+                    target = target.rpartition(".")[0]
+                found.add(target)
+            elif isinstance(node, ast.ImportFrom) and base == "":  # from <the package> import x
+                found.add(INIT)
+    return {m for m in found if m != module}
 
 
 def _cycle(graph: dict[str, set[str]]):
@@ -79,10 +97,16 @@ def _cycle(graph: dict[str, set[str]]):
 def test_our_optimizer_modules_import_each_other_without_a_circle():
     graph = {m: _imports(m) for m in OURS + [INIT]}
     assert len(OURS) >= 9, OURS
-    assert graph[INIT] >= {"muon_megatron"}, "the patched package imports the factory hooks"
-    assert graph["muon_config"] == set(), "vocabularies and defaults import nothing of ours"
-    assert graph["newton_schulz"] <= {"muon_config"}, "Newton-Schulz: pure math"
-    assert graph["muon_optimizer"] <= {"muon_config", "muon_functional", "newton_schulz"}
+    assert graph[INIT] >= {MUON + "factory"}, "the patched package imports the factory hooks"
+    assert graph[MUON + "config"] == set(), "vocabularies and defaults import nothing of ours"
+    assert graph[MUON + "newton_schulz"] <= {MUON + "config"}, "Newton-Schulz: pure math"
+    assert graph[MUON + "optimizer"] <= {
+        MUON + m for m in ("config", "functional", "newton_schulz")
+    }
+    repairs = [m for m in OURS if m.startswith("repairs.")]
+    assert repairs and not any(d.startswith(MUON) for m in repairs for d in graph[m]), (
+        "the repairs of upstream defects need nothing of our Muon"
+    )
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
 
 
@@ -182,7 +206,7 @@ def test_no_import_circle_among_all_our_megatron_files():
     graph = _tree_graph()
     ours = [n for n, p in _tree_nodes().items() if (ROOT / "megatron") in p.parents]
     assert len(ours) >= 30 and "megatron.training.gpt_entry" in ours, ours
-    assert "megatron.core.optimizer.muon_megatron" in graph["megatron.core.optimizer"]
+    assert "megatron.core.optimizer.megatron_muon.factory" in graph["megatron.core.optimizer"]
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
 
 

@@ -5,9 +5,9 @@ import io
 import pytest
 import torch
 
+from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz as _newton_schulz
 from megatron.core.optimizer.muon import Muon as _Muon
 from megatron.core.optimizer.muon import MuonParamInfo
-from megatron.core.optimizer.newton_schulz import newton_schulz as _newton_schulz
 
 # These tests check torch.optim.Muon's math (Nesterov, Keller Jordan's coefficients, matched
 # AdamW RMS 0.2) in fp32: the seed's recipe, given explicitly here since Muon's defaults are

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron.core.optimizer import OptimizerConfig, muon_config, muon_optimizer, newton_schulz
-from megatron.core.optimizer.muon_config import validate_muon_config
-from megatron.core.optimizer.muon_megatron import check_muon_supported
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.megatron_muon import config as muon_config
+from megatron.core.optimizer.megatron_muon import newton_schulz
+from megatron.core.optimizer.megatron_muon import optimizer as muon_optimizer
+from megatron.core.optimizer.megatron_muon.config import validate_muon_config
+from megatron.core.optimizer.megatron_muon.factory import check_muon_supported
 
 # upstream 0.19.2's OptimizerConfig, read from the pinned archive (tests/unit/test_fork_build.py
 # checks its hash): every field it defines keeps its default

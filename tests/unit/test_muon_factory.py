@@ -27,8 +27,8 @@ from megatron.core.optimizer import (
     ParamKey,
     get_megatron_optimizer,
 )
+from megatron.core.optimizer.megatron_muon.factory import MegatronMuon
 from megatron.core.optimizer.muon import get_megatron_muon_optimizer
-from megatron.core.optimizer.muon_megatron import MegatronMuon
 from megatron.training.muon_recipe import SEED_RECIPE
 
 ROOT = Path(__file__).resolve().parents[2]

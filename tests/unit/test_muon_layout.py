@@ -1,5 +1,5 @@
-"""Our Muon's DDP layout (``muon_layout.py``) and the holder placement that goes with it
-(``muon_placement.holder_owners``): pure arithmetic on shapes, no process group.
+"""Our Muon's DDP layout (``megatron_muon/layout.py``) and the holder placement that goes with it
+(``placement.holder_owners``): pure arithmetic on shapes, no process group.
 
     .venv/bin/python -m pytest tests/unit/test_muon_layout.py -q
 """
@@ -9,9 +9,9 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron.core.optimizer.muon_distrib_optimizer import MuonDistributedOptimizer
-from megatron.core.optimizer.muon_layout import TAG, holder_costs
-from megatron.core.optimizer.muon_placement import HOLDER_SLACK, holder_owners
+from megatron.core.optimizer.megatron_muon.distrib_optimizer import MuonDistributedOptimizer
+from megatron.core.optimizer.megatron_muon.layout import TAG, holder_costs
+from megatron.core.optimizer.megatron_muon.planner.placement import HOLDER_SLACK, holder_owners
 
 # (costs, holders, world, min_efficiency, owners expected; None: whole matrices cannot balance)
 HOLDER_CASES = [

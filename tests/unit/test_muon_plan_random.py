@@ -41,10 +41,22 @@ from typing import Optional
 import pytest
 import torch
 
-from megatron.core.optimizer import muon_plan_figures as plan_figures
-from megatron.core.optimizer.muon_distopt import Block, BucketSlot, MatrixSlot, Unit, block_views
-from megatron.core.optimizer.muon_megatron import MegatronMuonParamInfo
-from megatron.core.optimizer.muon_placement import (
+from megatron.core.optimizer.megatron_muon.exchange import (
+    Block,
+    BucketSlot,
+    MatrixSlot,
+    Unit,
+    block_views,
+)
+from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
+from megatron.core.optimizer.megatron_muon.planner.cost_model import (
+    POST,
+    critical_path,
+    cut,
+    member_events,
+)
+from megatron.core.optimizer.megatron_muon.planner.placement import (
     BUNDLES,
     TARGETS,
     TIME_SLACK,
@@ -54,8 +66,7 @@ from megatron.core.optimizer.muon_placement import (
     span,
     whole_unit,
 )
-from megatron.core.optimizer.muon_plan import MuonExchangePlan, piece
-from megatron.core.optimizer.muon_split import POST, critical_path, cut, member_events
+from megatron.core.optimizer.megatron_muon.planner.plan import MuonExchangePlan, piece
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import projection  # noqa: E402

@@ -5,18 +5,18 @@ import dataclasses
 import pytest
 import torch
 
+from megatron.core.optimizer.megatron_muon.functional import (
+    OrthoSpec,
+    orthogonalize_matrices,
+    scale_flat_,
+)
+from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz
 from megatron.core.optimizer.muon import (
     LocalOrthogonalizer,
     Muon,
     MuonParamInfo,
     TensorParallelMuon,
 )
-from megatron.core.optimizer.muon_functional import (
-    OrthoSpec,
-    orthogonalize_matrices,
-    scale_flat_,
-)
-from megatron.core.optimizer.newton_schulz import newton_schulz
 
 # GQA: 3 query groups, 2 query heads per group, head_dim 4, hidden 24.
 GROUPS, HEADS_PER_GROUP, HEAD_DIM, HIDDEN = 3, 2, 4, 24

@@ -1,5 +1,6 @@
-"""The gang plan's arithmetic (``muon_split.py``): blocks of a flat shard, the schedule's critical
-path, and plans at projection scale that cover every element once and never lengthen the path.
+"""The gang plan's arithmetic (``planner/cost_model.py``): blocks of a flat shard, the schedule's
+critical path, and plans at projection scale that cover every element once
+and never lengthen the path.
 
     .venv/bin/python -m pytest tests/unit/test_muon_split.py -q
 """
@@ -13,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.core.optimizer import muon_placement, muon_split
-from megatron.core.optimizer import muon_plan_figures as plan_figures
-from megatron.core.optimizer.muon_distopt import Block, block_views
-from megatron.core.optimizer.muon_gangs import CommStreams
-from megatron.core.optimizer.muon_split import ALL, POST, WAIT, critical_path
+from megatron.core.optimizer.megatron_muon.exchange import Block, block_views
+from megatron.core.optimizer.megatron_muon.planner import cost_model, placement
+from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
+from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
+from megatron.core.optimizer.megatron_muon.planner.gangs import CommStreams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import projection  # noqa: E402
@@ -152,7 +153,7 @@ def test_gangs_shorten_the_critical_path_and_the_plan_is_deterministic(plan_1b_d
 def flops_only_1b_dp256(plan_1b_dp256):
     """The plan a planner blind to the link chooses: what ``--muon-plan-dp-link-gbps inf
     --muon-plan-nvlink-gbps inf`` asks for (links that cost 0 FLOPs per byte)."""
-    links = muon_split.PlanLinks(dp_link_gbps=math.inf, nvlink_gbps=math.inf).link_costs()
+    links = cost_model.PlanLinks(dp_link_gbps=math.inf, nvlink_gbps=math.inf).link_costs()
     assert links == dict(link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
     return plan_1b_dp256.rebuilt(model=dataclasses.replace(plan_1b_dp256.model, **links))
 
@@ -183,11 +184,11 @@ def test_the_chosen_plan_is_the_fastest_at_the_planning_link(plan_1b_dp256, flop
     """At the link the planner assumes (``LINK_FLOPS_PER_BYTE``: 396 TFLOP/s, 50 GB/s), the
     plan it chose takes no longer (NS, gang collectives and exchange, as the projection times
     them) than the FLOPs-only plan, which in turn has the shorter FLOP critical path."""
-    assert muon_split.LINK_FLOPS_PER_BYTE == RATE / LINK
-    assert muon_split.TP_LINK_FLOPS_PER_BYTE == RATE / TP_LINK
+    assert cost_model.LINK_FLOPS_PER_BYTE == RATE / LINK
+    assert cost_model.TP_LINK_FLOPS_PER_BYTE == RATE / TP_LINK
 
     chosen, flops_only = plan_1b_dp256, flops_only_1b_dp256
-    assert _seconds(chosen) <= _seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
+    assert _seconds(chosen) <= _seconds(flops_only) * (1 + placement.TIME_SLACK)
     assert plan_figures.critical_path_flops(flops_only) <= plan_figures.critical_path_flops(chosen)
 
 
@@ -205,11 +206,7 @@ def test_an_efficiency_floor_picks_the_fastest_plan_that_reaches_it(
 
     fastest, flops_only, floor = plan_1b_dp256, flops_only_1b_dp256, floored(0.9)
     assert plan_figures.efficiency(fastest) < 0.9 <= plan_figures.efficiency(floor)
-    assert (
-        _seconds(fastest)
-        < _seconds(floor)
-        <= _seconds(flops_only) * (1 + muon_placement.TIME_SLACK)
-    )
+    assert _seconds(fastest) < _seconds(floor) <= _seconds(flops_only) * (1 + placement.TIME_SLACK)
     best = floored(1.0)
     critical = plan_figures.critical_path_flops
     assert plan_figures.efficiency(best) < 1.0 and critical(best) <= critical(floor)
@@ -232,7 +229,7 @@ def test_a_gang_splits_its_polynomial_where_it_saves_time():
 
 def test_stacked_gangs_stay_on_one_node():
     """1B at DP 64, 8 ranks per node, fc1 and fc2 split at 1.1 x total / dp
-    (``muon_placement._assign``): every gang that fits a node is placed on one (its sums on the
+    (``placement._assign``): every gang that fits a node is placed on one (its sums on the
     fast link); blind to the nodes (the negative control) the least-loaded ranks straddle them.
     With it the plan chosen balances fc2 too (efficiency >= 0.9; 0.897 with fc2 whole)."""
     nodes = tuple(r // 8 for r in range(64))
@@ -246,7 +243,7 @@ def test_stacked_gangs_stay_on_one_node():
     target = 1.1 * sum(w.cost for w in works) / 64
 
     def crossing(shape_model):
-        units, gangs = muon_placement._assign(works, 64, shape_model, target)
+        units, gangs = placement._assign(works, 64, shape_model, target)
         assert len(gangs) == 32  # 16 fc1, 16 fc2
         return [i for i in gangs if len({nodes[u.owner] for u in units[i]}) > 1]
 
@@ -288,13 +285,13 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
     ideal = sum(w.cost for w in works) / dp
 
     def shaped():
-        units, gangs = muon_placement.bundle_units(works, dp, model, 1)
+        units, gangs = placement.bundle_units(works, dp, model, 1)
         owners = {u.owner for matrix_units in units for u in matrix_units}
-        time = muon_placement.span(works, units, gangs, dp, model)
-        return time, ideal / muon_placement.span(works, units, gangs, dp, model, False), owners
+        time = placement.span(works, units, gangs, dp, model)
+        return time, ideal / placement.span(works, units, gangs, dp, model, False), owners
 
     time, efficiency, owners = shaped()
-    monkeypatch.setattr(muon_placement._Runs, "_steps", lambda self, runs: iter(()))
+    monkeypatch.setattr(placement._Runs, "_steps", lambda self, runs: iter(()))
     idle_time, idle_efficiency, idle_owners = shaped()
     assert owners == set(range(dp)) and len(idle_owners) < dp
     assert efficiency >= 0.55 > 0.4 > idle_efficiency
@@ -307,7 +304,7 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
 def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer():
     """On an accelerator the communication thread works on a stream of its own: it waits for an
     event recorded on the compute stream at the post, and the compute stream waits for an event
-    recorded after the collective (muon_gangs.py, ``CommStreams``; no GPU here, so fake streams
+    recorded after the collective (planner/gangs.py, ``CommStreams``; no GPU here, so fake streams
     check the protocol). On CPU every step is a no-op."""
     log: list = []
     streams = CommStreams(_FakeStream("compute", log), _FakeStream("comm", log))

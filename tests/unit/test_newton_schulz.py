@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from megatron.core.optimizer.newton_schulz import (
+from megatron.core.optimizer.megatron_muon.newton_schulz import (
     COEFFICIENT_SETS,
     SUM,
     matmul_precision,

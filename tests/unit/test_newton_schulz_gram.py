@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from megatron.core.optimizer.newton_schulz import (
+from megatron.core.optimizer.megatron_muon.newton_schulz import (
     GRAM_MAX_SHARE,
     _gram_iterate,
     _normalized,
@@ -177,9 +177,9 @@ def test_unknown_form_raises():
 def test_planner_counts_the_form_that_runs():
     """The DistOpt planner's cost of a whole matrix is what ``newton_schulz`` runs on it: the
     Gram form's count where ``'auto'`` takes it, per Q/K/V block; sharded forms stay standard."""
-    from megatron.core.optimizer.muon_distrib_optimizer import cost_model
-    from megatron.core.optimizer.muon_functional import LocalOrthogonalizer, MuonParamInfo
-    from megatron.core.optimizer.muon_plan import ns_cost, tp_ns_cost
+    from megatron.core.optimizer.megatron_muon.distrib_optimizer import cost_model
+    from megatron.core.optimizer.megatron_muon.functional import LocalOrthogonalizer, MuonParamInfo
+    from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost, tp_ns_cost
 
     wide, square = MuonParamInfo((1024, 4096)), MuonParamInfo((512, 512))
     assert ns_cost(wide, 5, "auto") == gram_flops(1024, 4096, 5) < ns_cost(wide, 5)
@@ -199,8 +199,8 @@ def test_planner_counts_the_form_that_runs():
 def test_muon_step_runs_the_gram_form():
     """``Muon(ns_form='auto')``: the wide matrix and each Q/K/V block in the Gram form, the
     square one in the standard steps (``uses_gram``), scaled as ever."""
-    from megatron.core.optimizer.muon_functional import MuonParamInfo
-    from megatron.core.optimizer.muon_optimizer import Muon
+    from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo
+    from megatron.core.optimizer.megatron_muon.optimizer import Muon
 
     g = torch.Generator().manual_seed(4)
     wide, square = torch.zeros(16, 64), torch.zeros(32, 32)
@@ -235,7 +235,7 @@ def test_8b_layer_counts_half_the_flops():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     from bench_newton_schulz import LLAMA_8B
 
-    from megatron.core.optimizer.muon_plan import ns_cost
+    from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost
 
     std = sum(ns_cost(info, 5) for info in LLAMA_8B.values())
     auto = sum(ns_cost(info, 5, "auto") for info in LLAMA_8B.values())

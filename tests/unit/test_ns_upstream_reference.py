@@ -11,7 +11,7 @@ compares with upstream itself where it is installed.
 import pytest
 import torch
 
-from megatron.core.optimizer.newton_schulz import newton_schulz
+from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz
 
 # (coefficient set, steps, shape, input norm (None: as drawn))
 CASES = {

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.megatron_muon.functional import OrthoSpec, orthogonalize_matrices
+from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz
 from megatron.core.optimizer.muon import Muon, MuonParamInfo, TensorParallelMuon
-from megatron.core.optimizer.muon_functional import OrthoSpec, orthogonalize_matrices
-from megatron.core.optimizer.newton_schulz import newton_schulz
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

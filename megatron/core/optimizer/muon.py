@@ -9,9 +9,9 @@ import dataclasses
 import warnings
 
 from . import get_megatron_optimizer
-from .muon_functional import LocalOrthogonalizer, MuonParamInfo, Orthogonalizer
-from .muon_megatron import TensorParallelMuon
-from .muon_optimizer import Muon
+from .megatron_muon.factory import TensorParallelMuon
+from .megatron_muon.functional import LocalOrthogonalizer, MuonParamInfo, Orthogonalizer
+from .megatron_muon.optimizer import Muon
 
 __all__ = [
     "Muon",

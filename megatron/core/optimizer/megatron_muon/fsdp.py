@@ -1,12 +1,12 @@
 """Our Muon under ZeRO-3 (Megatron-FSDP, torch FSDP2): exact, each matrix orthogonalized once per
-step by a balanced owner, reached from the ZeRO-3 shards by the DistOpt exchange.
+step by a balanced owner, reached from the ZeRO-3 shards by the DistOpt exchange (exchange.py).
 
 A rank's ZeRO-3 shard of a matrix is a contiguous range of its flattened (TP-local) elements:
 Megatron-FSDP cuts each parameter group's flat buffer into ``dp`` equal shards, and FSDP2's
 ``Shard(0)`` gives rank ``r`` rows ``[r c, (r + 1) c)``, ``c = ceil(rows / dp)``. Both are the
 DistributedOptimizer's layout (a flat bucket cut into ``dp`` equal pieces): Megatron-FSDP's bucket
-is its parameter group's buffer, FSDP2's is the matrix itself. So the plan (muon_plan.py) and the
-exchange (muon_distopt.py) run unchanged; this module reads the two layouts and moves between
+is its parameter group's buffer, FSDP2's is the matrix itself. So the plan (planner/plan.py) and the
+exchange (exchange.py) run unchanged; this module reads the two layouts and moves between
 DTensors and their local pieces. Newton-Schulz on a local ``Shard(0)`` piece is not Newton-Schulz
 of the matrix: no rank ever runs it on a piece. docs/fsdp.md, "Muon".
 """
@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..muon_distopt import (
+from .distrib_optimizer import _owners_orthogonalizer, cost_model
+from .exchange import (
     DTYPES,
     BucketSlot,
     DistributedMuonOrthogonalizer,
@@ -28,12 +29,11 @@ from ..muon_distopt import (
     ShardInfo,
     exchange_dtypes,
 )
-from ..muon_distrib_optimizer import _owners_orthogonalizer, cost_model
-from ..muon_functional import MatrixFn, MuonParamInfo
-from ..muon_gangs import GangRunner, gang_nodes
-from ..muon_plan import MuonExchangePlan
-from ..muon_split import DEFAULT_LINKS, PlanLinks
-from ..newton_schulz import compute_dtype
+from .functional import MatrixFn, MuonParamInfo
+from .newton_schulz import compute_dtype
+from .planner.cost_model import DEFAULT_LINKS, PlanLinks
+from .planner.gangs import GangRunner, gang_nodes
+from .planner.plan import MuonExchangePlan
 
 
 @dataclass(frozen=True, eq=False)

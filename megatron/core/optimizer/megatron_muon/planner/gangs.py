@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 from torch.distributed import P2POp
 
-from .muon_distopt import Exchange
-from .muon_functional import ortho_spec_of, orthogonalize_sharded_steps
-from .muon_split import cut, node_layout, ring_traffic
-from .muon_tp import TPOrthogonalizer, all_gather_ranges
-from .newton_schulz import GATHER, SUM
+from ..exchange import Exchange
+from ..functional import ortho_spec_of, orthogonalize_sharded_steps
+from ..newton_schulz import GATHER, SUM
+from ..tp import TPOrthogonalizer, all_gather_ranges
+from .cost_model import cut, node_layout, ring_traffic
 
 
 class GangRunner:

@@ -11,7 +11,7 @@ def param_names(distopt) -> dict:
     """{model param: name}: upstream's names (expert indices global), ``chunk{i}.``-prefixed
     where virtual pipeline chunks share local names."""
     if getattr(distopt, "muon_param_names", None) is None:
-        from ..transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+        from ...transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 
         chunks = distopt.model_chunks
         experts = chunks[0].config.num_moe_experts if chunks else None

@@ -11,18 +11,18 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from .. import parallel_state
-from ..utils import get_pg_size
-from .muon_config import (
+from ... import parallel_state
+from ...utils import get_pg_size
+from .config import (
     EXCHANGE_DTYPES,
     TP_MODES,
     is_megatron_muon,
     validate_muon_config,
 )
-from .muon_functional import MuonParamInfo
-from .muon_optimizer import Muon
-from .muon_split import DEFAULT_LINKS, PlanLinks
-from .muon_tp import TPOrthogonalizer
+from .functional import MuonParamInfo
+from .optimizer import Muon
+from .planner.cost_model import DEFAULT_LINKS, PlanLinks
+from .tp import TPOrthogonalizer
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def check_muon_supported(config, model_chunks) -> None:
             "params use decoupled weight decay only"
         )
     if any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in model_chunks):
-        from .megatron_muon.fsdp import check_megatron_fsdp  # ZeRO-3: docs/fsdp.md, "Muon"
+        from .fsdp import check_megatron_fsdp  # ZeRO-3: docs/fsdp.md, "Muon"
 
         check_megatron_fsdp(config, model_chunks)
     check_experts_apart(model_chunks)
@@ -278,8 +278,8 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
         ),
         **muon_kwargs(config),
     )
-    if _uses_torch_fsdp2(model_chunks, infos):  # ZeRO-3 params: megatron_muon/fsdp.py
-        from .megatron_muon.fsdp import attach_fsdp2
+    if _uses_torch_fsdp2(model_chunks, infos):  # ZeRO-3 params: fsdp.py
+        from .fsdp import attach_fsdp2
 
         names = {p: n for chunk in model_chunks for n, p in chunk.named_parameters()}
         # Megatron's optimizer wrappers step fp32 (main) params whatever the model's dtype
@@ -329,12 +329,12 @@ class _PositionalInfo(dict):
 
 
 class MegatronMuon(Muon):
-    """``Muon`` inside Megatron's wrappers; muon_distrib_optimizer.py attaches the exchange.
+    """``Muon`` inside Megatron's wrappers; distrib_optimizer.py attaches the exchange.
 
     Args:
         params: param groups (``use_muon`` picks the rule).
         distopt_exchange_dtype: dtype of the momentum exchanged over DP ('fp32', 'bf16').
-        distopt_plan_links: the machine the DistOpt planner assumes (muon_split.py).
+        distopt_plan_links: the machine the DistOpt planner assumes (planner/cost_model.py).
         **kwargs: ``Muon``'s settings.
     """
 

@@ -7,8 +7,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
-from .muon_distopt import Block, Unit
-from .muon_split import (
+from ..exchange import Block, Unit
+from .cost_model import (
     NSCostModel,
     critical_path,
     cut,
@@ -24,7 +24,7 @@ TARGETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, math.inf)
 TIME_SLACK = 0.02
 # Disjoint gangs tried: at most this many matrices share one gang's members (``bundle_units``).
 BUNDLES = (1, 2, 3)
-# Where every matrix lies whole on one rank (the shard-aligned layout, muon_layout.py), those
+# Where every matrix lies whole on one rank (the shard-aligned layout, layout.py), those
 # holders own them, so the exchange moves nothing, while the busiest one's NS FLOPs stay within
 # this fraction of the mean: a few % of NS time against the whole exchange (~4 M/dp elements
 # per rank and step); past it a few matrices move (``holder_owners``, which also chooses the
@@ -132,7 +132,7 @@ def _balanced_enough(timed: list, works: list[Work], world: int, model, ideal: f
 
 
 def span(works: list[Work], units, gangs: list[int], world: int, model, link=True) -> float:
-    """The critical path of an assignment, as the exchange runs it (muon_split.py).
+    """The critical path of an assignment, as the exchange runs it (planner/cost_model.py).
 
     Args:
         works: the matrices.

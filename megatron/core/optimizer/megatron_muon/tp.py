@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .muon_config import TP_MODES
-from .muon_functional import (
+from .config import TP_MODES
+from .functional import (
     NS_TIMER,
     MuonParamInfo,
     OrthoSpec,

@@ -1,13 +1,13 @@
-"""Counted figures of a DistOpt Muon plan (muon_plan.py) for benches, logs and tests; the step
+"""Counted figures of a DistOpt Muon plan (planner/plan.py) for benches, logs and tests; the step
 never calls these (docs/distopt_exchange.md, "Counted figures").
 """
 
 import math
 from typing import Optional
 
-from .muon_distopt import Exchange, MatrixSlot, Unit
-from .muon_plan import MuonExchangePlan
-from .muon_split import ALL, critical_path, exchange_schedule, member_events
+from ..exchange import Exchange, MatrixSlot, Unit
+from .cost_model import ALL, critical_path, exchange_schedule, member_events
+from .plan import MuonExchangePlan
 
 
 def with_window(plan: MuonExchangePlan, window: Optional[int]) -> MuonExchangePlan:
@@ -68,7 +68,7 @@ def trace(plan: MuonExchangePlan, rank: int) -> list[tuple]:
 
 
 def _schedule(plan: MuonExchangePlan, ex: Exchange) -> list[list[tuple]]:
-    """``muon_split.exchange_schedule`` of ``ex`` (every rank's), computed once per plan."""
+    """``cost_model.exchange_schedule`` of ``ex`` (every rank's), computed once per plan."""
     cache = plan.__dict__.setdefault("_schedule_cache", {})
     if id(ex) not in cache:
         at = {i: j for j, i in enumerate(ex.matrices)}
@@ -100,7 +100,7 @@ def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...
         ex: one of its exchanges.
 
     Returns:
-        (members, elements) per collective (a gather's elements: a ``muon_split.Gather``).
+        (members, elements) per collective (a gather's elements: a ``cost_model.Gather``).
     """
     out = []
     for i in ex.gangs:

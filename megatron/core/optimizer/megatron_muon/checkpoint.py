@@ -5,9 +5,16 @@ param name (no dependence on DP size or bucket padding). Formats and why: docs/c
 import torch
 from torch import Tensor
 
-from .distopt_layout import ShardPiece, buckets, in_bucket, param_name, param_shapes, shard_pieces
-from .muon_megatron import MegatronMuon
-from .optimizer import param_group_identifier_keys
+from ..optimizer import param_group_identifier_keys
+from ..repairs.distopt_layout import (
+    ShardPiece,
+    buckets,
+    in_bucket,
+    param_name,
+    param_shapes,
+    shard_pieces,
+)
+from .factory import MegatronMuon
 
 FORMAT = "declared-state-distopt/1"
 MARK = "declared_state_checkpoint"  # key of the format marker in DistOpt.state_dict()
@@ -32,7 +39,7 @@ def tensors_of(distopt, piece: ShardPiece) -> dict[str, Tensor]:
 
     Args:
         distopt: the ``MuonDistributedOptimizer``.
-        piece: the shard piece (distopt_layout.py).
+        piece: the shard piece (repairs/distopt_layout.py).
 
     Returns:
         {key: tensor}, the shard itself under "param".

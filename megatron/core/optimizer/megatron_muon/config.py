@@ -7,7 +7,7 @@ seed's recipe is a set of flags, not a default (README.md).
 
 from typing import Literal, Optional, get_args
 
-# The range ``--muon-plan-*`` accept (``muon_split.PlanLinks``): any real machine, with margin.
+# The range ``--muon-plan-*`` accept (``cost_model.PlanLinks``): any real machine, with margin.
 # Past it the cost of a byte overflows to inf, and inf x 0 is a NaN the planner would compare.
 MAX_PLAN_TFLOPS = 1e6  # per GPU: 1 EFLOP/s
 MIN_PLAN_GBPS = 1e-3  # per GPU and direction: 1 Mb/s (inf: a free link)
@@ -49,7 +49,7 @@ DEFAULT_COEFFICIENTS: CoefficientType = "quintic"
 DEFAULT_MUON_IMPL: MuonImpl = "emerging"
 DEFAULT_MATCHED_ADAMW_RMS: Optional[float] = None
 DEFAULT_EXCHANGE_DTYPE: ExchangeDtype = "fp32"  # exact
-# The DistOpt Muon planner's machine (``muon_split.PlanLinks``): None, the built-in H100-class one.
+# The DistOpt Muon planner's machine (``cost_model.PlanLinks``): None, the built-in H100-class one.
 DEFAULT_PLAN_FIGURE = None
 # Ours, off: the DistOpt Muon planner picks the fastest plan, however balanced in FLOPs.
 DEFAULT_PLAN_MIN_EFFICIENCY = None

@@ -1,8 +1,8 @@
 """``Muon``: a plain torch optimizer holding Muon and AdamW param groups.
 
 It knows nothing of Megatron or process groups: sharded params are stepped through an
-``Orthogonalizer`` and a ``MuonParamInfo`` per param handed in (muon_megatron.py builds both);
-the math is in muon_functional.py and newton_schulz.py, the defaults in muon_config.py.
+``Orthogonalizer`` and a ``MuonParamInfo`` per param handed in (factory.py builds both);
+the math is in functional.py and newton_schulz.py, the defaults in config.py.
 """
 
 import copy
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from . import muon_config as defaults
-from .muon_config import NS_FORMS, SCALE_MODES, resolve_scale
-from .muon_functional import (
+from . import config as defaults
+from .config import NS_FORMS, SCALE_MODES, resolve_scale
+from .functional import (
     LocalOrthogonalizer,
     MuonParamInfo,
     Orthogonalizer,

@@ -1,7 +1,7 @@
 """Megatron's DistributedOptimizer (ZeRO-1) with ``MegatronMuon`` inside
 (``muon_impl='megatron_muon'``, patch 0002): adds the exchange plan (built here, run by
-muon_distopt.py), DDP's buffer layout (muon_layout.py) and Muon's state in every DistOpt
-checkpoint format (muon_checkpoint*.py); docs/distopt_exchange.md.
+exchange.py), DDP's buffer layout (layout.py) and Muon's state in every DistOpt
+checkpoint format (checkpoint*.py); docs/distopt_exchange.md.
 """
 
 import dataclasses
@@ -11,13 +11,11 @@ from typing import Optional
 import torch
 from megatron.core.utils import log_single_rank
 
-from . import muon_checkpoint as checkpoint
-from . import muon_checkpoint_sharded as sharded
-from . import muon_layout
-from . import muon_plan_figures as plan_figures
-from .distopt_layout import in_bucket, param_name
-from .distrib_optimizer import DistributedOptimizer
-from .muon_distopt import (
+from ..distrib_optimizer import DistributedOptimizer
+from ..repairs.distopt_layout import in_bucket, param_name
+from . import checkpoint, layout
+from . import checkpoint_sharded as sharded
+from .exchange import (
     DTYPES,
     BucketSlot,
     DistributedMuonOrthogonalizer,
@@ -25,12 +23,13 @@ from .muon_distopt import (
     ShardInfo,
     exchange_dtypes,
 )
-from .muon_functional import LocalOrthogonalizer, Orthogonalizer
-from .muon_gangs import GangRunner, gang_nodes
-from .muon_plan import MuonExchangePlan, ns_cost, tp_ns_cost
-from .muon_split import DEFAULT_LINKS, NSCostModel, PlanLinks
-from .muon_tp import TPOrthogonalizer
+from .functional import LocalOrthogonalizer, Orthogonalizer
 from .newton_schulz import compute_dtype
+from .planner import figures as plan_figures
+from .planner.cost_model import DEFAULT_LINKS, NSCostModel, PlanLinks
+from .planner.gangs import GangRunner, gang_nodes
+from .planner.plan import MuonExchangePlan, ns_cost, tp_ns_cost
+from .tp import TPOrthogonalizer
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +40,20 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         muon = self.optimizer
-        if self.ddp_config.use_megatron_fsdp:  # ZeRO-3: megatron_muon/fsdp.py
-            from .megatron_muon.fsdp import attach_megatron_fsdp
+        if self.ddp_config.use_megatron_fsdp:  # ZeRO-3: fsdp.py
+            from .fsdp import attach_megatron_fsdp
 
             links = muon.distopt_plan_links
             attach_megatron_fsdp(muon, muon.distopt_exchange_dtype, links)
             return
         attach(self, muon, muon.distopt_exchange_dtype, links=muon.distopt_plan_links)
-        aligned = any(muon_layout.is_shard_aligned(b) for b in self.buffers)
-        layout = "shard-aligned" if aligned else "byte-level"
-        log_single_rank(logger, logging.INFO, plan_figures.summary(self.muon_plan, layout))
+        aligned = any(layout.is_shard_aligned(b) for b in self.buffers)
+        kind = "shard-aligned" if aligned else "byte-level"
+        log_single_rank(logger, logging.INFO, plan_figures.summary(self.muon_plan, kind))
 
     # DDP's buffer layout for this optimizer (upstream's static method, same signature): the Muon
     # matrices shard-aligned where their holders' Newton-Schulz loads balance, else DistOpt's
-    compute_full_param_layout = staticmethod(muon_layout.compute_full_param_layout)
+    compute_full_param_layout = staticmethod(layout.compute_full_param_layout)
 
     def start_param_sync_for_bucket_group_subset(self) -> None:
         """Start every bucket group's param all-gather, shard-aligned Muon buffers included."""
@@ -64,7 +63,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                     chunk._start_bucket_group_param_sync(group, force_sync=False)
 
     def state_dict(self):
-        """Param groups, grad scaler and format marker (muon_checkpoint.py)."""
+        """Param groups, grad scaler and format marker (checkpoint.py)."""
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict):
@@ -74,7 +73,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def get_parameter_state_dp_zero(
         self, use_gloo_comm: bool = True, empty_data: bool = False, return_on_all_ranks=False
     ):
-        """Every param's main param and state by name (``torch`` format; muon_checkpoint.py).
+        """Every param's main param and state by name (``torch`` format; checkpoint.py).
 
         Args:
             use_gloo_comm: unused (the DP group's gloo twin is used where there is one).
@@ -256,7 +255,7 @@ def attach(
         muon: its inner Muon optimizer; modified in place.
         exchange_dtype: the exchange's dtype where NS does not set it (``exchange_dtypes``).
         window: Muon elements per exchange; None: one exchange per DP group.
-        links: the machine the planner assumes (``PlanLinks``, muon_split.py).
+        links: the machine the planner assumes (``PlanLinks``, planner/cost_model.py).
     """
     specs = muon.ortho_specs()
     if len(specs) > 1:
@@ -300,7 +299,7 @@ def attach(
 
 def _owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
     """Owners' orthogonalizer: ``inner`` where TP shards a Muon matrix, else a local one (at
-    TP=1 the step never enters muon_tp.py)."""
+    TP=1 the step never enters tp.py)."""
     if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
         return inner
     return LocalOrthogonalizer(getattr(inner, "timers", None))

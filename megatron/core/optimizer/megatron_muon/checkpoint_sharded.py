@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import torch
 
-from ..dist_checkpointing.dict_utils import nested_values
-from ..dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from ..dist_checkpointing.utils import extract_sharded_tensors_and_factories
-from .distopt_layout import param_name, param_shapes, shard_pieces
-from .group_matching import match_groups
-from .muon_checkpoint import (
+from ...dist_checkpointing.dict_utils import nested_values
+from ...dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from ...dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from ..repairs.distopt_layout import param_name, param_shapes, shard_pieces
+from ..repairs.group_matching import match_groups
+from .checkpoint import (
     all_gather_object,
     check_compatible,
     gather_state,
@@ -23,7 +23,7 @@ from .muon_checkpoint import (
     set_scalars,
     tensors_of,
 )
-from .muon_optimizer import RULE_SETTINGS
+from .optimizer import RULE_SETTINGS
 
 
 def _prefix(distopt) -> str:
@@ -191,7 +191,7 @@ def _load_dp_reshardable(distopt, param_state) -> None:
 
 def load_state_dict(distopt, state: dict) -> None:
     """``load_state_dict`` of every format: groups matched by identity (incl. ``use_muon``,
-    group_matching.py), state created, then the param state loaded.
+    repairs/group_matching.py), state created, then the param state loaded.
 
     Args:
         distopt: the ``MuonDistributedOptimizer``.

@@ -13,7 +13,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from .muon_config import (
+from .config import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
     DEFAULT_NS_FORM,
@@ -214,7 +214,7 @@ def newton_schulz(
     return out.reshape(x.shape).to(x.dtype)
 
 
-# ``form``'s values: ``muon_config.NS_FORMS`` plus ``'gram'`` (always the Gram form).
+# ``form``'s values: ``config.NS_FORMS`` plus ``'gram'`` (always the Gram form).
 FORMS = ("standard", "gram", "auto")
 # ``'auto'`` takes the Gram form where it does at most this share of the standard form's FLOPs.
 # By FLOPs alone it always wins (k = 5: ``3.5 r + 25.5`` against ``20 r + 10`` in units of m^3,

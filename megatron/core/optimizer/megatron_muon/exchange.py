@@ -1,8 +1,8 @@
 """Muon inside Megatron's DistributedOptimizer (ZeRO-1): exact, balanced, one exchange per step.
 
 Per exchange one ``all_to_all`` sends every shard piece of a Muon matrix to its owner (or gang:
-muon_gangs.py), owners orthogonalize, one ``all_to_all`` returns the pieces; ``_all_to_all`` is
-the only collective here. Also the plan's step-time data, filled in by muon_plan.py. Schedule,
+planner/gangs.py), owners orthogonalize, one ``all_to_all`` returns the pieces; ``_all_to_all`` is
+the only collective here. Also the plan's step-time data, filled in by planner/plan.py. Schedule,
 precision, memory and bytes: docs/distopt_exchange.md.
 """
 
@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .muon_config import EXCHANGE_DTYPES
-from .muon_functional import (
+from .config import EXCHANGE_DTYPES
+from .functional import (
     EXCHANGE_TIMER,
     MatrixFn,
     MuonParamInfo,
@@ -29,7 +29,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------ the plan's step-time data
-# What the planner (muon_plan.py) fills in and each step reads: where a matrix lies, who
+# What the planner (planner/plan.py) fills in and each step reads: where a matrix lies, who
 # orthogonalizes which block of it, and which pieces every rank sends where.
 
 
@@ -187,7 +187,7 @@ class Exchange:
 
     @property
     def moves(self) -> bool:
-        """Whether any piece leaves its holder (else no all-to-all: muon_layout.py)."""
+        """Whether any piece leaves its holder (else no all-to-all: layout.py)."""
         return any(p.holder != p.owner for p in self.pieces)
 
     def sends(self, rank: int) -> list[Piece]:
@@ -227,7 +227,7 @@ class ShardInfo(MuonParamInfo):
 
 class DistributedMuonOrthogonalizer:
     """Orthogonalizer for DP-sharded Muon params around the one owners run (local, or TP);
-    ``gangs`` (muon_gangs.py's ``GangRunner``) runs split matrices only where one exists."""
+    ``gangs`` (planner/gangs.py's ``GangRunner``) runs split matrices only where one exists."""
 
     def __init__(
         self,
@@ -333,7 +333,7 @@ class DistributedMuonOrthogonalizer:
         at = _offsets_by_matrix(receives)
         gangs = [i for i in ex.gangs if i in at]
         if gangs:
-            assert self.gangs is not None, "a plan with gangs needs a GangRunner (muon_gangs.py)"
+            assert self.gangs is not None, "a plan with gangs needs a GangRunner (planner/gangs.py)"
             blocks = [self._assemble(i, at[i], received) for i in gangs]
             orths = self.gangs.run(self.plan, ex, gangs, blocks, matrix_fn)
             self.sum_bytes += self.gangs.sum_bytes

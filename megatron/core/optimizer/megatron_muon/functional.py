@@ -19,7 +19,7 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from .muon_config import SCALE_MODES
+from .config import SCALE_MODES
 from .newton_schulz import (
     GATHER,
     SUM,
@@ -42,7 +42,7 @@ SCALE_FNS: dict[str, Callable[[int, int], float]] = {
     # Scion / Bernstein: unit RMS->RMS operator norm.
     "unit_rms_norm": lambda m, n: math.sqrt(m / n),
 }
-assert tuple(SCALE_FNS) == SCALE_MODES, "muon_config.SCALE_MODES names these rules"
+assert tuple(SCALE_FNS) == SCALE_MODES, "config.SCALE_MODES names these rules"
 
 
 @dataclass(frozen=True)
@@ -335,7 +335,7 @@ def orthogonalize_sharded_steps(
     part: Optional[tuple[int, int]] = None,
 ) -> Generator[Request, None, Tensor]:
     """``orthogonalize_sharded`` as a generator of its ``SUM``/``GATHER`` requests, for callers
-    that interleave matrices (muon_gangs.py); a QKV shard holds whole query groups or whole columns.
+    that interleave matrices (gangs); a QKV shard holds whole query groups or whole columns.
 
     Args:
         u: this place's shard of U.

@@ -3,9 +3,9 @@ Muon matrix whole in one DP shard) where the holders' Newton-Schulz loads balanc
 DistOpt's byte-level one. Why and when: docs/distopt_exchange.md.
 """
 
-from ..distributed.param_and_grad_buffer import group_params_for_buffers
-from .layer_wise_optimizer import LayerWiseDistributedOptimizer, is_managed_by_layer_wise_optimizer
-from .muon_placement import holder_owners
+from ...distributed.param_and_grad_buffer import group_params_for_buffers
+from ..layer_wise_optimizer import LayerWiseDistributedOptimizer, is_managed_by_layer_wise_optimizer
+from .planner.placement import holder_owners
 
 # Upstream's buffer routing attribute: DDP's group_params_for_buffers gives the params carrying
 # it a buffer of their own (BufferKey.is_managed_by_layer_wise_optimizer).

@@ -1,5 +1,5 @@
 """Matching a checkpoint's param groups to an optimizer's, by identity and then by order (two
-groups can share an identity: docs/checkpoints.md, "group_matching.py").
+groups can share an identity: docs/checkpoints.md, "repairs/group_matching.py").
 """
 
 from collections.abc import Callable, Hashable, Sequence

@@ -1,17 +1,17 @@
 """The DistOpt Muon exchange planner: who orthogonalizes which matrix (or gang block) and what
 every rank sends where. Pure arithmetic on the layout, run once at construction; the data it
-fills in lives in muon_distopt.py, its counted figures in muon_plan_figures.py, the piece order
+fills in lives in exchange.py, its counted figures in planner/figures.py, the piece order
 in docs/distopt_exchange.md.
 """
 
 import dataclasses
 from typing import Optional
 
-from .muon_distopt import BucketSlot, Exchange, MatrixSlot, Piece
-from .muon_functional import MuonParamInfo
-from .muon_placement import BUNDLES, TARGETS, Work, assign_units
-from .muon_split import NSCostModel
-from .newton_schulz import ns_flops, splits_polynomial
+from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece
+from ..functional import MuonParamInfo
+from ..newton_schulz import ns_flops, splits_polynomial
+from .cost_model import NSCostModel
+from .placement import BUNDLES, TARGETS, Work, assign_units
 
 
 def ns_cost(info: MuonParamInfo, steps: int, form: str = "standard") -> float:
@@ -39,7 +39,7 @@ def _blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
 def tp_ns_cost(
     info: MuonParamInfo, steps: int, mode: str, tp: int, form: str = "standard"
 ) -> float:
-    """NS FLOPs each TP rank of the owner executes, per TP mode (muon_tp.py, docs/tp_modes.md).
+    """NS FLOPs each TP rank of the owner executes, per TP mode (tp.py, docs/tp_modes.md).
 
     Args:
         info: the matrix's TP-global info (``partition_dim`` where TP-sharded).
@@ -61,7 +61,7 @@ def tp_ns_cost(
     total = 0.0
     for rows, cols in _blocks(info):
         split, whole = (rows // tp, cols) if dim == 0 else (cols // tp, rows)
-        # The polynomial split over TP (``muon_tp``): the busiest rank's ceil(g / tp) rows.
+        # The polynomial split over TP (``tp``): the busiest rank's ceil(g / tp) rows.
         poly = -(-whole // tp) if splits_polynomial(whole, split * tp, tp, False) else whole
         total += steps * (4 * split * whole**2 + 2 * whole**2 * poly)
     return total

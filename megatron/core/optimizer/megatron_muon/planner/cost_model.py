@@ -1,5 +1,5 @@
 """Splitting one matrix's Newton-Schulz over a gang of DP ranks: the cost model of its blocks
-(``Block``, ``Unit``: muon_distopt.py) and the schedule's critical path. Pure arithmetic; the
+(``Block``, ``Unit``: exchange.py) and the schedule's critical path. Pure arithmetic; the
 three forms a member runs and the schedule: docs/gangs.md.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from .newton_schulz import packed_size, reassociates, splits_polynomial
+from ..newton_schulz import packed_size, reassociates, splits_polynomial
 
 # Planning default: matmul FLOPs per byte through a gang member's link, H100-class: 40% of
 # 990 TFLOP/s bf16 over 400 Gb/s (50 GB/s) per direction. It only chooses among exact plans.
@@ -51,7 +51,7 @@ DEFAULT_LINKS = PlanLinks()
 class NSCostModel:
     """Newton-Schulz FLOPs an owner's TP rank executes, whole or as a gang member.
 
-    ``whole(info)`` is the TP mode's per-rank cost (muon_plan.py); a matrix splits over DP only
+    ``whole(info)`` is the TP mode's per-rank cost (planner/plan.py); a matrix splits over DP only
     where its owner sees it whole or TP-gathered (docs/gangs.md)."""
 
     steps: int
@@ -124,7 +124,7 @@ class NSCostModel:
         return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte + latency
 
     def ring_steps(self, members: tuple, elements: int) -> int:
-        """Dependent ring steps of one gang collective (muon_gangs.py's rings), latency's count.
+        """Dependent ring steps of one gang collective (planner/gangs.py's rings), latency's count.
 
         Args:
             members: the gang's ranks.
@@ -167,7 +167,7 @@ class NSCostModel:
         return local * (self.tp_of(info) if info.partition_dim == axis else 1)
 
     def _grams(self, info, axis: int) -> list[int]:
-        """Gram side of each NS block (muon_functional.py's ``orthogonalize`` order)."""
+        """Gram side of each NS block (functional.py's ``orthogonalize`` order)."""
         if axis == 0:
             return [info.shape[1]]
         split = info.qkv_split or (info.shape[0],)
@@ -365,7 +365,7 @@ POST, WAIT, ALL = "post", "wait", "all"
 def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, model) -> list:
     """Every rank's main-thread trace between an exchange's two all-to-alls: its gang units
     (``pipelined``), then its whole matrices and the return all-to-all. The one source of the
-    planner's ``span`` and muon_plan_figures.py's ``trace``.
+    planner's ``span`` and planner/figures.py's ``trace``.
 
     Args:
         infos: each matrix's TP-global ``MuonParamInfo``.
@@ -397,7 +397,7 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
 
 def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
     """The main thread's trace of a rank's gang units (``(members, member_events)``, gang order)
-    run interleaved in rounds as muon_gangs.py runs them (docs/gangs.md): ``(FLOPs before, POST or
+    run interleaved in rounds as gangs.py runs them (docs/gangs.md): ``(FLOPs before, POST or
     WAIT, members, elements)`` entries, and the FLOPs after the last."""
     live = [(members, *_rounds(events)) for members, events in held]
     trace, flops, j = [], 0.0, 0

@@ -1,5 +1,5 @@
 """torch Adam's per-param ``step`` where megatron-core seeds its state (patch 0042; why:
-docs/checkpoints.md, "torch_adam_step.py").
+docs/checkpoints.md, "repairs/torch_adam_step.py").
 """
 
 import torch

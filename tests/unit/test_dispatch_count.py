@@ -1,0 +1,52 @@
+"""bench/dispatch_count.py's counter: kernels, host syncs and host-scalar reads of known code,
+and the Newton-Schulz matmuls of a real Muon step as the schedule the code runs predicts."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from dispatch_count import DispatchCounter  # noqa: E402
+
+from megatron.core.optimizer.megatron_muon.optimizer import Muon  # noqa: E402
+
+MATMULS = {"aten::mm.out", "aten::addmm.out", "aten::mm", "aten::addmm"}
+
+
+def test_counts_kernels_and_syncs_of_known_code():
+    x = torch.ones(4)
+    host_step = torch.zeros(())
+    with DispatchCounter(host_resident=[host_step]) as counter:
+        y = x * 2 + 1  # 2 kernels
+        y.view(2, 2).t()  # views: none
+        y.sum().item()  # 1 kernel, 1 sync
+        host_step.add_(1).item()  # 1 kernel, 1 read of a host-resident scalar: no sync
+    c = counter.counts
+    assert (c.kernels, c.host_syncs, c.host_reads) == (4, 1, 1), c
+
+
+def test_a_read_of_a_device_scalar_is_a_sync():
+    # negative control: the same read on a tensor not declared host-resident is a sync
+    step = torch.zeros(())
+    with DispatchCounter() as counter:
+        step.item()
+    assert (counter.counts.host_syncs, counter.counts.host_reads) == (1, 0)
+
+
+@pytest.mark.parametrize("ns_steps", [3, 5])
+def test_muon_step_runs_three_matmuls_per_newton_schulz_iteration(ns_steps):
+    """Standard Newton-Schulz: A = X X^T, B = b A + c A A, X = a X + B X: one mm and two addmm
+    per iteration and matrix, nothing more in the step."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in [(8, 16), (16, 16), (24, 8)]]
+    optimizer = Muon(params, ns_steps=ns_steps, on_nonfinite_grad="ignore")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # state exists from here on
+    with DispatchCounter() as counter:
+        optimizer.step()
+    matmuls = sum(n for op, n in counter.counts.by_op.items() if op in MATMULS)
+    assert matmuls == 3 * ns_steps * len(params)
+    assert counter.counts.host_syncs == 0
