@@ -9,6 +9,8 @@ unsharded params after the steps are compared with one process's. Reproduce a ca
 
 import functools
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -293,3 +295,46 @@ def test_megatron_fsdp_negative_control_ns_on_local_pieces_misses():
     hook = lambda optimizer: _ns_on_local_pieces(optimizer.optimizer)  # noqa: E731
     got = run_distributed(train_megatron_fsdp, 2, args=(TinyGPT(), 1), kwargs=dict(hook=hook))
     assert misses(update_rel_error(initial, ref, got[0][1]), 100 * TOL)
+
+
+# ------------------------------------------------------------------ counted figures (bench)
+
+
+def _figures_watched(spec: TinyGPT) -> dict:
+    """bench/fsdp_figures.py's counts of ours under Megatron-FSDP, and what the step really did:
+    the Newton-Schulz FLOPs of the matrices this rank's owners orthogonalized, and the bytes the
+    exchange says it moved."""
+    import fsdp_figures
+
+    from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost
+
+    done, ortho = [], {}
+
+    def watch(optimizer):
+        ortho["z"] = optimizer.optimizer.orthogonalizer
+        ortho["steps"] = optimizer.optimizer.ortho_specs()[0].steps
+        for ex in ortho["z"].exchanges:
+            ex.inner = functools.partial(_recording, ex.inner, done)
+
+    kind, settings = fsdp_figures.VARIANTS["muon_fsdp"]
+    out = fsdp_figures.counts(spec, kind, settings, hook=watch)
+    second = done[len(done) // 2 :]  # both steps orthogonalize the same matrices
+    out["orthogonalized_flops"] = sum(ns_cost(info, ortho["steps"]) for info in second)
+    out["bytes_moved"] = ortho["z"].bytes_moved
+    return out
+
+
+def _recording(inner, done, updates, infos, matrix_fn):
+    done.extend(infos)
+    return inner(updates, infos, matrix_fn)
+
+
+def test_counted_figures_are_the_real_steps():
+    """The bench's counts tie to a real run: the exchange bytes the collectives recorded are the
+    plan's (``bytes_per_step``) and the exchange's own count; the plan's NS FLOPs per rank are
+    those of the matrices the rank's owners orthogonalized in the step."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    ranks = run_distributed(_figures_watched, 2, args=(TinyGPT(),))
+    for r in ranks:
+        assert r["exchange_bytes"] == r["planned_exchange_bytes"] == r["bytes_moved"] > 0
+        assert r["ns_flops"] == r["orthogonalized_flops"] > 0
