@@ -63,11 +63,18 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                     chunk._start_bucket_group_param_sync(group, force_sync=False)
 
     def state_dict(self):
-        """Param groups, grad scaler and format marker (checkpoint.py)."""
+        """Param groups, grad scaler and format marker (checkpoint.py); under Megatron-FSDP
+        upstream's (its fsdp_dtensor checkpoints name every param's state: fsdp.py)."""
+        if self.ddp_config.use_megatron_fsdp:
+            return super().state_dict()
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict):
         """Load any format this class saves; another optimizer's is refused by name."""
+        if self.ddp_config.use_megatron_fsdp:  # fsdp_dtensor: groups by param name (fsdp.py)
+            from .fsdp import groups_by_name
+
+            return super().load_state_dict(groups_by_name(self, state_dict))
         sharded.load_state_dict(self, state_dict)
 
     def get_parameter_state_dp_zero(

@@ -410,3 +410,28 @@ def attach_megatron_fsdp(muon, exchange_dtype="fp32", links=DEFAULT_LINKS):
         name = fsdp.param_to_name.get(orig, "?") if fsdp is not None else "?"
         matrices.append(megatron_fsdp_matrix(p, name, muon.param_info[p]))
     return attach_zero3(muon, matrices, exchange_dtype, links)
+
+
+def groups_by_name(distopt, state_dict: dict) -> dict:
+    """An fsdp_dtensor optimizer state dict with its ``param_groups`` rebuilt from
+    ``param_to_group_meta`` (upstream's rule), a group without params taking this run's settings:
+    the map by param name cannot carry them, and our Muon keeps its (empty) Muon and AdamW halves
+    of every group (factory.py), which upstream's rebuild leaves without ``use_muon``.
+
+    Args:
+        distopt: the Megatron-FSDP ``MuonDistributedOptimizer`` loading.
+        state_dict: the checkpoint's optimizer state dict.
+
+    Returns:
+        The state dict to hand upstream's ``load_state_dict``.
+    """
+    if "param_to_group_meta" not in state_dict:
+        return state_dict
+    current = distopt.optimizer.param_groups
+    groups = distopt._param2group_meta_to_param_groups(state_dict["param_to_group_meta"], current)
+    for group, mine in zip(groups, current):
+        if not group["params"]:
+            group.update({k: v for k, v in mine.items() if k != "params"})
+    out = {k: v for k, v in state_dict.items() if k != "param_to_group_meta"}
+    out["param_groups"] = groups
+    return out
