@@ -86,9 +86,10 @@ def _full(model, spec) -> dict:
     return out
 
 
-def train_fsdp2(spec: TinyGPT, steps: int, hook=None, **config_overrides):
+def train_fsdp2(spec: TinyGPT, steps: int, hook=None, replicas: int = 1, **config_overrides):
     """(initial params, final params, losses) of ``steps`` steps under FSDP2 (one process:
-    plain params)."""
+    plain params); ``replicas`` > 1: HSDP, the DP ranks a (replicas x shards) mesh, Replicate
+    over the first dimension and Shard(0) over the second."""
     model = _gpt(spec, transformer_config(spec), None)
     layout_invariant_init(model, spec)
     attrs = {n: dict(vars(p)) for n, p in model.named_parameters()}
@@ -98,6 +99,10 @@ def train_fsdp2(spec: TinyGPT, steps: int, hook=None, **config_overrides):
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(ps.get_data_parallel_group(), "cpu")
+        if replicas > 1:  # the DP group is every rank here (no TP, PP)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (replicas, dp // replicas), mesh_dim_names=("r", "s"))
         for layer in model.decoder.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -107,6 +112,8 @@ def train_fsdp2(spec: TinyGPT, steps: int, hook=None, **config_overrides):
     initial = _full(model, spec)
     muon = _build_muon(spec, model, config_overrides)  # over DTensors: the exchange attached
     assert isinstance(muon.orthogonalizer, fsdp.Zero3Orthogonalizer) == (dp > 1)
+    if dp > 1:  # HSDP: the exchange spans a shard group, not the replicas
+        assert {ex.plan.world for ex in muon.orthogonalizer.exchanges} == {dp // replicas}
     if hook is not None:
         hook(muon)
     losses = []
@@ -127,6 +134,13 @@ def test_fsdp2_muon_matches_one_process(world_size):
     got = run_distributed(train_fsdp2, world_size, args=(TinyGPT(), STEPS))
     for rank_result in got:  # every DP replica's unsharded params
         assert_close_runs(reference_fsdp2(), [rank_result], tol=TOL, loss_rtol=LOSS_RTOL)
+
+
+def test_hsdp_fsdp2_muon_matches_one_process():
+    """HSDP (FSDP2 on a 2 x 2 mesh): the exchange runs within each shard group of 2; the two
+    replicas orthogonalize alike."""
+    got = run_distributed(train_fsdp2, 4, args=(TinyGPT(), STEPS), kwargs=dict(replicas=2))
+    assert_every_rank_close(reference_fsdp2(), got)
 
 
 def _ns_on_local_pieces(muon):
