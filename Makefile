@@ -6,7 +6,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install fork demo test lint check-patches bench pr
+.PHONY: install fork demo test lint check-patches bench pr docs
 
 install:
 	@VENV=$(VENV) tools/bootstrap.sh
@@ -35,3 +35,6 @@ bench: install  # quick benchmarks, one table of ratios (< 5 min on 2 cores); se
 
 pr: install  # our changes as a git format-patch series for Megatron-LM (build/pr, checked)
 	@$(PY) tools/make_pr.py $(PR_OUT)
+
+docs:  # docs/package.md, the package drawn from its imports (standard library only, no install)
+	@python3 tools/package_map.py

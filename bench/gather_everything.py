@@ -24,7 +24,7 @@ class GatherEverythingOrthogonalizer:
         self.plan, self.inner, self.dtype, self.device = plan, inner, dtype, device
         self.bytes_moved = 0  # of the last step: sent + received, own shard excluded
 
-    def __call__(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
+    def __call__(self, updates: list[Tensor], infos: list, spec) -> list[Tensor]:
         by_matrix = {info.matrix: u for u, info in zip(updates, infos)}
         whole: dict[int, Tensor] = {}
         self.bytes_moved = 0
@@ -32,7 +32,7 @@ class GatherEverythingOrthogonalizer:
             whole.update(self._gather_bucket(bucket, by_matrix))
         ids = sorted(whole)
         infos_all = [self.plan.matrices[i].info for i in ids]
-        results = dict(zip(ids, self.inner([whole[i] for i in ids], infos_all, matrix_fn)))
+        results = dict(zip(ids, self.inner([whole[i] for i in ids], infos_all, spec)))
         pieces = [self._own_piece(results[i.matrix], i.matrix) for i in infos]
         return [p.to(u.dtype) for p, u in zip(pieces, updates)]
 

@@ -311,6 +311,25 @@ SERIES = [
         [OPT + "megatron_muon/layout.py"],
         ["0063-training-ddp-layout-megatron-muon.patch"],
     ),
+    (
+        "tokenizers: GPT-2 BPE and BERT WordPiece from local files, without the hub",
+        "MegatronHFTokenizer asked the hub (AutoTokenizer.from_pretrained('gpt2', vocab_file=...,\n"
+        "merges_file=...)) for what the files and the hub's tokenizer config give: offline it\n"
+        "failed or retried, online the hub's tokenizer.json won over the files given. The\n"
+        "tokenizer is built from --vocab-file/--merge-file (tokenizers' own readers) and the\n"
+        "hub's config; without files and wget every rank raises one line naming the flags.",
+        [],
+        ["0070-tokenizers-gpt2-bpe-local-files.patch"],
+    ),
+    (
+        "training: preprocess_data from the package; one-line preflight of files and packages",
+        "python -m megatron.training.preprocess_data: jsonl to .bin/.idx with the flags of\n"
+        "tools/preprocess_data.py (which the package does not ship), the tokenizer built once\n"
+        "before the workers fork. preflight.py names, in one line before any rank or worker\n"
+        "starts, a missing tokenizer file, flag or package (and einops for Megatron-FSDP).",
+        [TRAIN + "preflight.py", TRAIN + "preprocess_data.py"],
+        [],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)

@@ -66,11 +66,6 @@ def _hit(name: str, depth: int = 2) -> None:
     HITS[f"{name} <- {caller}"] += 1
 
 
-def hit_names() -> set:
-    """The stand-ins reached so far (``P1``, ``T1``...)."""
-    return {key.split(" ")[0] for key in HITS}
-
-
 def install() -> bool:
     """Install the packaging stand-in, and the CPU ones where CUDA is absent (idempotent).
     Returns whether the CPU ones are on. ``MEGATRON_CPU_LOOP_HITS=DIR`` writes each rank's

@@ -54,7 +54,15 @@ from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetC
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron.core import mpu
-from megatron.training import cpu_loop, get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training import (
+    cpu_loop,
+    get_args,
+    get_timers,
+    get_tokenizer,
+    preflight,
+    pretrain,
+    print_rank_0,
+)
 
 # A loss this many times the largest seen so far is "spiky" (--check-for-spiky-loss), as upstream.
 SPIKY_LOSS_FACTOR = 10
@@ -85,6 +93,18 @@ NEEDS_TE = (
         "(--fp8-format, --fp8-recipe, --fp8-param-gather, ...) and train with --bf16",
     ),
     (
+        "--moe-permute-fusion",
+        "moe_permute_fusion",
+        "upstream's fused token permutation is TE's (>= 2.1); drop it (the unfused permutation "
+        "routes the same tokens)",
+    ),
+    (
+        "--fine-grained-activation-offloading",
+        "fine_grained_activation_offloading",
+        "upstream offloads through TE's layers only; on a machine with TE give --transformer-impl "
+        "transformer_engine, else drop it and --offload-modules",
+    ),
+    (
         "--fp4-format",
         "fp4",
         "without TE upstream's layers would train without fp4, silently; drop the fp4 flags and "
@@ -92,18 +112,37 @@ NEEDS_TE = (
     ),
 )
 # Of NEEDS_TE, those refused with --transformer-impl local even where TE is installed
-TE_LAYERS_ONLY = ("experimental_attention_variant",)
+TE_LAYERS_ONLY = ("experimental_attention_variant", "fine_grained_activation_offloading")
+# Of --recompute-modules (with --recompute-granularity selective), those that upstream recomputes
+# with CheckpointWithoutOutput, which asks TE's FP8GlobalStateManager whatever the precision (its
+# ``fp8 is not None`` holds for fp8=False): without TE, a NameError at the first forward.
+RECOMPUTE_NEEDS_TE = ("layernorm", "mla_up_proj")
 
 
 def te_refusals(args, have_te: bool) -> list:
-    """The NEEDS_TE messages that apply to ``args`` where TE is (not) installed."""
+    """The NEEDS_TE (and RECOMPUTE_NEEDS_TE) messages that apply to ``args`` where TE is (not)
+    installed."""
     local = args.transformer_impl != "transformer_engine"
-    return [
+    return ([] if have_te else _recompute_refusals(args)) + [
         f"{flag} needs Transformer Engine"
         + (" layers (--transformer-impl local given)" if have_te else ", which is not installed")
         + f": {way_out}"
         for flag, name, way_out in NEEDS_TE
         if getattr(args, name, None) and (not have_te or (local and name in TE_LAYERS_ONLY))
+    ]
+
+
+def _recompute_refusals(args) -> list:
+    if getattr(args, "recompute_granularity", None) != "selective":
+        return []
+    modules = [m for m in args.recompute_modules or () if m in RECOMPUTE_NEEDS_TE]
+    if not modules:
+        return []
+    return [
+        f"--recompute-modules {' '.join(modules)} needs Transformer Engine, which is not "
+        "installed (upstream recomputes them with CheckpointWithoutOutput, which reads TE's fp8 "
+        "state): drop them from --recompute-modules (core_attn, mlp, moe and shared_experts "
+        "recompute without TE)"
     ]
 
 
@@ -340,9 +379,14 @@ def main() -> int:
     cpu_loop.install()  # before any process group: CPU stand-ins only where CUDA is absent
     # Before parse_and_validate_args: its set_global_variables already imports wandb on the last
     # rank (and starts the W&B run there).
-    missing = cpu_loop.missing_dependencies(_flags())
+    flags = _flags()
+    missing = [
+        f"needs the package {name}: {why}" for name, why in cpu_loop.missing_dependencies(flags)
+    ]
+    # the tokenizer's files and packages, and those of other flags (einops, ...), on every rank
+    missing += preflight.problems(flags)
     if missing:
-        return _fail("; ".join(f"needs the package {name}: {why}" for name, why in missing))
+        return _fail("; ".join(missing))
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     refused = [flag for flag, name in REFUSED if getattr(args, name, None)]
     if refused:

@@ -33,8 +33,6 @@ changed).
 
 import argparse
 import dataclasses
-import math
-import re
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -144,31 +142,6 @@ KNOBS = (
 DISTOPT_ONLY = tuple(
     dest for _, dest, *_ in KNOBS if dest not in ("muon_matched_adamw_rms", "muon_ns_form")
 )
-# Where inf is a value (a free link); every other float knob must be finite.
-INFINITE_OK = ("muon_plan_dp_link_gbps", "muon_plan_nvlink_gbps")
-
-# What our Muon does not do, by upstream 0.19.2's flag: (dest, refused when, flag, reason).
-REFUSED = (
-    (
-        "muon_scalar_optimizer",
-        lambda v: v != "adam",
-        "--muon-scalar-optimizer",
-        "the non-matrix params use AdamW inside our Muon (allowed: adam)",
-    ),
-    (
-        "optimizer_cpu_offload",
-        bool,
-        "--optimizer-cpu-offload",
-        "our Muon has no CPU-offloaded variant",
-    ),
-    (
-        "use_precision_aware_optimizer",
-        bool,
-        "--use-precision-aware-optimizer",
-        "our Muon keeps its state in the main params' dtype",
-    ),
-    ("optimizer_cuda_graph", bool, "--optimizer-cuda-graph", "no CUDA graph of our Muon's step"),
-)
 
 
 def _field_defaults() -> dict:
@@ -271,21 +244,11 @@ def validate_megatron_muon_args(args) -> None:
             f"{', '.join(distopt)} {verb} the DistributedOptimizer's Muon exchange and plan: "
             "add --use-distributed-optimizer (or --use-torch-fsdp2) or drop them"
         )
-    for dest, refused, flag, reason in REFUSED:
-        value = getattr(args, dest, None)
-        if value is not None and refused(value):
-            shown = "" if isinstance(value, bool) else f" {value}"
-            raise ValueError(f"{flag}{shown} with --muon-impl megatron_muon: {reason}")
-    for names, dest, type_, *_ in KNOBS:
-        value = getattr(args, dest)
-        if type_ is _float_or_none and value is not None and dest not in INFINITE_OK:
-            if not math.isfinite(value):
-                raise ValueError(f"{names[0]} must be a finite number or none, got {value}")
     _check_values(args)
 
 
 def _check_values(args) -> None:
-    """megatron-core's own check of the Muon fields (``validate_muon_config``), run now on the
+    """megatron-core's check of the Muon settings (``validate_muon_config``), run now on the
     values args will give ``OptimizerConfig``; its message names the fields, ours the flags."""
     view = argparse.Namespace(
         **{name: getattr(args, name, default) for name, default in _field_defaults().items()}
@@ -293,10 +256,14 @@ def _check_values(args) -> None:
     try:
         validate_muon_config(view)
     except ValueError as err:
-        text = str(err)
-        fields = dict.fromkeys(re.findall(r"\bmuon_\w+", text))
-        named = ", ".join(_flag(name) for name in fields) or "--muon-impl megatron_muon"
-        raise ValueError(f"{named}: {text}") from None
+        fields = getattr(err, "fields", ())
+        named = ", ".join(_given(name, getattr(view, name)) for name in fields)
+        raise ValueError(f"{named or '--muon-impl megatron_muon'}: {err}") from None
+
+
+def _given(field: str, value) -> str:
+    """A field's flag as given: ``--flag`` for a switch, else ``--flag value``."""
+    return _flag(field) if isinstance(value, bool) else f"{_flag(field)} {value}"
 
 
 def _flag(field: str) -> str:

@@ -35,7 +35,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.megatron_muon import fsdp
 from megatron.core.optimizer.megatron_muon.factory import build_muon
-from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo
+from megatron.core.optimizer.megatron_muon.functional import (
+    MuonParamInfo,
+    orthogonalize_matrices,
+)
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -148,7 +151,7 @@ def _ns_on_local_pieces(muon):
     Shard(0) piece, as if it were the matrix, instead of the exchange."""
     ortho = muon.orthogonalizer
 
-    def local_ns(updates, _infos, matrix_fn):
+    def local_ns(updates, _infos, spec):
         out = []
         for u in updates:
             piece = fsdp.local(u)
@@ -156,7 +159,7 @@ def _ns_on_local_pieces(muon):
                 out.append(torch.zeros_like(u))
                 continue
             shape = tuple(piece.shape)
-            o = matrix_fn([piece.clone()], [MuonParamInfo(shape)])[0]
+            o = orthogonalize_matrices([piece.clone()], [MuonParamInfo(shape)], spec)[0]
             out.append(fsdp.like(u, o.reshape(-1)))
         return out
 
@@ -338,9 +341,9 @@ def _figures_watched(spec: TinyGPT) -> dict:
     return out
 
 
-def _recording(inner, done, updates, infos, matrix_fn):
+def _recording(inner, done, updates, infos, spec):
     done.extend(infos)
-    return inner(updates, infos, matrix_fn)
+    return inner(updates, infos, spec)
 
 
 def test_counted_figures_are_the_real_steps():

@@ -162,8 +162,8 @@ def _lose_gathered_pieces(optimizer):
         ortho._orthogonalize_owned = functools.partial(_zeros_instead, ortho._orthogonalize_owned)
 
 
-def _zeros_instead(orthogonalize, ex, receives, received, matrix_fn):
-    return orthogonalize(ex, receives, torch.zeros_like(received), matrix_fn)
+def _zeros_instead(orthogonalize, ex, receives, received, spec):
+    return orthogonalize(ex, receives, torch.zeros_like(received), spec)
 
 
 def test_negative_control_broken_gather_misses_the_reference():

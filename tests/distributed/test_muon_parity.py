@@ -15,7 +15,7 @@ from harness import run_distributed
 from parity import assert_close_runs, misses, update_rel_error
 from tiny_gpt import TinyGPT, build_model, shard, train, unshard
 
-from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo
+from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo, orthogonalize_matrices
 from megatron.training.muon_recipe import SEED_RECIPE
 
 STEPS = 3
@@ -137,17 +137,17 @@ class BlockwiseReference:
     def __init__(self, tp: int) -> None:
         self.tp = tp
 
-    def __call__(self, updates, infos, matrix_fn):
-        return [self._one(u, info, matrix_fn) for u, info in zip(updates, infos)]
+    def __call__(self, updates, infos, spec):
+        return [self._one(u, info, spec) for u, info in zip(updates, infos)]
 
-    def _one(self, u, info, matrix_fn):
+    def _one(self, u, info, spec):
         dim = info.partition_dim
         if dim is None:
-            return matrix_fn([u], [info])[0]
+            return orthogonalize_matrices([u], [info], spec)[0]
         name = "linear_fc1.weight" if tuple(u.shape) == FC1_SHAPE else "w"
         slices = [shard(u, name, dim, self.tp, r) for r in range(self.tp)]
         local = [MuonParamInfo(tuple(s.shape), info.qkv_split) for s in slices]
-        return unshard(matrix_fn(slices, local), name, dim)
+        return unshard(orthogonalize_matrices(slices, local, spec), name, dim)
 
 
 def _inner_muons(optimizer):

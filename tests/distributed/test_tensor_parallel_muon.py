@@ -30,7 +30,7 @@ def _run(mode: str) -> list:
         p = torch.nn.Parameter(_whole(i, rows, cols).chunk(tp, dim)[rank].clone())
         p.tensor_model_parallel, p.partition_dim = True, dim
         params.append(p)
-    opt = TensorParallelMuon(params, lr=0.1, fp32_matmul_prec="highest", mode=mode)
+    opt = TensorParallelMuon(params, lr=0.1, fp32_matmul_prec="highest", tp_mode=mode)
     for step in range(STEPS):
         for i, (p, (rows, cols, dim)) in enumerate(zip(params, MATRICES)):
             p.grad = _whole(100 * step + i + 10, rows, cols).chunk(tp, dim)[rank].clone()

@@ -73,6 +73,19 @@ TOOL_FLAGS = {
     "--impl": "tools/upstream_muon_recipes.py",
     "--case": "tools/upstream_recipes_sample.py",
     "--print-flags": "tools/upstream_recipes_sample.py",  # tools/upstream_muon_recipes.py too
+    **{  # python -m megatron.training.preprocess_data (its tokenizer flags are upstream's)
+        flag: "megatron/training/preprocess_data.py"
+        for flag in (
+            "--input",
+            "--output-prefix",
+            "--workers",
+            "--append-eod",
+            "--json-keys",
+            "--partitions",
+            "--split-sentences",
+            "--find-optimal-num-workers",
+        )
+    },
 }
 # Placeholders in commands of our scripts -> a value of their kind
 PLACEHOLDERS = {"TAU": "5", "F": "0.9", "CHECKOUT": "/nonexistent/Megatron-LM", "...": "x"}

@@ -159,16 +159,52 @@ def test_negative_control_without_nesterov_exceeds_the_tolerance():
 ADAMW = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
 
 
-def test_adamw_groups_match_torch_adamw_bitwise():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("foreach", [False, True, None])
+def test_adamw_groups_match_torch_adamw_bitwise(foreach, dtype):
+    # torch's functional AdamW of the same kind (None: torch's rule, single-tensor on CPU)
     shapes = [(7,), (5, 3), (4, 2, 3)]
-    ours, theirs = _params(shapes), _params(shapes)
-    opt = Muon([dict(params=ours, use_muon=False, **ADAMW)])
-    ref = torch.optim.AdamW(theirs, **ADAMW, foreach=False)
-    _run([(opt, ours), (ref, theirs)])
+    ours = [p.detach().to(dtype).requires_grad_() for p in _params(shapes)]
+    theirs = _clone(ours)
+    opt = Muon([dict(params=ours, use_muon=False, **ADAMW)], foreach=foreach)
+    ref = torch.optim.AdamW(theirs, **ADAMW, foreach=foreach)
+    _adamw_run(opt, ref, ours, theirs)
     for p, q in zip(ours, theirs):
         assert torch.equal(p, q)
     for p, q in zip(ours, theirs):
         assert torch.equal(opt.state[p]["step"], ref.state[q]["step"])
+        assert opt.state[p]["step"].device.type == "cpu"  # read without a device sync
+
+
+def _adamw_run(opt, ref, ours, theirs, after_ref=lambda: None):
+    g = _gen(1)
+    for _ in range(STEPS):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            q.grad = p.grad.clone()
+        opt.step(), ref.step()
+        after_ref()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_narrow_state_rounds_once_per_step(foreach):
+    # bf16 state: widened to the fp32 param for torch's step, rounded back once; the reference
+    # is torch's AdamW with its state rounded to bf16 after each step (widening is exact)
+    ours, theirs = _params([(7,), (5, 3)]), _params([(7,), (5, 3)])
+    bf16 = torch.bfloat16
+    opt = Muon([dict(params=ours, use_muon=False, **ADAMW)], exp_avg_dtype=bf16, foreach=foreach)
+    ref = torch.optim.AdamW(theirs, **ADAMW, foreach=foreach)
+
+    def round_ref():
+        for q in theirs:
+            for key in ("exp_avg", "exp_avg_sq"):
+                ref.state[q][key].copy_(ref.state[q][key].to(bf16))
+
+    _adamw_run(opt, ref, ours, theirs, round_ref)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(opt.state[p]["exp_avg_sq"].float(), ref.state[q]["exp_avg_sq"])
 
 
 def test_mixed_groups_step_each_by_its_own_rule():

@@ -101,10 +101,10 @@ class ShardingOrthogonalizer:
     def __init__(self):
         self.seen = []
 
-    def __call__(self, updates, infos, matrix_fn):
+    def __call__(self, updates, infos, spec):
         self.seen.append([(tuple(u.shape), info) for u, info in zip(updates, infos)])
         whole = [u.view(info.shape) for u, info in zip(updates, infos)]
-        return [o.reshape(-1) for o in matrix_fn(whole, infos)]
+        return [o.reshape(-1) for o in orthogonalize_matrices(whole, infos, spec)]
 
 
 def test_orthogonalizer_fed_shards_matches_local_and_scale_comes_from_info():
@@ -134,11 +134,11 @@ def test_local_orthogonalizer_rejects_shards():
 
 # ----------------------------------------------------------------------------- TensorParallelMuon
 def _upstream_kwargs(**overrides):
-    """Every parameter of upstream 0.16.1's TensorParallelMuon, by name."""
+    """Every parameter of upstream 0.19's TensorParallelMuon, by name."""
     kwargs = dict(
         lr=3e-4,
-        momentum_beta=0.95,
-        use_nesterov=True,
+        momentum=0.95,
+        nesterov=True,
         weight_decay=0.01,
         use_decoupled_weight_decay=True,
         split_qkv=True,
@@ -150,7 +150,7 @@ def _upstream_kwargs(**overrides):
         scale_mode="spectral",
         extra_scale_factor=1.0,
         pg_collection=None,
-        mode="duplicated",
+        tp_mode="duplicated",
     )
     return {**kwargs, **overrides}
 
@@ -172,7 +172,8 @@ def test_tensor_parallel_muon_equals_muon_with_mapped_settings(mode, pg_collecti
     ours = _tp_params()
     ref = [p.detach().clone().requires_grad_() for p in ours]
     tp = TensorParallelMuon(
-        [dict(params=ours, wd_mult=1.0)], **_upstream_kwargs(mode=mode, pg_collection=pg_collection)
+        [dict(params=ours, wd_mult=1.0)],
+        **_upstream_kwargs(tp_mode=mode, pg_collection=pg_collection),
     )
     qkv_info = {ref[0]: MuonParamInfo((QKV_ROWS, HIDDEN), SPLIT)}
     plain = Muon(
@@ -198,7 +199,7 @@ def test_tensor_parallel_muon_equals_muon_with_mapped_settings(mode, pg_collecti
 
 def test_tensor_parallel_muon_rejects_bad_mode_and_incomplete_qkv():
     with pytest.raises(ValueError, match="mode must be one of"):
-        TensorParallelMuon(_tp_params(), **_upstream_kwargs(mode="ring"))
+        TensorParallelMuon(_tp_params(), **_upstream_kwargs(tp_mode="ring"))
     with pytest.raises(ValueError, match="needs is_qkv_fn and qkv_split_shapes"):
         TensorParallelMuon(_tp_params(), **_upstream_kwargs(qkv_split_shapes=None))
     with pytest.raises(ValueError, match="num_ns_steps|ns_steps must be an int >= 1, got 0"):

@@ -1,10 +1,11 @@
-"""Muon's vocabularies and defaults: the one home of every Muon default, and its validation.
+"""Muon's vocabularies and defaults: the one home of every Muon default and of every check.
 
 A leaf module (no torch): ``OptimizerConfig`` (patch 0001), ``Muon`` and newton_schulz.py take
 their defaults from here. Upstream's fields keep upstream's defaults; ours default to off. The
 seed's recipe is a set of flags, not a default (README.md).
 """
 
+import math
 from typing import Literal, Optional, get_args
 
 # The range ``--muon-plan-*`` accept (``cost_model.PlanLinks``): any real machine, with margin.
@@ -35,7 +36,6 @@ NS_FORMS: tuple[str, ...] = get_args(NSForm)
 
 # Upstream's OptimizerConfig defaults (same values, same meanings).
 DEFAULT_MOMENTUM = 0.95
-DEFAULT_SPLIT_QKV = True
 DEFAULT_NESTEROV = False
 DEFAULT_SCALE_MODE: ScaleMode = "spectral"
 DEFAULT_PRECISION: MatmulPrecision = "medium"  # bf16 Newton-Schulz matmuls
@@ -101,19 +101,56 @@ _CHOICES = {
     "muon_coefficient_type": COEFFICIENT_TYPES,
     "muon_fp32_matmul_prec": MATMUL_PRECISIONS,
     "muon_distopt_exchange_dtype": EXCHANGE_DTYPES,
+    "muon_impl": MUON_IMPLS,
+    "muon_ns_form": NS_FORMS,  # ours (patch 0001)
+}
+
+# What this Muon does not do, by OptimizerConfig field: (refused when, why).
+REFUSED = {
+    "muon_scalar_optimizer": (
+        lambda v: v != "adam",
+        "its non-matrix params use AdamW (allowed: 'adam')",
+    ),
+    "optimizer_cpu_offload": (bool, "Muon has no CPU-offloaded (HybridDeviceOptimizer) variant"),
+    "use_precision_aware_optimizer": (bool, "Muon keeps its state in the main params' dtype"),
+    "optimizer_cuda_graph": (bool, "no CUDA graph of this Muon's step"),
+    "use_layer_wise_distributed_optimizer": (
+        bool,
+        "upstream's LayerWise optimizer; this Muon shards inside the DistributedOptimizer "
+        "(use_distributed_optimizer=True)",
+    ),
+    "decoupled_weight_decay": (
+        lambda v: not v,
+        "Muon's AdamW params use decoupled weight decay only",
+    ),
 }
 
 
+def _config_error(message: str, fields: tuple[str, ...]) -> ValueError:
+    """A ValueError naming the fields at fault in ``.fields`` (the CLI maps them to flags)."""
+    error = ValueError(message)
+    error.fields = fields
+    return error
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """ValueError ``{name} must be one of [...], got {value!r}`` unless ``value`` is allowed.
+
+    Args:
+        name: the setting's name, as the message shows it.
+        value: its value.
+        allowed: the allowed values.
+    """
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
 def validate_muon_config(config) -> None:
-    """Check the ``muon_*`` fields of an ``OptimizerConfig`` used for Muon (ValueError naming
-    the field); called where Muon is built, so an Adam user's config never trips over them."""
+    """Check an ``OptimizerConfig`` used for this Muon: the one check of its settings, run by the
+    factory and, on the flags' values, by the CLI (ValueError naming the field)."""
     for name, allowed in _CHOICES.items():
         value = getattr(config, name)
         _require(value in allowed, name, value, f"be one of {list(allowed)}")
-    impl = config.muon_impl
-    _require(impl in MUON_IMPLS, "muon_impl", impl, f"be one of {list(MUON_IMPLS)}")
-    form = config.muon_ns_form  # ours (patch 0001)
-    _require(form in NS_FORMS, "muon_ns_form", form, f"be one of {list(NS_FORMS)}")
     for name in ("muon_split_qkv", "muon_nesterov"):
         _require(isinstance(getattr(config, name), bool), name, getattr(config, name), "be a bool")
     mu = config.muon_momentum
@@ -126,11 +163,27 @@ def validate_muon_config(config) -> None:
     _require(factor > 0, "muon_extra_scale_factor", factor, "be a float > 0")
     _validate_plan(config)
     rms = config.muon_matched_adamw_rms
-    _require(rms is None or rms > 0, "muon_matched_adamw_rms", rms, "be None or a float > 0")
+    ok = rms is None or (_is_number(rms) and math.isfinite(rms) and rms > 0)
+    _require(ok, "muon_matched_adamw_rms", rms, "be None or a float > 0 (finite)")
     try:
         resolve_scale(rms, config.muon_scale_mode, factor)
     except ValueError as err:
-        raise ValueError(f"OptimizerConfig muon_matched_adamw_rms/muon_scale_mode: {err}") from None
+        fields = ("muon_matched_adamw_rms", "muon_scale_mode", "muon_extra_scale_factor")
+        given = tuple(f for f in fields if getattr(config, f) != _DEFAULTS[f])
+        message = f"OptimizerConfig muon_matched_adamw_rms/muon_scale_mode: {err}"
+        raise _config_error(message, given) from None
+    for name, (refused, why) in REFUSED.items():
+        value = getattr(config, name, None)
+        if value is not None and refused(value):
+            message = f"OptimizerConfig.{name}={value!r} with muon_impl='megatron_muon': {why}"
+            raise _config_error(message, (name,))
+
+
+_DEFAULTS = {
+    "muon_matched_adamw_rms": DEFAULT_MATCHED_ADAMW_RMS,
+    "muon_scale_mode": DEFAULT_SCALE_MODE,
+    "muon_extra_scale_factor": DEFAULT_EXTRA_SCALE_FACTOR,
+}
 
 
 def _validate_plan(config) -> None:
@@ -156,4 +209,55 @@ def _is_number(value) -> bool:
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"OptimizerConfig.{name} must {allowed}, got {value!r}")
+        raise _config_error(f"OptimizerConfig.{name} must {allowed}, got {value!r}", (name,))
+
+
+# ----------------------------------------------------------------------------- Muon's groups
+def validate_group(group: dict) -> None:
+    """A ``Muon`` param group's settings (ValueError naming the key and what is allowed); the
+    coefficient set and precision are checked where newton_schulz.py resolves them."""
+    _finite(group, "lr", ">= 0", lambda v: v >= 0)
+    _finite(group, "weight_decay", ">= 0", lambda v: v >= 0)
+    if not group["use_muon"]:
+        betas = group["betas"]
+        _check(
+            isinstance(betas, (tuple, list)) and len(betas) == 2,
+            f"betas must be a pair of numbers in [0, 1), got {betas!r}",
+        )
+        for beta in betas:
+            _check(_is_real(beta) and 0 <= beta < 1, f"betas must be in [0, 1), got {betas}")
+        _finite(group, "eps", ">= 0", lambda v: v >= 0)
+        return
+    _finite(group, "momentum", "in [0, 1)", lambda v: 0 <= v < 1)
+    steps = group["ns_steps"]
+    _check(
+        isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
+        f"ns_steps must be an int >= 1, got {steps!r}",
+    )
+    _finite(group, "ns_eps", "> 0", lambda v: v > 0)
+    if group["matched_adamw_rms"] is not None:
+        _finite(group, "matched_adamw_rms", "> 0 (or None)", lambda v: v > 0)
+    _finite(group, "extra_scale_factor", "> 0", lambda v: v > 0)
+    check_choice("ns_form", group["ns_form"], NS_FORMS)
+    resolve_scale(group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"])
+
+
+def _is_real(value) -> bool:
+    """A Python real, or a one-element floating tensor (duck-typed: no torch here)."""
+    if isinstance(value, (int, float)):
+        return not isinstance(value, bool)
+    is_float = getattr(value, "is_floating_point", None)
+    return callable(is_float) and value.numel() == 1 and is_float()
+
+
+def _finite(group: dict, key: str, allowed: str, ok) -> None:
+    value = group[key]
+    _check(
+        _is_real(value) and math.isfinite(float(value)) and ok(float(value)),
+        f"{key} must be a finite number {allowed}, got {value!r}",
+    )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

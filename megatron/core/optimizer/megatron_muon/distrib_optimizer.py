@@ -16,7 +16,6 @@ from ..repairs.distopt_layout import in_bucket, param_name
 from . import checkpoint, layout
 from . import checkpoint_sharded as sharded
 from .exchange import (
-    DTYPES,
     BucketSlot,
     DistributedMuonOrthogonalizer,
     MatrixSlot,
@@ -203,21 +202,6 @@ def _shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
     return out
 
 
-def shard_location(distopt, shard) -> tuple[MatrixSlot, int]:
-    """(the matrix, the shard's first element in the flattened TP-local matrix) of a Muon shard
-    main param: what e.g. QK-clip needs to find its rows.
-
-    Args:
-        distopt: a ``DistributedOptimizer`` with Muon attached.
-        shard: one of its 1-D Muon shard main params.
-
-    Returns:
-        (matrix slot, element offset).
-    """
-    info = distopt.optimizer.param_info[shard]
-    return distopt.muon_plan.matrices[info.matrix], info.offset
-
-
 def cost_model(
     inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8, form: str = "standard"
 ):
@@ -275,8 +259,7 @@ def attach(
     ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
     muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
     infos = [muon.param_info[p] for p in muon_params]
-    dtype = exchange_dtype if exchange_dtype in DTYPES else "fp32"  # unknown: refused below
-    forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
+    forward, back, _ = exchange_dtypes(exchange_dtype, ns_dtype, torch.float32)
     sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
     model = dataclasses.replace(
         cost_model(muon.orthogonalizer, steps, *sizes, form=form),

@@ -7,7 +7,6 @@ precision, memory and bytes: docs/distopt_exchange.md.
 """
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,10 +16,9 @@ from torch import Tensor
 from .config import EXCHANGE_DTYPES
 from .functional import (
     EXCHANGE_TIMER,
-    MatrixFn,
     MuonParamInfo,
     Orthogonalizer,
-    ortho_spec_of,
+    OrthoSpec,
     scale_flat_,
     timed,
 )
@@ -239,10 +237,7 @@ class DistributedMuonOrthogonalizer:
         device=None,
         gangs=None,
     ):
-        if exchange_dtype not in EXCHANGE_DTYPES:
-            raise ValueError(
-                f"muon exchange dtype {exchange_dtype!r} unknown; allowed: {list(EXCHANGE_DTYPES)}"
-            )
+        assert exchange_dtype in EXCHANGE_DTYPES, f"a validated dtype, got {exchange_dtype!r}"
         self.plan, self.inner = plan, inner
         wire = exchange_dtypes(exchange_dtype, ns_dtype, update_dtype)
         self.forward_dtype, self.return_dtype, self.scale_at_holder = wire
@@ -259,7 +254,7 @@ class DistributedMuonOrthogonalizer:
         return self.return_dtype
 
     def __call__(
-        self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
+        self, updates: list[Tensor], infos: list[MuonParamInfo], spec: OrthoSpec
     ) -> list[Tensor]:
         by_matrix = {info.matrix: (u.reshape(-1), info.offset) for u, info in zip(updates, infos)}
         if len(by_matrix) != len(updates) or any(not isinstance(i, ShardInfo) for i in infos):
@@ -267,12 +262,11 @@ class DistributedMuonOrthogonalizer:
         assert all(u.dtype == self.update_dtype for u in updates), "updates in the main dtype"
         device = updates[0].device if updates else self.device
         self.bytes_moved, self.sum_bytes, out = 0, 0.0, {}
-        owner_fn = _unscaled(matrix_fn) if self.scale_at_holder else matrix_fn
+        owner_spec = dataclasses.replace(spec, apply_scale=False) if self.scale_at_holder else spec
         for ex in self.plan.exchanges:
-            out.update(self._run(ex, by_matrix, owner_fn, device))
+            out.update(self._run(ex, by_matrix, owner_spec, device))
         results = [out[info.matrix].view(u.shape).to(u.dtype) for u, info in zip(updates, infos)]
         if self.scale_at_holder:  # the owner's product, here: bit-identical
-            spec = ortho_spec_of(matrix_fn)
             for r, info in zip(results, infos):
                 cols = self.plan.matrices[info.matrix].local_shape[1]
                 scale_flat_(r.view(-1), self._scale_info(info.matrix), info.offset, cols, spec)
@@ -284,7 +278,7 @@ class DistributedMuonOrthogonalizer:
         scale_info = getattr(self.inner, "scale_info", None)
         return slot.info if scale_info is None else scale_info(slot.info, slot.local_shape)
 
-    def _run(self, ex: Exchange, by_matrix: dict, matrix_fn, device) -> dict[int, Tensor]:
+    def _run(self, ex: Exchange, by_matrix: dict, spec: OrthoSpec, device) -> dict[int, Tensor]:
         """One sync point: pieces to owners, owners' NS, result pieces back to their holders."""
         rank = self.plan.rank
         sends, receives = ex.sends(rank), ex.receives(rank)
@@ -292,7 +286,7 @@ class DistributedMuonOrthogonalizer:
         assert [t.numel() for t in flat] == [p.size for p in sends], "held part = piece"
         received = self._all_to_all(ex, flat, self.forward_dtype, device, forward=True)
         del flat
-        results = self._orthogonalize_owned(ex, receives, received, matrix_fn)
+        results = self._orthogonalize_owned(ex, receives, received, spec)
         back = self._all_to_all(ex, [results], self.return_dtype, device, forward=False)
         return self._held_results(sends, back, by_matrix)
 
@@ -324,7 +318,7 @@ class DistributedMuonOrthogonalizer:
         return out
 
     def _orthogonalize_owned(
-        self, ex: Exchange, receives: list[Piece], received: Tensor, matrix_fn
+        self, ex: Exchange, receives: list[Piece], received: Tensor, spec: OrthoSpec
     ):
         """NS of the owned units (gang blocks together, then whole matrices), laid out like
         ``received``, in the return dtype (over ``received`` where the dtypes agree)."""
@@ -335,7 +329,7 @@ class DistributedMuonOrthogonalizer:
         if gangs:
             assert self.gangs is not None, "a plan with gangs needs a GangRunner (planner/gangs.py)"
             blocks = [self._assemble(i, at[i], received) for i in gangs]
-            orths = self.gangs.run(self.plan, ex, gangs, blocks, matrix_fn)
+            orths = self.gangs.run(self.plan, ex, gangs, blocks, spec)
             self.sum_bytes += self.gangs.sum_bytes
             del blocks
             for i, orth in zip(gangs, orths):
@@ -343,7 +337,7 @@ class DistributedMuonOrthogonalizer:
             del orths
         for i in [i for i in at if i not in set(gangs)]:
             block = self._assemble(i, at[i], received)
-            orth = self.inner([block], [self.plan.matrices[i].info], matrix_fn)[0]
+            orth = self.inner([block], [self.plan.matrices[i].info], spec)[0]
             del block
             self._scatter(at[i], orth.reshape(-1), results)
         return results
@@ -402,12 +396,6 @@ def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: to
     if _itemsize(ns_dtype) < _itemsize(update_dtype):
         return forward, ns_dtype, True
     return forward, named, False
-
-
-def _unscaled(matrix_fn):
-    """Muon's ``orthogonalize_matrices`` partial with the scale left out (``apply_scale``)."""
-    spec = dataclasses.replace(ortho_spec_of(matrix_fn), apply_scale=False)
-    return functools.partial(matrix_fn.func, spec=spec)
 
 
 def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int]]]:

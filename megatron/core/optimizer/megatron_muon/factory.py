@@ -16,6 +16,7 @@ from ...utils import get_pg_size
 from .config import (
     EXCHANGE_DTYPES,
     TP_MODES,
+    check_choice,
     is_megatron_muon,
     validate_muon_config,
 )
@@ -173,47 +174,11 @@ def check_muon_supported(config, model_chunks) -> None:
     if not is_megatron_muon(config):
         return
     validate_muon_config(config)
-    _check_not_upstream_muon_only(config)
-    unsupported = {
-        "optimizer_cpu_offload": "Muon has no CPU-offloaded (HybridDeviceOptimizer) variant",
-        "use_precision_aware_optimizer": "Muon keeps its state in the main params' dtype",
-    }
-    for name, reason in unsupported.items():
-        if getattr(config, name):
-            raise ValueError(f"OptimizerConfig.{name}=True with optimizer='muon': {reason}")
-    if not config.decoupled_weight_decay:
-        raise ValueError(
-            "OptimizerConfig.decoupled_weight_decay=False with optimizer='muon': Muon's AdamW "
-            "params use decoupled weight decay only"
-        )
     if any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in model_chunks):
         from .fsdp import check_megatron_fsdp  # ZeRO-3: docs/fsdp.md, "Muon"
 
         check_megatron_fsdp(config, model_chunks)
     check_experts_apart(model_chunks)
-
-
-def _check_not_upstream_muon_only(config) -> None:
-    """Refuse, by name, upstream Muon's settings this Muon lacks."""
-    refused = {
-        "use_layer_wise_distributed_optimizer": (
-            True,
-            "upstream's LayerWise optimizer; this Muon shards inside the DistributedOptimizer "
-            "(use_distributed_optimizer=True)",
-        ),
-        "optimizer_cuda_graph": (True, "no CUDA graph of this Muon's step"),
-    }
-    for name, (bad, reason) in refused.items():
-        if getattr(config, name, None) == bad:
-            raise ValueError(
-                f"OptimizerConfig.{name}={bad} with muon_impl='megatron_muon': {reason}"
-            )
-    scalar = getattr(config, "muon_scalar_optimizer", "adam")
-    if scalar != "adam":
-        raise ValueError(
-            f"OptimizerConfig.muon_scalar_optimizer={scalar!r} with muon_impl='megatron_muon': "
-            "its non-matrix params use AdamW (allowed: 'adam')"
-        )
 
 
 def check_experts_apart(model_chunks) -> None:
@@ -329,14 +294,8 @@ class _PositionalInfo(dict):
 
 
 class MegatronMuon(Muon):
-    """``Muon`` inside Megatron's wrappers; distrib_optimizer.py attaches the exchange.
-
-    Args:
-        params: param groups (``use_muon`` picks the rule).
-        distopt_exchange_dtype: dtype of the momentum exchanged over DP ('fp32', 'bf16').
-        distopt_plan_links: the machine the DistOpt planner assumes (planner/cost_model.py).
-        **kwargs: ``Muon``'s settings.
-    """
+    """``Muon`` inside Megatron's wrappers, with the DistOpt exchange's dtype and planner machine
+    (``distopt_*``, for distrib_optimizer.py's ``attach``)."""
 
     def __init__(
         self,
@@ -345,11 +304,7 @@ class MegatronMuon(Muon):
         distopt_plan_links: PlanLinks = DEFAULT_LINKS,
         **kwargs,
     ) -> None:
-        if distopt_exchange_dtype not in EXCHANGE_DTYPES:
-            raise ValueError(
-                f"distopt_exchange_dtype must be one of {list(EXCHANGE_DTYPES)}, "
-                f"got {distopt_exchange_dtype!r}"
-            )
+        assert distopt_exchange_dtype in EXCHANGE_DTYPES, "validate_muon_config checks it"
         self.distopt_exchange_dtype = distopt_exchange_dtype
         self.distopt_plan_links = distopt_plan_links
         self.group_infos: list[list[MuonParamInfo]] = []
@@ -367,16 +322,15 @@ class MegatronMuon(Muon):
 
 
 class TensorParallelMuon(Muon):
-    """Upstream's constructor (megatron-core 0.19's arguments, and 0.16.1's names
-    ``momentum_beta``, ``use_nesterov``, ``mode`` keyword-only) on our Muon; every param is a
+    """Upstream's constructor (megatron-core 0.19's arguments) on our Muon; every param is a
     Muon param. How the arguments map, and why the updates equal upstream's: docs/muon.md."""
 
     def __init__(
         self,
         params: ParamsT,
         lr: float = 3e-4,
-        momentum: Optional[float] = None,
-        nesterov: Optional[bool] = None,
+        momentum: float = 0.95,
+        nesterov: bool = True,
         weight_decay: float = 0.01,
         use_decoupled_weight_decay: bool = True,
         split_qkv: bool = False,
@@ -388,17 +342,10 @@ class TensorParallelMuon(Muon):
         scale_mode: str = "spectral",
         extra_scale_factor: float = 1.0,
         pg_collection: Optional[Any] = None,
-        tp_mode: Optional[Literal["blockwise", "duplicated", "distributed"]] = None,
-        *,
-        momentum_beta: Optional[float] = None,
-        use_nesterov: Optional[bool] = None,
-        mode: Optional[Literal["blockwise", "duplicated", "distributed"]] = None,
+        tp_mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
     ) -> None:
-        momentum = _one_name("momentum", momentum, "momentum_beta", momentum_beta, 0.95)
-        nesterov = _one_name("nesterov", nesterov, "use_nesterov", use_nesterov, True)
-        mode = _one_name("tp_mode", tp_mode, "mode", mode, "duplicated")
-        if mode not in TP_MODES:
-            raise ValueError(f"mode must be one of {list(TP_MODES)}, got {mode!r}")
+        mode = tp_mode
+        check_choice("tp_mode", mode, TP_MODES)
         if num_ns_steps < 1:  # upstream's words for upstream's argument
             raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
         if split_qkv and (is_qkv_fn is None or qkv_split_shapes is None):
@@ -434,18 +381,6 @@ class TensorParallelMuon(Muon):
         alone would leave its peers waiting in the TP all-gather."""
         params = [p for g in self.param_groups for p in g["params"]]
         return _agree_across(local_ok, self._tp_group_map, params[0].device if params else None)
-
-
-def _one_name(name: str, value: Any, old_name: str, old_value: Any, default: Any) -> Any:
-    """The value of an argument upstream named ``name`` (0.19) and ``old_name`` (0.16.1)."""
-    if value is not None and old_value is not None:
-        raise ValueError(
-            f"TensorParallelMuon got both {name}={value!r} and {old_name}={old_value!r}: "
-            f"give one ({old_name} is megatron-core 0.16.1's name for {name})"
-        )
-    if value is None:
-        return default if old_value is None else old_value
-    return value
 
 
 def _tp_groups(pg_collection: Optional[Any]) -> dict:

@@ -29,7 +29,7 @@ from .exchange import (
     ShardInfo,
     exchange_dtypes,
 )
-from .functional import MatrixFn, MuonParamInfo
+from .functional import MuonParamInfo, OrthoSpec
 from .newton_schulz import compute_dtype
 from .planner.cost_model import DEFAULT_LINKS, PlanLinks
 from .planner.gangs import GangRunner, gang_nodes
@@ -227,7 +227,7 @@ class Zero3Orthogonalizer:
         """Bytes this rank's exchanges moved in the last step (sent + received)."""
         return sum(ex.bytes_moved for ex in self.exchanges)
 
-    def __call__(self, updates: list[Tensor], infos: list, matrix_fn: MatrixFn) -> list[Tensor]:
+    def __call__(self, updates: list[Tensor], infos: list, spec: OrthoSpec) -> list[Tensor]:
         if any(not isinstance(info, Zero3ShardInfo) for info in infos):
             raise AssertionError("Zero3Orthogonalizer needs the Zero3ShardInfo of every update")
         results: list[Optional[Tensor]] = [None] * len(updates)
@@ -235,7 +235,7 @@ class Zero3Orthogonalizer:
             mine = [k for k, info in enumerate(infos) if info.plan == j]
             held = [k for k in mine if local(updates[k]).numel()]
             pieces = [local(updates[k]).reshape(-1) for k in held]
-            outs = exchange(pieces, [infos[k] for k in held], matrix_fn)
+            outs = exchange(pieces, [infos[k] for k in held], spec)
             for k, out in zip(held, outs):
                 results[k] = like(updates[k], out.reshape(-1))
         # a rank holding none of a matrix (FSDP2's last ranks of a short one) updates nothing

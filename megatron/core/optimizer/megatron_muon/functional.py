@@ -10,7 +10,6 @@ from the local tensor, so a shard's stage 2 can be fed the global layout.
 """
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -18,16 +17,14 @@ from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam
 
 from .config import SCALE_MODES
 from .newton_schulz import (
-    GATHER,
-    SUM,
     CoefficientSet,
     Request,
     Triple,
     newton_schulz,
-    serve,
     sharded_newton_schulz_steps,
     splits_polynomial,
 )
@@ -106,6 +103,11 @@ class OrthoSpec:
     # (``scale_flat_``: the DistOpt exchange returns bf16 NS output, exact, and holders scale).
     apply_scale: bool = True
 
+    @property
+    def ns(self) -> tuple:
+        """``newton_schulz``'s arguments after the matrix (whole-matrix form)."""
+        return (self.steps, self.coefficients, self.precision, self.eps, self.form)
+
     def scale(self, rows: int, cols: int) -> float:
         """The update scale ``s`` of a (block of) global shape ``rows x cols``.
 
@@ -155,15 +157,12 @@ def muon_momentum_(
 
 
 # ----------------------------------------------------------------------------- stage 2
-MatrixFn = Callable[[list[Tensor], list[MuonParamInfo]], list[Tensor]]
-
-
 class Orthogonalizer(Protocol):
-    """Runs ``matrix_fn`` on whole matrices and returns results laid out like ``updates``; a
-    distributed one gathers and scatters, so all collectives live there, none in the math."""
+    """Runs ``orthogonalize_matrices(..., spec)`` on whole matrices and returns results laid out
+    like ``updates``; a distributed one gathers and scatters, so all collectives live there."""
 
     def __call__(
-        self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
+        self, updates: list[Tensor], infos: list[MuonParamInfo], spec: OrthoSpec
     ) -> list[Tensor]: ...
 
 
@@ -202,7 +201,7 @@ class LocalOrthogonalizer:
         self.timers = timers
 
     def __call__(
-        self, updates: list[Tensor], infos: list[MuonParamInfo], matrix_fn: MatrixFn
+        self, updates: list[Tensor], infos: list[MuonParamInfo], spec: OrthoSpec
     ) -> list[Tensor]:
         for u, info in zip(updates, infos):
             if tuple(u.shape) != info.shape:
@@ -212,7 +211,7 @@ class LocalOrthogonalizer:
                     "orthogonalizer"
                 )
         with timed(self.timers, NS_TIMER):
-            return matrix_fn(updates, infos)
+            return [orthogonalize(u, info, spec) for u, info in zip(updates, infos)]
 
 
 def orthogonalize_matrices(
@@ -231,99 +230,69 @@ def orthogonalize_matrices(
     return [orthogonalize(u, info, spec) for u, info in zip(updates, infos)]
 
 
-def ortho_spec_of(matrix_fn: MatrixFn) -> OrthoSpec:
-    """The ``OrthoSpec`` a ``partial(orthogonalize_matrices, spec=...)`` carries."""
-    ok = isinstance(matrix_fn, functools.partial) and matrix_fn.func is orthogonalize_matrices
-    assert ok, "needs Muon's orthogonalize_matrices partial (its OrthoSpec)"
-    return matrix_fn.keywords["spec"]
-
-
-BlocksFn = Callable[[list[Tensor]], list[Tensor]]
-# Unscaled Newton-Schulz of same-shape blocks as a generator of requests (``newton_schulz.
-# sharded_newton_schulz_steps``) that returns the list.
-BlocksSteps = Callable[[list[Tensor]], Generator[Request, None, list[Tensor]]]
-
-
-def orthogonalize(
-    u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: Optional[BlocksFn] = None
-) -> Tensor:
-    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight.
+def orthogonalize(u: Tensor, info: MuonParamInfo, spec: OrthoSpec) -> Tensor:
+    """``s * NS_k(U)`` of one matrix, or of each Q/K/V block of a fused QKV weight, here.
 
     Args:
         u: the matrix, or a row shard of a fused QKV weight holding whole query groups.
         info: the global shape and QKV split.
         spec: Newton-Schulz and scale settings.
-        ns_blocks: unscaled NS of same-shape blocks (default: one batched local ``newton_schulz``).
 
     Returns:
         The scaled orthogonalized update, shaped like ``u``.
     """
-    if ns_blocks is None:
-        if info.qkv_split is None:
-            return _scale_(_local_ns(u, spec), info.shape, spec)
-        ns_blocks = functools.partial(_local_ns_blocks, spec=spec)
-    return serve(_orthogonalize_steps(u, info, spec, _at_once(ns_blocks)), {})
+    if info.qkv_split is None:
+        return _scale_(newton_schulz(u, *spec.ns), info.shape, spec)
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    for r, starts in _qkv_heights(info.qkv_split):
+        blocks = torch.stack(_qkv_blocks(u, info, r, starts))
+        _qkv_put_(out, info, spec, r, starts, newton_schulz(blocks, *spec.ns).unbind(0))
+    return out
 
 
-def _at_once(ns_blocks: BlocksFn) -> BlocksSteps:
-    """A ``BlocksFn`` as a ``BlocksSteps`` that requests nothing."""
-
-    def steps(blocks: list[Tensor]):
-        return ns_blocks(blocks)
-        yield  # a generator function
-
-    return steps
+# Unscaled Newton-Schulz of same-shape blocks as a generator of requests (``newton_schulz.
+# sharded_newton_schulz_steps``) that returns the list.
+BlocksSteps = Callable[[list[Tensor]], Generator[Request, None, list[Tensor]]]
 
 
 def _orthogonalize_steps(
     u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: BlocksSteps
 ) -> Generator[Request, None, Tensor]:
-    """``orthogonalize`` as a generator passing on ``ns_blocks``'s requests: the one home of the
-    Q/K/V split and the scale, both taken from ``info`` (global), so ``u`` may be any shard."""
+    """``orthogonalize`` as a generator passing on ``ns_blocks``'s requests (sharded forms): the
+    Q/K/V split and the scale as there, taken from ``info`` (global), so ``u`` may be any shard."""
     if info.qkv_split is None:
         orth = (yield from ns_blocks([u]))[0]
         return _scale_(orth, info.shape, spec)
-    rows, cols = u.shape
-    split = info.qkv_split
-    per_group = u.view(rows // sum(split), sum(split), cols)
-    out = torch.empty(per_group.shape, dtype=u.dtype, device=u.device)
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    for r, starts in _qkv_heights(info.qkv_split):
+        blocks = _qkv_blocks(u, info, r, starts)
+        _qkv_put_(out, info, spec, r, starts, (yield from ns_blocks(blocks)))
+    return out
+
+
+def _qkv_heights(split: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+    """(r, first rows of the blocks r high) per distinct Q/K/V height: batched by shape."""
     starts = [sum(split[:i]) for i in range(len(split))]
-    for r in dict.fromkeys(split):  # unique row counts (K and V, Q too under MHA): batched
-        ids = [i for i, ri in enumerate(split) if ri == r]
-        blocks = [per_group[:, starts[i] : starts[i] + r].reshape(-1, cols) for i in ids]
-        for i, orth in zip(ids, (yield from ns_blocks(blocks))):
-            orth = _scale_(orth, _block_shape(info, r), spec)
-            out[:, starts[i] : starts[i] + r] = orth.view(-1, r, cols)
-    return out.view(rows, cols)
+    return [(r, [s for s, ri in zip(starts, split) if ri == r]) for r in dict.fromkeys(split)]
 
 
-def orthogonalize_sharded(
-    u: Tensor,
-    info: MuonParamInfo,
-    spec: OrthoSpec,
-    dim: int,
-    reduce: Callable[[Tensor], object],
-    reassociate: bool = False,
-    part: Optional[tuple[int, int, Callable[[Tensor], object]]] = None,
-) -> Tensor:
-    """This shard (along ``dim``) of ``s * NS_k(U)``: ``orthogonalize_sharded_steps`` with each
-    request served at once.
+def _per_group(x: Tensor, info: MuonParamInfo) -> Tensor:
+    """``x``'s rows as (query groups, rows of one group, cols): Megatron's ``[q; k; v]`` layout."""
+    rows, cols = x.shape
+    return x.view(rows // sum(info.qkv_split), sum(info.qkv_split), cols)
 
-    Args:
-        u: this place's shard of U.
-        info: the whole matrix's global shape and Q/K/V split.
-        spec: Newton-Schulz and scale settings.
-        dim: 0 for row shards, 1 for column shards.
-        reduce: sums a tensor in place over all shards.
-        reassociate: use the reassociated step where it is cheaper.
-        part: ``(p, k, gather)``: split polynomials by rows where ``splits_polynomial``.
 
-    Returns:
-        This shard of ``s * NS_k(U)``, laid out like ``u``.
-    """
-    place = part[:2] if part is not None else None
-    steps = orthogonalize_sharded_steps(u, info, spec, dim, reassociate, place)
-    return serve(steps, {SUM: reduce, GATHER: part[2] if part is not None else None})
+def _qkv_blocks(u: Tensor, info: MuonParamInfo, r: int, starts: list[int]) -> list[Tensor]:
+    per_group = _per_group(u, info)
+    return [per_group[:, s : s + r].reshape(-1, u.shape[1]) for s in starts]
+
+
+def _qkv_put_(out, info, spec, r: int, starts: list[int], orths: list[Tensor]) -> None:
+    """Write the scaled orthogonalized blocks ``r`` rows high into ``out``."""
+    per_group = _per_group(out, info)
+    for s, orth in zip(starts, orths):
+        orth = _scale_(orth, _block_shape(info, r), spec)
+        per_group[:, s : s + r] = orth.view(-1, r, out.shape[1])
 
 
 def orthogonalize_sharded_steps(
@@ -334,8 +303,9 @@ def orthogonalize_sharded_steps(
     reassociate: bool = False,
     part: Optional[tuple[int, int]] = None,
 ) -> Generator[Request, None, Tensor]:
-    """``orthogonalize_sharded`` as a generator of its ``SUM``/``GATHER`` requests, for callers
-    that interleave matrices (gangs); a QKV shard holds whole query groups or whole columns.
+    """This shard (along ``dim``) of ``s * NS_k(U)`` as a generator of ``SUM``/``GATHER`` requests
+    (served by the TP ``distributed`` mode and gangs); a QKV shard holds whole query groups or
+    whole columns.
 
     Args:
         u: this place's shard of U.
@@ -367,14 +337,6 @@ def orthogonalize_sharded_steps(
         return part if split else None
 
     return (yield from _orthogonalize_steps(u, info, spec, ns_blocks))
-
-
-def _local_ns(x: Tensor, spec: OrthoSpec) -> Tensor:
-    return newton_schulz(x, spec.steps, spec.coefficients, spec.precision, spec.eps, spec.form)
-
-
-def _local_ns_blocks(blocks: list[Tensor], spec: OrthoSpec) -> list[Tensor]:
-    return list(_local_ns(torch.stack(blocks), spec).unbind(0))
 
 
 def _scale_(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:
@@ -443,39 +405,46 @@ def adamw_(
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    foreach: Optional[bool] = None,
+    **settings: float,
 ) -> None:
-    """torch.optim.AdamW's single-tensor update, op for op (bit-exact on CPU); narrower state is
-    widened for the arithmetic and rounded back once.
+    """``torch.optim.AdamW``'s step (torch's functional Adam, decoupled decay); state narrower
+    than its param is widened for it and rounded back once, one param at a time.
 
     Args:
         params: the params (or shards), updated in place.
         grads: their gradients.
         exp_avgs: first moments, updated in place.
         exp_avg_sqs: second moments, updated in place.
-        steps: per-param step counts (scalar tensors), incremented in place.
-        lr: learning rate.
-        beta1: first-moment decay.
-        beta2: second-moment decay.
-        eps: added to the bias-corrected sqrt of the second moment.
-        weight_decay: decoupled weight decay coefficient (0: off).
+        steps: per-param step counts (CPU scalar tensors, as torch keeps them), incremented.
+        foreach: torch's ``foreach`` (None: its default rule, foreach on CUDA).
+        **settings: torch's ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``.
     """
-    for p, g, m_state, v_state, step_t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        step_t += 1
-        if weight_decay != 0:
-            p.mul_(1 - lr * weight_decay)
-        g = g.to(p.dtype)
+    grads = [g.to(p.dtype) for p, g in zip(params, grads)]
+    same = [p.dtype == m.dtype == v.dtype for p, m, v in zip(params, exp_avgs, exp_avg_sqs)]
+    pick = lambda xs, keep: [x for x, s in zip(xs, same) if s == keep]  # noqa: E731
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    if any(same):
+        _torch_adamw(*(pick(xs, True) for xs in lists), foreach, settings)
+    for p, g, m_state, v_state, step in zip(*(pick(xs, False) for xs in lists)):
         m, v = m_state.to(p.dtype), v_state.to(p.dtype)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step = step_t.item()
-        step_size = lr / (1 - beta1**step)
-        denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-step_size)
-        for state, full in ((m_state, m), (v_state, v)):
-            if state is not full:
-                state.copy_(full)
+        _torch_adamw([p], [g], [m], [v], [step], foreach, settings)
+        m_state.copy_(m)
+        v_state.copy_(v)
+
+
+def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, foreach, settings) -> None:
+    # what torch.optim.AdamW.step calls (torch >= 2.6: AdamW is Adam with decoupled decay)
+    adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        foreach=foreach,
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        maximize=False,
+        **settings,
+    )

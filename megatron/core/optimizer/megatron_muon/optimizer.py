@@ -6,8 +6,6 @@ the math is in functional.py and newton_schulz.py, the defaults in config.py.
 """
 
 import copy
-import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Optional
 
@@ -16,7 +14,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from . import config as defaults
-from .config import NS_FORMS, SCALE_MODES, resolve_scale
+from .config import SCALE_MODES, resolve_scale, validate_group
 from .functional import (
     LocalOrthogonalizer,
     MuonParamInfo,
@@ -25,7 +23,6 @@ from .functional import (
     adamw_,
     muon_apply_,
     muon_momentum_,
-    orthogonalize_matrices,
 )
 from .newton_schulz import Triple, coefficient_set, compute_dtype
 
@@ -71,7 +68,7 @@ class Muon(Optimizer):
     ``s``: ``scale_mode`` {modes} times ``extra_scale_factor`` (default ``{mode}`` x {factor}, as
     upstream), or with ``matched_adamw_rms=r`` (default {rms}: off) ``r * sqrt(max(m, n))``
     (Moonlight's). ``m, n`` come from ``param_info``, not the tensor, so shards can be stepped.
-    AdamW groups: ``torch.optim.AdamW``'s math.
+    AdamW groups: ``torch.optim.AdamW``'s functional step (``foreach``: torch's).
 
     State, lazy, in ``exp_avg_dtype``: Muon ``{muon_keys}``, AdamW ``{adamw_keys}`` and ``step``
     (``state_keys``). ``on_nonfinite_grad``: ``'raise'``, ``'skip'`` or ``'ignore'``; it sees only
@@ -100,6 +97,7 @@ class Muon(Optimizer):
         orthogonalizer: Optional[Orthogonalizer] = None,
         exp_avg_dtype: Optional[torch.dtype] = None,
         on_nonfinite_grad: Literal["raise", "skip", "ignore"] = "raise",
+        foreach: Optional[bool] = None,
     ) -> None:
         if exp_avg_dtype is not None and not exp_avg_dtype.is_floating_point:
             raise ValueError(f"exp_avg_dtype must be a floating dtype or None, got {exp_avg_dtype}")
@@ -109,6 +107,7 @@ class Muon(Optimizer):
             )
         self.exp_avg_dtype = exp_avg_dtype
         self.on_nonfinite_grad = on_nonfinite_grad
+        self.foreach = foreach  # the AdamW groups' (torch's; None: its default rule)
         self.orthogonalizer = orthogonalizer or LocalOrthogonalizer()
         self.skipped_steps = 0
         self._specs: dict[int, tuple[list, OrthoSpec]] = {}  # by group index (``_spec``)
@@ -140,8 +139,10 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            _validate_group(group)
+            validate_group(group)
             if group["use_muon"]:
+                coefficient_set(group["ns_coefficients"])  # names checked where resolved
+                compute_dtype(group["ns_precision"])
                 for p in group["params"]:
                     self.param_info[p] = self._given_info.get(p) or MuonParamInfo.of(p)
                 self._spec(len(self.param_groups) - 1)
@@ -194,8 +195,8 @@ class Muon(Optimizer):
                 if key in state:
                     state[key] = state[key].to(dtype=self.state_dtype(param), copy=True)
             for key in self.scalar_state_keys(param):
-                if key in state:
-                    state[key] = state[key].to(dtype=torch.float32, copy=True)
+                if key in state:  # on the CPU, as torch keeps it: reading it never syncs
+                    state[key] = state[key].to(device="cpu", dtype=torch.float32, copy=True)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -247,8 +248,7 @@ class Muon(Optimizer):
         for spec, items in batches:
             updates = [u for _, _, us in items for u in us]
             infos = [self.param_info[p] for _, params, _ in items for p in params]
-            matrix_fn = functools.partial(orthogonalize_matrices, spec=spec)
-            orth = iter(self.orthogonalizer(updates, infos, matrix_fn))
+            orth = iter(self.orthogonalizer(updates, infos, spec))
             for group, params, _ in items:
                 self._muon_apply(group, params, [next(orth) for _ in params])
 
@@ -281,6 +281,7 @@ class Muon(Optimizer):
             beta2=beta2,
             eps=group["eps"],
             weight_decay=group["weight_decay"],
+            foreach=self.foreach,
         )
 
     def _grads_usable(self) -> bool:
@@ -312,60 +313,6 @@ class Muon(Optimizer):
                 if p.grad is not None and not p.grad.isfinite().all():
                     return f"param group {gi}, param {pi} (shape {tuple(p.shape)})"
         raise AssertionError("no non-finite gradient found")
-
-
-def _validate_group(group: dict[str, Any]) -> None:
-    """ValueError naming the bad setting and what is allowed (NaN, inf, strings, None included)."""
-    _finite(group, "lr", ">= 0", lambda v: v >= 0)
-    _finite(group, "weight_decay", ">= 0", lambda v: v >= 0)
-    if not group["use_muon"]:
-        betas = group["betas"]
-        _require(
-            isinstance(betas, (tuple, list)) and len(betas) == 2,
-            f"betas must be a pair of numbers in [0, 1), got {betas!r}",
-        )
-        for beta in betas:
-            _require(_is_real(beta) and 0 <= beta < 1, f"betas must be in [0, 1), got {betas}")
-        _finite(group, "eps", ">= 0", lambda v: v >= 0)
-        return
-    _finite(group, "momentum", "in [0, 1)", lambda v: 0 <= v < 1)
-    steps = group["ns_steps"]
-    _require(
-        isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
-        f"ns_steps must be an int >= 1, got {steps!r}",
-    )
-    _finite(group, "ns_eps", "> 0", lambda v: v > 0)
-    if group["matched_adamw_rms"] is not None:
-        _finite(group, "matched_adamw_rms", "> 0 (or None)", lambda v: v > 0)
-    _finite(group, "extra_scale_factor", "> 0", lambda v: v > 0)
-    coefficient_set(group["ns_coefficients"])
-    compute_dtype(group["ns_precision"])
-    _require(
-        group["ns_form"] in NS_FORMS,
-        f"ns_form must be one of {list(NS_FORMS)}, got {group['ns_form']!r}",
-    )
-    resolve_scale(group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"])
-
-
-def _is_real(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        or (isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point())
-    )
-
-
-def _finite(group: dict[str, Any], key: str, allowed: str, ok: Callable[[float], bool]) -> None:
-    value = group[key]
-    _require(
-        _is_real(value) and math.isfinite(float(value)) and ok(float(value)),
-        f"{key} must be a finite number {allowed}, got {value!r}",
-    )
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:

@@ -15,46 +15,36 @@ from .functional import (
     NS_TIMER,
     MuonParamInfo,
     OrthoSpec,
-    ortho_spec_of,
-    orthogonalize_sharded,
+    orthogonalize,
+    orthogonalize_sharded_steps,
     timed,
 )
+from .newton_schulz import GATHER, SUM, serve
 
 
 class TPOrthogonalizer:
     """Muon ``Orthogonalizer`` for TP-sharded params (infos carry ``partition_dim``, ``expert``);
-    ``groups`` maps ``info.expert`` to its (expert) TP group. Unsharded params go to ``matrix_fn``
+    ``groups`` maps ``info.expert`` to its (expert) TP group. Unsharded params are orthogonalized
     as they are."""
 
     def __init__(self, mode: str, groups: dict[bool, Any], timers=None) -> None:
-        if mode not in TP_MODES:
-            raise ValueError(f"muon_tp_mode must be one of {TP_MODES}, got {mode!r}")
+        assert mode in TP_MODES, f"a validated TP mode, got {mode!r}"
         self.mode = mode
         self.groups = groups
         self.timers = timers
 
-    def __call__(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
+    def __call__(self, updates: list[Tensor], infos: list, spec: OrthoSpec) -> list[Tensor]:
         with timed(self.timers, NS_TIMER):
-            return self._orthogonalize(updates, infos, matrix_fn)
+            return [self._one(u, info, spec) for u, info in zip(updates, infos)]
 
-    def _orthogonalize(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
-        out: list = [None] * len(updates)
-        whole = [i for i, info in enumerate(infos) if self._group(info) is None]
-        for i, o in zip(whole, matrix_fn([updates[i] for i in whole], [infos[i] for i in whole])):
-            out[i] = o
-        for i, (u, info) in enumerate(zip(updates, infos)):
-            if out[i] is None:
-                out[i] = self._sharded(u, info, matrix_fn)
-        return out
-
-    def together(self, updates: list[Tensor], infos: list, matrix_fn) -> list[Tensor]:
-        """As a call, but ``matrix_fn`` sees all matrices at once, gathered before and sliced after
+    def together(self, updates: list[Tensor], infos: list, fn) -> list[Tensor]:
+        """As a call, but ``fn`` sees all matrices at once, gathered before and sliced after
         (no TP collective while it runs, so it may interleave them). ``duplicated`` mode only.
 
         Args:
             updates: this rank's shards (or whole matrices).
             infos: their TP-global infos.
-            matrix_fn: the function of all gathered matrices at once.
+            fn: the function of all gathered matrices (and their infos) at once.
 
         Returns:
             The results, laid out like ``updates``.
@@ -67,7 +57,7 @@ class TPOrthogonalizer:
                 u if g is None else _all_gather_dim(u, info.partition_dim, g)
                 for u, info, g in zip(updates, infos, groups)
             ]
-            out = matrix_fn(full, infos)
+            out = fn(full, infos)
             del full
             return [
                 o if g is None else o.chunk(g.size(), dim=info.partition_dim)[g.rank()]
@@ -97,16 +87,19 @@ class TPOrthogonalizer:
             return None
         return group
 
-    def _sharded(self, u: Tensor, info, matrix_fn) -> Tensor:
-        group, dim = self._group(info), info.partition_dim
+    def _one(self, u: Tensor, info, spec: OrthoSpec) -> Tensor:
+        """``s * NS(U)`` of this rank's part of one matrix, per the mode where TP shards it."""
+        group = self._group(info)
+        if group is None:
+            return orthogonalize(u, info, spec)
         if self.mode == "blockwise":
-            return matrix_fn([u], [_local_info(info, u.shape)])[0]
+            return orthogonalize(u, _local_info(info, u.shape), spec)
         if self.mode == "duplicated":
-            full = _all_gather_dim(u, dim, group)
-            orth = matrix_fn([full], [info])[0]
-            return orth.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
-        # the distributed mode runs its own iteration: it needs the group's settings
-        return _distributed_orthogonalize(u, info, ortho_spec_of(matrix_fn), group)
+            orth = orthogonalize(_all_gather_dim(u, info.partition_dim, group), info, spec)
+            return orth.chunk(dist.get_world_size(group), dim=info.partition_dim)[
+                dist.get_rank(group)
+            ]
+        return _distributed_orthogonalize(u, info, spec, group)
 
 
 def _local_info(info, local_shape) -> MuonParamInfo:
@@ -130,8 +123,9 @@ def _distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tenso
     assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"
     reduce = functools.partial(dist.all_reduce, group=group)
     k, p = dist.get_world_size(group), dist.get_rank(group)
-    part = (p, k, functools.partial(gather_rows, p=p, k=k, group=group))
-    return orthogonalize_sharded(u, info, spec, dim, reduce, part=part)
+    gather = functools.partial(gather_rows, p=p, k=k, group=group)
+    steps = orthogonalize_sharded_steps(u, info, spec, dim, part=(p, k))
+    return serve(steps, {SUM: reduce, GATHER: gather})
 
 
 def gather_rows(poly: Tensor, p: int, k: int, group) -> None:

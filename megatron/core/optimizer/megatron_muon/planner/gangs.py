@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.distributed import P2POp
 
 from ..exchange import Exchange
-from ..functional import ortho_spec_of, orthogonalize_sharded_steps
+from ..functional import OrthoSpec, orthogonalize_sharded_steps
 from ..newton_schulz import GATHER, SUM
 from ..tp import TPOrthogonalizer, all_gather_ranges
 from .cost_model import cut, node_layout, ring_traffic
@@ -33,7 +33,7 @@ class GangRunner:
         self.sum_bytes = 0.0  # of the last ``run``
         self.streams: Optional[CommStreams] = None  # made at the first run
 
-    def run(self, plan, ex: Exchange, gangs: list[int], blocks: list[Tensor], matrix_fn):
+    def run(self, plan, ex: Exchange, gangs: list[int], blocks: list[Tensor], spec: OrthoSpec):
         """``s * NS`` of this rank's gang blocks, their collectives overlapping the others'
         matmuls (in the ``duplicated`` TP mode, TP-gathered all first).
 
@@ -42,7 +42,7 @@ class GangRunner:
             ex: the exchange.
             gangs: the split matrices this rank holds a block of, in the plan's gang order.
             blocks: this rank's block of each, in the update dtype.
-            matrix_fn: Muon's ``orthogonalize_matrices`` partial.
+            spec: Newton-Schulz and scale settings.
 
         Returns:
             The orthogonalized, scaled blocks, in ``gangs`` order.
@@ -50,7 +50,6 @@ class GangRunner:
         self.plan, self.sum_bytes = plan, 0.0
         slots = [self.plan.matrices[i] for i in gangs]
         units = [slot.unit_of(self.plan.rank) for slot in slots]
-        spec = ortho_spec_of(matrix_fn)
 
         def gang_fn(updates: list[Tensor], infos: list) -> list[Tensor]:
             steps, serve = [], []
