@@ -142,11 +142,6 @@ KNOBS = (
 DISTOPT_ONLY = tuple(
     dest for _, dest, *_ in KNOBS if dest not in ("muon_matched_adamw_rms", "muon_ns_form")
 )
-# DDP's flags our Muon refuses (not OptimizerConfig fields; those validate_muon_config checks).
-REFUSED = (
-    ("use_megatron_fsdp", "--use-megatron-fsdp"),
-    ("use_torch_fsdp2", "--use-torch-fsdp2"),
-)
 
 
 def _field_defaults() -> dict:
@@ -242,17 +237,13 @@ def validate_megatron_muon_args(args) -> None:
             f"--optimizer is {args.optimizer!r}: add --optimizer muon or drop --muon-impl"
         )
     distopt = sorted(flag for dest, flag in given.items() if dest in DISTOPT_ONLY)
-    if distopt and not args.use_distributed_optimizer:
+    sharded = args.use_distributed_optimizer or getattr(args, "use_torch_fsdp2", False)
+    if distopt and not sharded:  # FSDP2 runs the same exchange (megatron_muon/fsdp.py)
         verb = "configures" if len(distopt) == 1 else "configure"
         raise ValueError(
             f"{', '.join(distopt)} {verb} the DistributedOptimizer's Muon exchange and plan: "
-            "add --use-distributed-optimizer or drop them"
+            "add --use-distributed-optimizer (or --use-torch-fsdp2) or drop them"
         )
-    for dest, flag in REFUSED:
-        if getattr(args, dest, False):
-            raise ValueError(
-                f"{flag} with --muon-impl megatron_muon: it shards inside the DistOpt only"
-            )
     _check_values(args)
 
 

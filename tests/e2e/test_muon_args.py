@@ -81,6 +81,18 @@ CASES = {
     "knobs-with-emerging-given": MUON + ["--muon-impl", "emerging", "--muon-plan-tflops", "9"],
     "ours-with-adam": ["--muon-impl", "megatron_muon"],
     "ours-distopt-knob-without-distopt": OURS + ["--muon-plan-tflops", "100"],
+    "ours-megatron-fsdp": OURS + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+    "ours-torch-fsdp2": OURS
+    + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+    + [
+        "--no-gradient-accumulation-fusion",
+        "--muon-distopt-exchange-dtype",
+        "bf16",
+    ],  # FSDP2 runs the same exchange
+    "emerging-megatron-fsdp": MUON + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+    "emerging-torch-fsdp2": MUON
+    + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+    + ["--no-gradient-accumulation-fusion"],
 }
 # checkpoint cases: (this run's case, the saved args: None is this run's own; else
 # {attribute: value} over them, a None value deleting it), flags added to this run
@@ -98,7 +110,9 @@ CASES["ours-no-load-optim"] = OURS + DISTOPT + ["--no-load-optim"]
 DRIVER = textwrap.dedent(
     """
     import argparse, contextlib, copy, dataclasses, inspect, io, json, math, sys, traceback
-    from megatron.training import arguments, checkpointing, global_vars, training
+    from megatron.training import arguments, checkpointing, cpu_loop, global_vars, training
+
+    cpu_loop.install()  # as pretrain_gpt.py: validate_args asks the GPU's architecture (FSDP)
 
     cases, checkpoints, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 
@@ -345,3 +359,16 @@ def test_a_real_torch_dist_checkpoint_of_ours_is_refused_by_emerging(tmp_path):
         "RuntimeError: checkpoint was saved with --muon-impl megatron_muon; this run uses "
         "emerging: " in out
     ), out[-3000:]
+
+
+def test_ours_runs_under_fsdp_and_upstreams_muon_keeps_its_refusal(outcome):
+    """Patch 0090 and muon_args.py: our Muon under --use-megatron-fsdp (which forces the
+    DistributedOptimizer) and --use-torch-fsdp2 (its exchange knobs admitted); upstream's Muon
+    refused there with upstream's own messages."""
+    args, config = _ok(outcome, "ours-megatron-fsdp")
+    assert args["use_megatron_fsdp"] and config["use_distributed_optimizer"]
+    assert config["muon_impl"] == "megatron_muon"
+    args, config = _ok(outcome, "ours-torch-fsdp2")
+    assert args["use_torch_fsdp2"] and config["muon_distopt_exchange_dtype"] == "bf16"
+    _error(outcome, "emerging-megatron-fsdp", "Megatron-FSDP does not support the muon optimizer")
+    _error(outcome, "emerging-torch-fsdp2", "Emerging optimizer does not support Torch-FSDP2")

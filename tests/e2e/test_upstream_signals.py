@@ -21,10 +21,12 @@ SAVED_EVERY = 2  # a save before the signal, as in a real run (it starts the wri
 SIGNALLED_AFTER = 3  # the iteration whose log line triggers the SIGTERM
 
 
-def _signalled_run(tmp, save) -> tuple:
-    """(torchrun's exit status, console output) of a launch that gets SIGTERM once iteration
-    SIGNALLED_AFTER is logged; killed (and failed) if it does not end within 240 s after."""
+def _signalled_run(tmp, save, *extra: str) -> tuple:
+    """(torchrun's exit status, console output) of a launch (``extra`` flags added) that gets
+    SIGTERM once iteration SIGNALLED_AFTER is logged; killed (and failed) if it does not end
+    within 240 s after."""
     flags = ["--exit-signal-handler", "--save", str(save), "--save-interval", str(SAVED_EVERY)]
+    flags += extra
     cmd, env = command(tmp, "signalled", LONG, *flags)
     # torchrun waits this long for its ranks after forwarding the signal, then SIGKILLs them: 110 s
     # as examples/slurm_multinode.sbatch sets it, not torch's 30 s, which a loaded 2-core machine

@@ -39,6 +39,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         muon = self.optimizer
+        if self.ddp_config.use_megatron_fsdp:  # ZeRO-3: fsdp.py
+            from .fsdp import attach_megatron_fsdp
+
+            links = muon.distopt_plan_links
+            attach_megatron_fsdp(muon, muon.distopt_exchange_dtype, links)
+            return
         attach(self, muon, muon.distopt_exchange_dtype, links=muon.distopt_plan_links)
         aligned = any(layout.is_shard_aligned(b) for b in self.buffers)
         kind = "shard-aligned" if aligned else "byte-level"
@@ -56,11 +62,18 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                     chunk._start_bucket_group_param_sync(group, force_sync=False)
 
     def state_dict(self):
-        """Param groups, grad scaler and format marker (checkpoint.py)."""
+        """Param groups, grad scaler and format marker (checkpoint.py); under Megatron-FSDP
+        upstream's (its fsdp_dtensor checkpoints name every param's state: fsdp.py)."""
+        if self.ddp_config.use_megatron_fsdp:
+            return super().state_dict()
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict):
         """Load any format this class saves; another optimizer's is refused by name."""
+        if self.ddp_config.use_megatron_fsdp:  # fsdp_dtensor: groups by param name (fsdp.py)
+            from .fsdp import groups_by_name
+
+            return super().load_state_dict(groups_by_name(self, state_dict))
         sharded.load_state_dict(self, state_dict)
 
     def get_parameter_state_dp_zero(

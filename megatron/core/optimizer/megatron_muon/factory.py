@@ -148,7 +148,8 @@ def muon_param_infos(config, model_chunks, pg_collection=None) -> dict:
         for name, param in chunk.named_parameters():
             if _is_muon_param(param, name):
                 qkv = split if name.endswith("linear_qkv.weight") else None
-                infos[param] = param_info(param, sizes[is_expert_param(param)], qkv)
+                local = getattr(param, "orig_param", param)  # Megatron-FSDP: TP-local param
+                infos[param] = param_info(local, sizes[is_expert_param(param)], qkv)
     return infos
 
 
@@ -174,7 +175,9 @@ def check_muon_supported(config, model_chunks) -> None:
         return
     validate_muon_config(config)
     if any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in model_chunks):
-        raise ValueError("DistributedDataParallelConfig.use_megatron_fsdp=True: not with Muon")
+        from .fsdp import check_megatron_fsdp  # ZeRO-3: docs/fsdp.md, "Muon"
+
+        check_megatron_fsdp(config, model_chunks)
     check_experts_apart(model_chunks)
 
 
@@ -240,7 +243,23 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
         ),
         **muon_kwargs(config),
     )
+    if _uses_torch_fsdp2(model_chunks, infos):  # ZeRO-3 params: fsdp.py
+        from .fsdp import attach_fsdp2
+
+        names = {p: n for chunk in model_chunks for n, p in chunk.named_parameters()}
+        # Megatron's optimizer wrappers step fp32 (main) params whatever the model's dtype
+        attach_fsdp2(optimizer, names, optimizer.distopt_exchange_dtype,
+                     optimizer.distopt_plan_links, update_dtype=torch.float32)  # fmt: skip
     return optimizer, _init_muon_state
+
+
+def _uses_torch_fsdp2(model_chunks, infos: dict) -> bool:
+    """Whether the Muon params are torch FSDP2 DTensors (Megatron-FSDP's attach elsewhere)."""
+    from torch.distributed.tensor import DTensor
+
+    configs = [getattr(c, "ddp_config", None) for c in model_chunks]
+    megatron_fsdp = any(getattr(c, "use_megatron_fsdp", False) for c in configs)
+    return not megatron_fsdp and any(isinstance(p, DTensor) for p in infos)
 
 
 def _init_muon_state(optimizer, config=None) -> None:

@@ -1,0 +1,357 @@
+"""Our Muon under ZeRO-3 (torch FSDP2, Megatron-FSDP) is exact Muon: the same numbers as one
+process, every matrix orthogonalized whole, once, by one owner.
+
+A tiny real GPT (local spec, GQA, SwiGLU, QKV split) trains on gloo CPU ranks; every rank's
+unsharded params after the steps are compared with one process's. Reproduce a case by hand:
+
+    .venv/bin/python -m pytest tests/distributed/test_fsdp_muon.py -k fsdp2_dp2 -q
+"""
+
+import functools
+import math
+import os
+import sys
+
+import pytest
+import torch
+from harness import run_distributed
+from parity import assert_close_runs, misses, update_rel_error
+from tiny_gpt import (
+    TinyGPT,
+    _gpt,
+    _hook_up_schedule,
+    _tp_world,
+    build_optimizer,
+    global_batches,
+    global_name,
+    layout_invariant_init,
+    train,
+    train_step,
+    transformer_config,
+    unshard,
+)
+
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.megatron_muon import fsdp
+from megatron.core.optimizer.megatron_muon.factory import build_muon
+from megatron.core.optimizer.megatron_muon.functional import (
+    MuonParamInfo,
+    orthogonalize_matrices,
+)
+from megatron.training.muon_recipe import SEED_RECIPE
+
+STEPS = 3
+MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", lr=1e-2, weight_decay=0.01)
+MUON.update(SEED_RECIPE)
+
+# Tolerance on parity.update_rel_error, as the DistOpt parity tests (test_muon_distopt.py) and
+# for their reason: ZeRO-3 only reorders fp32 gradient sums (FSDP2 reduce-scatters per
+# micro-batch; Megatron-FSDP per bucket), the exchange moves fp32 values unchanged and Newton-
+# Schulz runs on the very same whole matrix, so fp32 runs agree to ~1e-5; 1e-4 keeps a 10x margin
+# and sits far below NS of a local piece (~1, the negative control).
+TOL = 1e-4
+LOSS_RTOL = 1e-5
+
+
+# ------------------------------------------------------------------ torch FSDP2 (fully_shard)
+
+
+def _build_muon(spec, model, config_overrides):
+    config = OptimizerConfig(**{**MUON, **config_overrides})
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=params, wd_mult=1.0, lr_mult=1.0)]
+    muon, _ = build_muon(config, [model], groups)
+    return muon
+
+
+def _forward_backward(spec, model, batch):
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    micro = list(batch.chunk(dp)[rank].split(spec.micro_batch_size))
+    total = 0.0
+    for tokens in micro:
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+        loss = model(inputs, positions, None, labels=labels).float().mean() / len(micro)
+        loss.backward()
+        total += loss.item()
+    out = torch.tensor([total])
+    torch.distributed.all_reduce(out, group=ps.get_data_parallel_group())
+    return out.item() / dp
+
+
+def _full(model, spec) -> dict:
+    """{global name: the full param} as this rank sees it (its DTensor's full tensor)."""
+    out = {}
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
+        out[global_name(model, n, spec)] = full.detach().float().clone()
+    return out
+
+
+def train_fsdp2(spec: TinyGPT, steps: int, hook=None, replicas: int = 1, **config_overrides):
+    """(initial params, final params, losses) of ``steps`` steps under FSDP2 (one process:
+    plain params); ``replicas`` > 1: HSDP, the DP ranks a (replicas x shards) mesh, Replicate
+    over the first dimension and Shard(0) over the second."""
+    model = _gpt(spec, transformer_config(spec), None)
+    layout_invariant_init(model, spec)
+    attrs = {n: dict(vars(p)) for n, p in model.named_parameters()}
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(ps.get_data_parallel_group(), "cpu")
+        if replicas > 1:  # the DP group is every rank here (no TP, PP)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (replicas, dp // replicas), mesh_dim_names=("r", "s"))
+        for layer in model.decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for n, p in model.named_parameters():
+            for key, value in attrs[n].items():
+                setattr(p, key, value)
+    initial = _full(model, spec)
+    muon = _build_muon(spec, model, config_overrides)  # over DTensors: the exchange attached
+    assert isinstance(muon.orthogonalizer, fsdp.Zero3Orthogonalizer) == (dp > 1)
+    if dp > 1:  # HSDP: the exchange spans a shard group, not the replicas
+        assert {ex.plan.world for ex in muon.orthogonalizer.exchanges} == {dp // replicas}
+    if hook is not None:
+        hook(muon)
+    losses = []
+    for batch in global_batches(spec, steps):
+        muon.zero_grad()
+        losses.append(_forward_backward(spec, model, batch))
+        muon.step()
+    return initial, _full(model, spec), losses
+
+
+@functools.cache
+def reference_fsdp2(steps: int = STEPS):
+    return run_distributed(train_fsdp2, 1, args=(TinyGPT(), steps))[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp2_muon_matches_one_process(world_size):
+    got = run_distributed(train_fsdp2, world_size, args=(TinyGPT(), STEPS))
+    for rank_result in got:  # every DP replica's unsharded params
+        assert_close_runs(reference_fsdp2(), [rank_result], tol=TOL, loss_rtol=LOSS_RTOL)
+
+
+def test_hsdp_fsdp2_muon_matches_one_process():
+    """HSDP (FSDP2 on a 2 x 2 mesh): the exchange runs within each shard group of 2; the two
+    replicas orthogonalize alike."""
+    got = run_distributed(train_fsdp2, 4, args=(TinyGPT(), STEPS), kwargs=dict(replicas=2))
+    assert_every_rank_close(reference_fsdp2(), got)
+
+
+def _ns_on_local_pieces(muon):
+    """Negative control (upstream PR #5961's warning): each rank runs Newton-Schulz on its own
+    Shard(0) piece, as if it were the matrix, instead of the exchange."""
+    ortho = muon.orthogonalizer
+
+    def local_ns(updates, _infos, spec):
+        out = []
+        for u in updates:
+            piece = fsdp.local(u)
+            if not piece.numel():
+                out.append(torch.zeros_like(u))
+                continue
+            shape = tuple(piece.shape)
+            o = orthogonalize_matrices([piece.clone()], [MuonParamInfo(shape)], spec)[0]
+            out.append(fsdp.like(u, o.reshape(-1)))
+        return out
+
+    assert isinstance(ortho, fsdp.Zero3Orthogonalizer)
+    muon.orthogonalizer = local_ns
+
+
+def test_negative_control_ns_on_local_pieces_misses():
+    initial, ref, _ = reference_fsdp2(1)
+    got = run_distributed(
+        train_fsdp2, 2, args=(TinyGPT(), 1), kwargs=dict(hook=_ns_on_local_pieces)
+    )
+    assert misses(update_rel_error(initial, ref, got[0][1]), 100 * TOL)
+
+
+# ------------------------------------------------------------------ Megatron-FSDP
+
+
+def build_megatron_fsdp(spec: TinyGPT, strategy: str, bucket_size=None):
+    """This rank's GPT as Megatron-LM's get_model wraps it for ``--use-megatron-fsdp``
+    (``FullyShardedDataParallel``), initialized layout-invariantly."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    config = transformer_config(spec)
+    model = _gpt(spec, config, None)
+    layout_invariant_init(model, spec)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        bucket_size=bucket_size,
+        # Megatron-FSDP forces it for optim_grads*; for 'optim' without it Megatron-FSDP trains
+        # wrongly on CPU ranks with AdamW too (update error 0.7 vs one process, measured)
+        overlap_grad_reduce=True,
+        overlap_param_gather=strategy == "optim_grads_params",
+    )
+    chunk = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    _hook_up_schedule(config, [chunk], ddp_config.overlap_grad_reduce, False)
+    return [chunk]
+
+
+def _gathered_fsdp(chunks, spec: TinyGPT) -> dict:
+    """{global name: full fp32 tensor} of this rank's Megatron-FSDP params: each optimizer
+    param's piece (a range of the flattened TP-local param) gathered over DP, then the TP shards
+    as tiny_gpt gathers them."""
+    out = {}
+    for chunk in chunks:
+        model = chunk.module.module
+        for local_name, param in chunk.module.param_and_grad_buffer.optimizer_named_parameters:
+            name = global_name(model, local_name.removeprefix("module."), spec)
+            orig = param.orig_param
+            tp_local = _dp_gathered(param)
+            tp, _, group = _tp_world(orig)
+            shards = [torch.empty_like(tp_local) for _ in range(tp)]
+            if tp > 1:
+                torch.distributed.all_gather(shards, tp_local, group=group)
+            else:
+                shards = [tp_local]
+            out[name] = unshard(shards, name, getattr(orig, "partition_dim", 0))
+    return out
+
+
+def _dp_gathered(param) -> torch.Tensor:
+    """The TP-local param from every DP rank's piece of Megatron-FSDP's flat buffer."""
+    buffers = param._megatron_fsdp_model.param_and_grad_buffer
+    group = buffers.parameter_groups[buffers.param_to_param_group[param.orig_param]]
+    buffer = group.main_weight_buffer or group.model_weight_buffer
+    item = buffer.param_idx[param.orig_param]
+    lo, _ = buffer._get_item_slice_in_shard(item)
+    pieces = [None] * buffer.dp_world_size
+    mine = (lo, fsdp.local(param).detach().float().reshape(-1).clone())
+    torch.distributed.all_gather_object(pieces, mine, group=buffer.data_parallel_group)
+    shape = tuple(buffer.item_index_map[item].shape)
+    full = torch.full((math.prod(shape),), float("nan"))
+    for at, piece in pieces:
+        full[at : at + piece.numel()] = piece
+    assert not full.isnan().any(), "the DP pieces cover the param"
+    return full.view(shape)
+
+
+def train_megatron_fsdp(
+    spec: TinyGPT,
+    steps: int,
+    strategy="optim_grads_params",
+    hook=None,
+    bucket_size=None,
+    **overrides,
+):
+    """(initial params, final params, losses) of ``steps`` steps under Megatron-FSDP."""
+    chunks = build_megatron_fsdp(spec, strategy, bucket_size)
+    initial = _gathered_fsdp(chunks, spec)
+    optimizer = build_optimizer(
+        spec, chunks, use_distributed_optimizer=True, **{**MUON, **overrides}
+    )
+    if hook is not None:
+        hook(optimizer)
+    losses = [train_step(spec, chunks, optimizer, b)["loss"] for b in global_batches(spec, steps)]
+    return initial, _gathered_fsdp(chunks, spec), losses
+
+
+@functools.cache
+def reference(steps: int = STEPS, moe: bool = False):
+    """One process, Megatron's own path (DDP, no DistOpt), our Muon."""
+    spec = TinyGPT(**(MOE if moe else {}))
+    return run_distributed(train, 1, args=(spec, steps), kwargs=MUON)[0]
+
+
+MEGATRON_FSDP = {
+    "optim": dict(world_size=2, strategy="optim"),
+    "optim_grads": dict(world_size=2, strategy="optim_grads"),
+    "optim_grads_params": dict(world_size=2, strategy="optim_grads_params"),
+    # small buckets: several parameter groups, matrices cut by 4 shards, some ranks hold none
+    "optim_grads_params_dp4_buckets": dict(
+        world_size=4, strategy="optim_grads_params", bucket_size=6000
+    ),
+    "tp2_optim_grads_params": dict(world_size=4, tp=2, strategy="optim_grads_params"),
+    # experts over EP 2: their own (expert DP) buffers and exchange beside the dense one
+    "ep2_moe_optim_grads_params": dict(world_size=4, ep=2, strategy="optim_grads_params"),
+}
+MOE = dict(num_layers=2, num_moe_experts=4, moe_token_dispatcher_type="allgather")
+
+
+@pytest.mark.parametrize("layout", MEGATRON_FSDP)
+def test_megatron_fsdp_muon_matches_one_process(layout):
+    case = dict(MEGATRON_FSDP[layout])
+    world_size, strategy = case.pop("world_size"), case.pop("strategy")
+    layout = dict(tp=case.pop("tp", 1), ep=case.pop("ep", 1))
+    moe = layout["ep"] > 1
+    args = (TinyGPT(**(MOE if moe else {})), STEPS, strategy)
+    got = run_distributed(train_megatron_fsdp, world_size, **layout, args=args, kwargs=case)
+    assert_every_rank_close(reference(moe=moe), got)
+
+
+def assert_every_rank_close(ref_result, results) -> None:
+    """Every rank's params (its stage's, its experts') against the reference's same params, and
+    the ranks together hold every param: each replica compared, none merged into another."""
+    initial, ref, losses = ref_result
+    for rank_initial, params, rank_losses in results:
+        rank_ref = ({k: initial[k] for k in params}, {k: ref[k] for k in params}, losses)
+        assert_close_runs(
+            rank_ref, [(rank_initial, params, rank_losses)], tol=TOL, loss_rtol=LOSS_RTOL
+        )
+    assert set().union(*(params for _, params, _ in results)) == set(ref)
+
+
+def test_megatron_fsdp_negative_control_ns_on_local_pieces_misses():
+    initial, ref, _ = reference(1)
+    hook = lambda optimizer: _ns_on_local_pieces(optimizer.optimizer)  # noqa: E731
+    got = run_distributed(train_megatron_fsdp, 2, args=(TinyGPT(), 1), kwargs=dict(hook=hook))
+    assert misses(update_rel_error(initial, ref, got[0][1]), 100 * TOL)
+
+
+# ------------------------------------------------------------------ counted figures (bench)
+
+
+def _figures_watched(spec: TinyGPT) -> dict:
+    """bench/fsdp_figures.py's counts of ours under Megatron-FSDP, and what the step really did:
+    the Newton-Schulz FLOPs of the matrices this rank's owners orthogonalized, and the bytes the
+    exchange says it moved."""
+    import fsdp_figures
+
+    from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost
+
+    done, ortho = [], {}
+
+    def watch(optimizer):
+        ortho["z"] = optimizer.optimizer.orthogonalizer
+        ortho["steps"] = optimizer.optimizer.ortho_specs()[0].steps
+        for ex in ortho["z"].exchanges:
+            ex.inner = functools.partial(_recording, ex.inner, done)
+
+    kind, settings = fsdp_figures.VARIANTS["muon_fsdp"]
+    out = fsdp_figures.counts(spec, kind, settings, hook=watch)
+    second = done[len(done) // 2 :]  # both steps orthogonalize the same matrices
+    out["orthogonalized_flops"] = sum(ns_cost(info, ortho["steps"]) for info in second)
+    out["bytes_moved"] = ortho["z"].bytes_moved
+    return out
+
+
+def _recording(inner, done, updates, infos, spec):
+    done.extend(infos)
+    return inner(updates, infos, spec)
+
+
+def test_counted_figures_are_the_real_steps():
+    """The bench's counts tie to a real run: the exchange bytes the collectives recorded are the
+    plan's (``bytes_per_step``) and the exchange's own count; the plan's NS FLOPs per rank are
+    those of the matrices the rank's owners orthogonalized in the step."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    ranks = run_distributed(_figures_watched, 2, args=(TinyGPT(),))
+    for r in ranks:
+        assert r["exchange_bytes"] == r["planned_exchange_bytes"] == r["bytes_moved"] > 0
+        assert r["ns_flops"] == r["orthogonalized_flops"] > 0
