@@ -177,9 +177,9 @@ def test_unknown_form_raises():
 def test_planner_counts_the_form_that_runs():
     """The DistOpt planner's cost of a whole matrix is what ``newton_schulz`` runs on it: the
     Gram form's count where ``'auto'`` takes it, per Q/K/V block; sharded forms stay standard."""
-    from megatron.core.optimizer.megatron_muon.distrib_optimizer import cost_model
     from megatron.core.optimizer.megatron_muon.functional import LocalOrthogonalizer, MuonParamInfo
     from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost, tp_ns_cost
+    from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost_model as cost_model
 
     wide, square = MuonParamInfo((1024, 4096)), MuonParamInfo((512, 512))
     assert ns_cost(wide, 5, "auto") == gram_flops(1024, 4096, 5) < ns_cost(wide, 5)

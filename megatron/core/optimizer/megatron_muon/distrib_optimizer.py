@@ -22,13 +22,12 @@ from .exchange import (
     ShardInfo,
     exchange_dtypes,
 )
-from .functional import LocalOrthogonalizer, Orthogonalizer
 from .newton_schulz import compute_dtype
 from .planner import figures as plan_figures
 from .planner.cost_model import DEFAULT_LINKS, NSCostModel, PlanLinks
 from .planner.gangs import GangRunner, gang_nodes
-from .planner.plan import MuonExchangePlan, ns_cost, tp_ns_cost
-from .tp import TPOrthogonalizer
+from .planner.plan import MuonExchangePlan, ns_cost_model
+from .tp import owners_orthogonalizer
 
 logger = logging.getLogger(__name__)
 
@@ -202,34 +201,6 @@ def _shard_infos(distopt, plan: MuonExchangePlan, muon_params: set) -> dict:
     return out
 
 
-def cost_model(
-    inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8, form: str = "standard"
-):
-    """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
-
-    Args:
-        inner: Muon's orthogonalizer before ``attach`` wraps it.
-        steps: Newton-Schulz iterations.
-        ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
-        exchange_itemsizes: bytes per element of the forward plus the return exchange.
-        form: ``OrthoSpec.form``, counted for whole matrices (gang blocks run the standard steps).
-
-    Returns:
-        The ``NSCostModel`` the planner splits matrices with.
-    """
-    sizes = dict(ns_itemsize=ns_itemsize, exchange_itemsizes=exchange_itemsizes)
-    if not isinstance(inner, TPOrthogonalizer):
-        whole = lambda info: ns_cost(info, steps, form)  # noqa: E731
-        return NSCostModel(steps, whole, lambda info: 1, **sizes)
-
-    def tp_of(info) -> int:
-        group = inner._group(info)
-        return group.size() if group is not None else 1
-
-    whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info), form)  # noqa: E731
-    return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
-
-
 def attach(
     distopt,
     muon,
@@ -262,7 +233,7 @@ def attach(
     forward, back, _ = exchange_dtypes(exchange_dtype, ns_dtype, torch.float32)
     sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
     model = dataclasses.replace(
-        cost_model(muon.orthogonalizer, steps, *sizes, form=form),
+        ns_cost_model(muon.orthogonalizer, steps, *sizes, form=form),
         **links.link_costs(),
         min_efficiency=links.min_efficiency or 0.0,
     )
@@ -275,7 +246,7 @@ def attach(
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
     muon.orthogonalizer = DistributedMuonOrthogonalizer(
         plan,
-        _owners_orthogonalizer(muon.orthogonalizer, infos),
+        owners_orthogonalizer(muon.orthogonalizer, infos),
         exchange_dtype,
         ns_dtype,
         device=device,
@@ -285,14 +256,6 @@ def attach(
     # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.
     muon.on_nonfinite_grad = "ignore"
     distopt.muon_plan = plan
-
-
-def _owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
-    """Owners' orthogonalizer: ``inner`` where TP shards a Muon matrix, else a local one (at
-    TP=1 the step never enters tp.py)."""
-    if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
-        return inner
-    return LocalOrthogonalizer(getattr(inner, "timers", None))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -1,15 +1,6 @@
-"""Our Muon under ZeRO-3 (Megatron-FSDP, torch FSDP2): exact, each matrix orthogonalized once per
-step by a balanced owner, reached from the ZeRO-3 shards by the DistOpt exchange (exchange.py).
-
-A rank's ZeRO-3 shard of a matrix is a contiguous range of its flattened (TP-local) elements:
-Megatron-FSDP cuts each parameter group's flat buffer into ``dp`` equal shards, and FSDP2's
-``Shard(0)`` gives rank ``r`` rows ``[r c, (r + 1) c)``, ``c = ceil(rows / dp)``. Both are the
-DistributedOptimizer's layout (a flat bucket cut into ``dp`` equal pieces): Megatron-FSDP's bucket
-is its parameter group's buffer, FSDP2's is the matrix itself. So the plan (planner/plan.py) and the
-exchange (exchange.py) run unchanged; this module reads the two layouts and moves between
-DTensors and their local pieces. Newton-Schulz on a local ``Shard(0)`` piece is not Newton-Schulz
-of the matrix: no rank ever runs it on a piece. docs/fsdp.md, "Muon".
-"""
+"""Our Muon under ZeRO-3 (Megatron-FSDP, torch FSDP2): each ZeRO-3 shard of a matrix is a range of
+its flattened elements, as under the DistributedOptimizer, so the plan and the exchange run
+unchanged; this module reads the two layouts (why and what differs: docs/fsdp.md, "Muon")."""
 
 import dataclasses
 from collections.abc import Callable, Hashable
@@ -20,7 +11,6 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .distrib_optimizer import _owners_orthogonalizer, cost_model
 from .exchange import (
     DTYPES,
     BucketSlot,
@@ -33,7 +23,8 @@ from .functional import MuonParamInfo, OrthoSpec
 from .newton_schulz import compute_dtype
 from .planner.cost_model import DEFAULT_LINKS, PlanLinks
 from .planner.gangs import GangRunner, gang_nodes
-from .planner.plan import MuonExchangePlan
+from .planner.plan import MuonExchangePlan, ns_cost_model
+from .tp import owners_orthogonalizer
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,8 +81,7 @@ def like(template: Tensor, flat: Tensor) -> Tensor:
 
 
 def fsdp2_matrix(param: Tensor, name: str, info: MuonParamInfo) -> HeldMatrix:
-    """The layout of one torch FSDP2 param (``fully_shard``: ``Shard(0)`` over one mesh dim,
-    ``Replicate`` over an HSDP outer dim); its global shape is the TP-local matrix.
+    """The layout of one torch FSDP2 param (``Shard(0)``; ``Replicate`` over an HSDP outer dim).
 
     Args:
         param: a 2-D DTensor param.
@@ -121,8 +111,7 @@ def fsdp2_matrix(param: Tensor, name: str, info: MuonParamInfo) -> HeldMatrix:
 
 
 def megatron_fsdp_matrix(param: Tensor, name: str, info: MuonParamInfo) -> HeldMatrix:
-    """The layout of one Megatron-FSDP optimizer param (a DTensor over the main weight buffer,
-    ``param.orig_param`` the module's TP-local param).
+    """The layout of one Megatron-FSDP optimizer param (``orig_param``: the module's param).
 
     Args:
         param: one of Megatron-FSDP's ``optimizer_named_parameters``.
@@ -178,8 +167,7 @@ def _check_held(held: HeldMatrix) -> None:
 
 
 def build_plans(matrices: list[HeldMatrix], model: Callable) -> list[tuple[MuonExchangePlan, list]]:
-    """One exchange plan per DP group (dense, expert), in first-seen order (the same on every
-    rank: model structures are), with its matrices in plan order.
+    """One exchange plan per DP group (dense, expert), in first-seen order (the same everywhere).
 
     Args:
         matrices: the Muon params' layouts, in optimizer order.
@@ -249,8 +237,7 @@ def attach_zero3(
     links: PlanLinks = DEFAULT_LINKS,
     update_dtype: Optional[torch.dtype] = None,
 ) -> Zero3Orthogonalizer:
-    """Make ``muon`` step ZeRO-3 params exactly: its ``param_info`` becomes ``Zero3ShardInfo``s
-    and its orthogonalizer the exchange around the owners' (TP) Newton-Schulz.
+    """Make ``muon`` step ZeRO-3 params exactly (``Zero3ShardInfo``s, the exchange around NS).
 
     Args:
         muon: a ``Muon`` whose Muon params are those of ``matrices``; modified in place.
@@ -276,7 +263,7 @@ def attach_zero3(
     sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
     infos = [m.info for m in matrices]
     base = dataclasses.replace(
-        cost_model(muon.orthogonalizer, steps, *sizes, form=form),
+        ns_cost_model(muon.orthogonalizer, steps, *sizes, form=form),
         **links.link_costs(),
         min_efficiency=links.min_efficiency or 0.0,
     )
@@ -285,7 +272,7 @@ def attach_zero3(
         nodes = gang_nodes(group, links.nvlink_domain, muon.orthogonalizer, infos)
         return dataclasses.replace(base, nodes=nodes)
 
-    owners = _owners_orthogonalizer(muon.orthogonalizer, infos)
+    owners = owners_orthogonalizer(muon.orthogonalizer, infos)
     update_dtype = update_dtype or _update_dtype(matrices)
     device = local(matrices[0].param).device if matrices else None
     exchanges, by_param = [], {}
@@ -317,8 +304,7 @@ def _update_dtype(matrices: list[HeldMatrix]) -> torch.dtype:
 
 
 def _set_infos(muon, by_param: dict) -> None:
-    """``muon.param_info`` (and ``MegatronMuon``'s per-position infos, which survive Megatron's
-    fp16 wrapper swapping params for main params) to the ZeRO-3 infos."""
+    """``muon.param_info`` and ``MegatronMuon``'s per-position infos to the ZeRO-3 infos."""
     for g, group in enumerate(muon.param_groups):
         if not group["use_muon"]:
             continue

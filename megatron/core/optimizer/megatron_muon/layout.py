@@ -1,7 +1,5 @@
-"""The DDP buffer layout of our Muon's DistributedOptimizer: upstream's LayerWise layout (each
-Muon matrix whole in one DP shard) where the holders' Newton-Schulz loads balance, else
-DistOpt's byte-level one. Why and when: docs/distopt_exchange.md.
-"""
+"""DDP's buffer layout for our Muon: LayerWise's (each matrix whole in one DP shard) where the
+holders' Newton-Schulz loads balance, else DistOpt's byte-level one (docs/distopt_exchange.md)."""
 
 from ...distributed.param_and_grad_buffer import group_params_for_buffers
 from ..layer_wise_optimizer import LayerWiseDistributedOptimizer, is_managed_by_layer_wise_optimizer

@@ -13,7 +13,9 @@ from torch import Tensor
 from .config import TP_MODES
 from .functional import (
     NS_TIMER,
+    LocalOrthogonalizer,
     MuonParamInfo,
+    Orthogonalizer,
     OrthoSpec,
     orthogonalize,
     orthogonalize_sharded_steps,
@@ -160,3 +162,11 @@ def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group
     for q, (lo, hi) in enumerate(bounds):
         if q != p:
             flat[lo:hi] = chunks[q * chunk : q * chunk + hi - lo]
+
+
+def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
+    """Owners' orthogonalizer: ``inner`` where TP shards a Muon matrix, else a local one (at
+    TP=1 the step never enters tp.py)."""
+    if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
+        return inner
+    return LocalOrthogonalizer(getattr(inner, "timers", None))

@@ -97,11 +97,8 @@ def efficiency(plan: MuonExchangePlan) -> float:
 def tp_schedule(
     plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype: str = "float32", model=None
 ):
-    """The TP collectives DP rank ``rank``'s TP ranks issue in ``ex`` (each TP rank alike), in
-    three runs of the step's order: the gang blocks' TP all-gathers before their iteration
-    (``duplicated``: ``TPOrthogonalizer.together``), the all-gathers of the TP slices after each
-    sliced gang collective (planner/gangs.py; ``NSCostModel.tp_bytes`` already times these
-    inside the gang collectives), then each whole owned matrix's (``plan.tp_collectives``).
+    """The TP collectives DP rank ``rank``'s TP ranks issue in ``ex``, in the step's order: gang
+    blocks' gathers, slices after sliced gang collectives, whole matrices' (distopt_exchange.md).
 
     Args:
         plan: the plan (its ``model`` gives the TP mode, sizes, steps and NS dtype).

@@ -12,6 +12,7 @@ from typing import Optional
 from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece
 from ..functional import MuonParamInfo
 from ..newton_schulz import ns_flops, packed_size, splits_polynomial
+from ..tp import TPOrthogonalizer
 from .cost_model import NSCostModel
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
@@ -102,14 +103,7 @@ def tp_collectives(
     update_dtype: str = "float32",
 ) -> list[TPCollective]:
     """The TP collectives one TP rank issues, in order, to orthogonalize one whole matrix
-    (``TPOrthogonalizer.__call__``: tp.py, docs/tp_modes.md).
-
-    ``duplicated``: one all-gather of the shard (update dtype). ``distributed``, per Newton-Schulz
-    block (each Q/K/V block of a split QKV weight): the squared norm (fp32 all-reduce of 1), then
-    per step the packed Gram sum (fp32 all-reduce of ``g (g + 1) / 2``, ``g`` the Gram side: the
-    columns of row shards, the rows of column shards) and the gather of the polynomial's rows
-    (``gather_rows``: ``all_gather_into_tensor`` of ``ceil(g / tp)`` rows of ``g``, NS dtype).
-    ``blockwise``, or a matrix TP does not shard: none.
+    (``TPOrthogonalizer.__call__``: tp.py; each mode's list: docs/tp_modes.md).
 
     Args:
         info: the matrix's TP-global info (``partition_dim`` where TP-sharded).
@@ -242,3 +236,31 @@ class MuonExchangePlan:
         matrices = [dataclasses.replace(m, units=[]) for m in self.matrices]
         args = (self.rank, self.world, window, model, targets, bundles)
         return MuonExchangePlan(self.buckets, matrices, *args)
+
+
+def ns_cost_model(
+    inner, steps: int, ns_itemsize: int = 4, exchange_itemsizes: int = 8, form: str = "standard"
+):
+    """NS FLOPs an owner's TP rank executes, per the inner orthogonalizer's TP mode.
+
+    Args:
+        inner: Muon's orthogonalizer before ``attach`` wraps it.
+        steps: Newton-Schulz iterations.
+        ns_itemsize: bytes per element of Newton-Schulz's compute dtype.
+        exchange_itemsizes: bytes per element of the forward plus the return exchange.
+        form: ``OrthoSpec.form``, counted for whole matrices (gang blocks run the standard steps).
+
+    Returns:
+        The ``NSCostModel`` the planner splits matrices with.
+    """
+    sizes = dict(ns_itemsize=ns_itemsize, exchange_itemsizes=exchange_itemsizes)
+    if not isinstance(inner, TPOrthogonalizer):
+        whole = lambda info: ns_cost(info, steps, form)  # noqa: E731
+        return NSCostModel(steps, whole, lambda info: 1, **sizes)
+
+    def tp_of(info) -> int:
+        group = inner._group(info)
+        return group.size() if group is not None else 1
+
+    whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info), form)  # noqa: E731
+    return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
