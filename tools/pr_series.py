@@ -345,6 +345,16 @@ SERIES = [
             "0082-fsdp-dtensor-load-flops-counter.patch",
         ],
     ),
+    (
+        "optimizer: our Muon under ZeRO-3 (Megatron-FSDP, torch FSDP2)",
+        "A ZeRO-3 shard of a matrix is a range of its flattened elements, as under the\n"
+        "DistributedOptimizer: megatron_muon/fsdp.py reads Megatron-FSDP's flat buffers and\n"
+        "FSDP2's Shard(0) row blocks as such ranges, so the DistOpt plan and exchange\n"
+        "orthogonalize each matrix whole once per step on a balanced owner. Megatron-FSDP's\n"
+        "argument check admits --muon-impl megatron_muon; upstream's Muon keeps its refusal.",
+        [OPT + "megatron_muon/fsdp.py"],
+        ["0090-training-megatron-fsdp-admits-megatron-muon.patch"],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)

@@ -160,7 +160,7 @@ def _ns_on_local_pieces(muon):
                 continue
             shape = tuple(piece.shape)
             o = orthogonalize_matrices([piece.clone()], [MuonParamInfo(shape)], spec)[0]
-            out.append(fsdp.like(u, o.reshape(-1)))
+            out.append(fsdp._like(u, o.reshape(-1)))
         return out
 
     assert isinstance(ortho, fsdp.Zero3Orthogonalizer)

@@ -61,7 +61,7 @@ def local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def like(template: Tensor, flat: Tensor) -> Tensor:
+def _like(template: Tensor, flat: Tensor) -> Tensor:
     """``flat`` (this rank's piece, flattened) in ``template``'s form: a DTensor with its mesh,
     placements and global shape where ``template`` is one (no communication)."""
     if not isinstance(template, DTensor):
@@ -225,7 +225,7 @@ class Zero3Orthogonalizer:
             pieces = [local(updates[k]).reshape(-1) for k in held]
             outs = exchange(pieces, [infos[k] for k in held], spec)
             for k, out in zip(held, outs):
-                results[k] = like(updates[k], out.reshape(-1))
+                results[k] = _like(updates[k], out.reshape(-1))
         # a rank holding none of a matrix (FSDP2's last ranks of a short one) updates nothing
         return [r if r is not None else torch.zeros_like(u) for r, u in zip(results, updates)]
 

@@ -165,8 +165,15 @@ def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group
 
 
 def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
-    """Owners' orthogonalizer: ``inner`` where TP shards a Muon matrix, else a local one (at
-    TP=1 the step never enters tp.py)."""
+    """Owners' orthogonalizer: ``inner`` where TP shards a Muon matrix, else a local one.
+
+    Args:
+        inner: Muon's orthogonalizer.
+        infos: the Muon matrices' TP-global infos.
+
+    Returns:
+        The orthogonalizer owners run (at TP=1 the step never enters tp.py).
+    """
     if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
         return inner
     return LocalOrthogonalizer(getattr(inner, "timers", None))

@@ -1,7 +1,5 @@
-"""Splitting one matrix's Newton-Schulz over a gang of DP ranks: the cost model of its blocks
-(``Block``, ``Unit``: exchange.py) and the schedule's critical path. Pure arithmetic; the
-three forms a member runs and the schedule: docs/gangs.md.
-"""
+"""The cost model of gang blocks (a matrix's Newton-Schulz split over DP ranks) and the schedule's
+critical path; pure arithmetic (docs/gangs.md)."""
 
 import dataclasses
 import functools

@@ -1,6 +1,4 @@
-"""Counted figures of a DistOpt Muon plan (planner/plan.py) for benches, logs and tests; the step
-never calls these (docs/distopt_exchange.md, "Counted figures").
-"""
+"""Counted figures of a plan for benches, logs and tests (docs/distopt_exchange.md)."""
 
 import math
 from typing import Optional
@@ -105,8 +103,7 @@ def tp_schedule(
         ex: one of its exchanges.
         rank: a DP rank.
         update_dtype: the update's dtype (DistOpt's fp32 main params).
-        model: the ``NSCostModel`` to count with; None: the plan's (a plan without one, e.g.
-            ``with_window``'s, needs it).
+        model: the ``NSCostModel`` to count with; None: the plan's.
 
     Returns:
         (gathered, sliced, whole): three lists of ``TPCollective``.
