@@ -2,6 +2,7 @@
 
 import functools
 import threading
+import types
 
 import pytest
 import torch
@@ -155,11 +156,13 @@ def test_precision_names_are_upstreams():
 @pytest.mark.parametrize("precision,tf32", [("high", True), ("highest", False), ("medium", None)])
 def test_high_allows_tf32_on_cuda_only(precision, tf32):
     """The setting upstream's context sets, inside the block only, for a CUDA device; nothing
-    changes for another device (the flag is read, not a device, so this runs without a GPU)."""
+    changes for another device (the flag is read, not a device, so this runs without a GPU).
+    The CUDA device is a stand-in with its ``type``: the test process's CPU mode turns
+    ``torch.device("cuda")`` into the CPU device, as it does for megatron-core's code."""
     before = torch.get_float32_matmul_precision()
     with matmul_precision(precision, torch.device("cpu")):
         assert torch.get_float32_matmul_precision() == before
-    with matmul_precision(precision, torch.device("cuda")):
+    with matmul_precision(precision, types.SimpleNamespace(type="cuda")):
         inside = torch.backends.cuda.matmul.allow_tf32
     assert torch.get_float32_matmul_precision() == before
     if tf32 is not None:
