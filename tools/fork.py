@@ -16,6 +16,7 @@ our ``megatron/core`` files and the few of ``megatron/training`` (the entry ``pr
 runs, the CPU mode, our Muon's flags, the built-in corpus) are linked into it.
 """
 
+import compileall
 import hashlib
 import os
 import shutil
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import warnings
 from pathlib import Path
 
 UPSTREAM_NAME = "megatron-core"
@@ -178,7 +180,17 @@ def assemble() -> Path:
             (FORK_DIR / rel).write_bytes(data)
         STAMP.write_text(fingerprint())
     link_overlay()
+    _compile_bytecode()
     return FORK_DIR
+
+
+def _compile_bytecode() -> None:
+    """Write the tree's .pyc files now: each rank of each launch imports ~400 of its modules, and
+    where PYTHONDONTWRITEBYTECODE is set (as on our development machine) each would be compiled
+    from source again, ~1.5 CPU-seconds per rank. Incremental: only changed files."""
+    with warnings.catch_warnings():  # upstream's own invalid escapes (SyntaxWarning), not ours
+        warnings.simplefilter("ignore")
+        compileall.compile_dir(FORK_DIR / "megatron", quiet=1)
 
 
 def _saved_extensions() -> dict:
