@@ -322,6 +322,15 @@ SERIES = [
         ["0070-tokenizers-gpt2-bpe-local-files.patch"],
     ),
     (
+        "tokenizers: transformers imported on first use, not by every run",
+        "The text tokenizers package imported transformers at module level in three modules, so\n"
+        "every process paid the import (2.4 s of a CPU rank's 21 s of startup), NullTokenizer\n"
+        "runs included. The import moves to where a tokenizer first needs it; HAVE_TRANSFORMERS\n"
+        "asks importlib whether it is installed.",
+        [],
+        ["0071-tokenizers-transformers-imported-on-use.patch"],
+    ),
+    (
         "training: preprocess_data from the package; one-line preflight of files and packages",
         "python -m megatron.training.preprocess_data: jsonl to .bin/.idx with the flags of\n"
         "tools/preprocess_data.py (which the package does not ship), the tokenizer built once\n"
