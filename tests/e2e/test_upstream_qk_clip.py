@@ -44,10 +44,12 @@ def test_qk_clip_caps_the_max_attention_logit(tmp_path, rule):
     head's max on the previous batch to TAU; a new batch of the same mock distribution and one
     Muon step (a fixed spectral size, larger relative to the weights the clip shrank) move it:
     measured 1.16-1.39 x TAU with the default (upstream's per-group) rule, 1.18-1.43 x TAU with
-    ``--qk-clip-per-head`` (ours, which reaches the clip through upstream's config copy). Without
-    the clip the max stays near iteration 1's (3.9 x TAU; the same steps move it by a few
-    percent), so 1.6 x TAU is 2.4x below where no clip would be, and 0.8 x TAU shows the clip
-    stops at the threshold instead of shrinking further."""
+    ``--qk-clip-per-head`` (ours, which reaches the clip through upstream's config copy), and
+    1.32-1.65 x TAU per head with torch.compile off, as these launches run (``launch_env``: the
+    eager bias-GeLU rounds bf16 otherwise, another trajectory). Without the clip the max stays
+    near iteration 1's (3.9-4.9 x TAU; the same steps move it by a few percent), so 2 x TAU is
+    about 2x below where no clip would be, and 0.8 x TAU shows the clip stops at the threshold
+    instead of shrinking further."""
     tb = tmp_path / "tb"
     flags = [*MUON, *BF16_DISTOPT, *CLIP, *rule, "--train-iters", str(ITERS)]
     launch(tmp_path, "qk_clip", 2, *map(str, [*flags, "--tensorboard-dir", tb]))
@@ -55,7 +57,7 @@ def test_qk_clip_caps_the_max_attention_logit(tmp_path, rule):
     assert sorted(maxima) == list(range(1, ITERS + 1)), maxima
     assert maxima[1] > 3 * TAU, maxima  # the clip has something to do
     later = [maxima[i] for i in range(2, ITERS + 1)]
-    assert 0.8 * TAU <= min(later) and max(later) <= 1.6 * TAU, maxima
+    assert 0.8 * TAU <= min(later) and max(later) <= 2 * TAU, maxima
 
 
 # Multi-latent attention (patches 0018-0020): the same model without query groups (MLA has none)

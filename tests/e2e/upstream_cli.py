@@ -2,13 +2,13 @@
 layout and QK-clip tests: a tiny GQA GPT with our Muon, on gloo CPU ranks where CUDA is absent."""
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from upstream_runs import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = not torch.cuda.is_available()
@@ -38,8 +38,7 @@ def launch(tmp: Path, name: str, ranks: int, *flags: str, model: Sequence[str] =
     """pretrain_gpt.py under torchrun on ``ranks`` ranks (gloo CPU where CUDA is absent), the
     ``model`` flags first; its console output, rc 0 asserted."""
     # CUDA_DEVICE_MAX_CONNECTIONS: upstream requires it with TP before Blackwell (a CPU counts so)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    env["MEGATRON_CPU_LOOP_HITS"] = str(tmp / f"{name}.hits")
+    env = dict(launch_env(tmp, name), CUDA_DEVICE_MAX_CONNECTIONS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
     cmd += ["--standalone", str(ROOT / "pretrain_gpt.py"), *model]
     cmd += ["--distributed-backend", "gloo" if CPU else "nccl", *flags]

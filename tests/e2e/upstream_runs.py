@@ -10,6 +10,7 @@ line shows the mean of both iterations; ``step_losses`` undoes it.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +33,26 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 FINAL = re.compile(r"validation loss at iteration \d+ on (\w+) set \| lm loss value: ([0-9.E+-]+)")
 
 
+def launch_env(tmp: Path, name: str) -> dict:
+    """The environment of every launch in this folder but the recipes': one thread per rank, the
+    CPU stand-ins each rank hits written to ``tmp/NAME.hits``, and torch.compile off.
+
+    Upstream compiles its fused bias-GeLU, SwiGLU and dropout-add (``megatron/core/jit.py``:
+    ``jit_fuser = torch.compile``); on CPU inductor builds them as C++ in every rank of every
+    launch: 9 of a 2-rank launch's 29 CPU-seconds (measured, 3 iterations). These tests are about
+    the loop, the optimizer and checkpoints, and every run a test compares is launched alike, so
+    none compares compiled with eager numbers. The recipes (``test_upstream_recipes_sample``,
+    ``test_upstream_muon_recipes``, ``test_offline_recipe``) and ``make demo`` run compiled, as
+    users do."""
+    hits = str(tmp / f"{name}.hits")
+    return dict(
+        os.environ, OMP_NUM_THREADS="1", MEGATRON_CPU_LOOP_HITS=hits, TORCH_COMPILE_DISABLE="1"
+    )
+
+
 def command(tmp: Path, name: str, iters: int, *flags: str) -> tuple:
-    """(argv, env) of a torchrun launch of pretrain_gpt.py; each rank writes the CPU stand-ins
-    it hit to ``tmp/NAME.hits``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_CPU_LOOP_HITS=str(tmp / f"{name}.hits"))
+    """(argv, env) of a torchrun launch of pretrain_gpt.py (``launch_env``)."""
+    env = launch_env(tmp, name)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}"]
     cmd += ["--standalone", str(ROOT / "pretrain_gpt.py"), *TINY, "--train-iters", str(iters)]
     cmd += ["--distributed-backend", "gloo" if CPU else "nccl", *flags]
@@ -51,6 +68,28 @@ def launch(tmp: Path, name: str, iters: int, *flags: str, rc: int = 0) -> str:
     (tmp / f"{name}.log").write_text(out)
     assert done.returncode == rc, f"{name}: rc {done.returncode}, not {rc}\n{out[-4000:]}"
     return out
+
+
+def resume(tmp: Path, straight: Path, at: int, iters: int, *flags: str) -> tuple:
+    """Resume from the straight run's iteration-AT checkpoint alone (copied into
+    ``tmp/resumed`` as the latest) to ITERS, saving there: (that folder, the console output)."""
+    resumed, name = tmp / "resumed", f"iter_{at:07d}"
+    resumed.mkdir()
+    shutil.copytree(straight / name, resumed / name)
+    (resumed / "latest_checkpointed_iteration.txt").write_text(str(at))
+    out = launch(tmp, "resumed", iters, *flags, "--load", str(resumed), "--save", str(resumed))
+    return resumed, out
+
+
+def same_checkpoints(tmp: Path, straight: Path, resumed: Path, iteration: int) -> dict:
+    """Both runs' ITERATION checkpoints, asserted equal bit for bit in every tensor and value
+    (not only the top level); the straight run's entries."""
+    name = f"iter_{iteration:07d}"
+    a = checkpoint(straight / name, tmp / "a.pt")
+    b = checkpoint(resumed / name, tmp / "b.pt")
+    assert leaves(a) > 20  # what is compared: every tensor and value, not only the top level
+    assert differences(a, b) == []
+    return a
 
 
 def logged(out: str) -> dict:
