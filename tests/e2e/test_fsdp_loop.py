@@ -12,19 +12,16 @@ ranks where CUDA is absent): train, evaluate, save, and a resume that is exact. 
         --save ckpt --save-interval 2
 """
 
-import shutil
-
 import pytest
 from upstream_runs import (
     CPU,
     FINAL,
-    checkpoint,
-    differences,
     expected_stand_ins,
     hits,
     launch,
-    leaves,
     logged,
+    resume,
+    same_checkpoints,
     step_losses,
 )
 
@@ -63,7 +60,7 @@ def test_fsdp_trains_and_a_resume_is_exact(tmp_path, setup):
     (validation and test sets) alike, the resumed run logs the straight run's losses, and its
     iteration-4 checkpoint (weights, optimizer state, scheduler, RNG) equals the straight run's
     bit for bit."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight = tmp_path / "straight"
     flags = [*ADAM, *SETUPS[setup], "--save-interval", "2"]
     out = launch(tmp_path, "straight", 4, *flags, "--save", str(straight))
     losses = step_losses(out)
@@ -72,17 +69,10 @@ def test_fsdp_trains_and_a_resume_is_exact(tmp_path, setup):
     layout = set(cpu_loop.LAYOUT_STAND_INS) if CPU and "--use-megatron-fsdp" in flags else set()
     assert hits(tmp_path, "straight") == expected_stand_ins() | layout
 
-    resumed.mkdir()
-    shutil.copytree(straight / "iter_0000002", resumed / "iter_0000002")
-    (resumed / "latest_checkpointed_iteration.txt").write_text("2")
-    again = launch(tmp_path, "resumed", 4, *flags, "--load", str(resumed), "--save", str(resumed))
+    resumed, again = resume(tmp_path, straight, 2, 4, *flags)
     assert min(logged(again)) == 3
     # iteration 4's console line is the mean of 3 and 4 after a restart (design.md section 12)
     assert logged(again)[3] == logged(out)[3]
     assert step_losses(again) == pytest.approx({i: losses[i] for i in (3, 4)}, abs=3e-6)
     assert FINAL.findall(again) == FINAL.findall(out) and len(FINAL.findall(out)) == 2
-
-    a = checkpoint(straight / "iter_0000004", tmp_path / "a.pt")
-    b = checkpoint(resumed / "iter_0000004", tmp_path / "b.pt")
-    assert leaves(a) > 20  # every tensor and value, not only the top level
-    assert differences(a, b) == []
+    same_checkpoints(tmp_path, straight, resumed, 4)

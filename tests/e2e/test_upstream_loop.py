@@ -2,18 +2,15 @@
 launches of a tiny GPT on 2 ranks (upstream_runs.py), straight vs saved and resumed.
 """
 
-import shutil
-
 import pytest
 from upstream_runs import (
     FINAL,
-    checkpoint,
-    differences,
     expected_stand_ins,
     hits,
     launch,
-    leaves,
     logged,
+    resume,
+    same_checkpoints,
     step_losses,
 )
 
@@ -45,7 +42,7 @@ def test_trains_and_a_resume_is_exact(tmp_path, setup):
     (weights, optimizer state, scheduler, RNG) equals the straight run's bit for bit. The
     distributed-optimizer resumes rest on the fork's patch 0009: pristine 0.19.2 asserts at
     load (distrib_optimizer.py, one 'step' in an empty torch Adam state)."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight = tmp_path / "straight"
     flags = [*SETUPS[setup], "--save-interval", "4"]
     out = launch(tmp_path, "straight", 8, *flags, "--save", str(straight))
     losses = step_losses(out)
@@ -53,17 +50,10 @@ def test_trains_and_a_resume_is_exact(tmp_path, setup):
     assert max(losses[i] for i in range(2, 9)) < losses[1] and losses[8] < losses[1] - 0.3
     assert hits(tmp_path, "straight") == expected_stand_ins()
 
-    resumed.mkdir()
-    shutil.copytree(straight / "iter_0000004", resumed / "iter_0000004")
-    (resumed / "latest_checkpointed_iteration.txt").write_text("4")
-    again = launch(tmp_path, "resumed", 8, *flags, "--load", str(resumed), "--save", str(resumed))
+    resumed, again = resume(tmp_path, straight, 4, 8, *flags)
     assert min(logged(again)) == 5
     assert step_losses(again) == pytest.approx({i: losses[i] for i in range(5, 9)}, abs=3e-6)
     exact = {i: v for i, v in logged(again).items() if i != 6}  # 6: a mean (quirk), inexact
     assert exact == {i: logged(out)[i] for i in exact}
     assert FINAL.findall(again) == FINAL.findall(out) and len(FINAL.findall(out)) == 2
-
-    a = checkpoint(straight / "iter_0000008", tmp_path / "a.pt")
-    b = checkpoint(resumed / "iter_0000008", tmp_path / "b.pt")
-    assert leaves(a) > 20  # what is compared: every tensor and value, not only the top level
-    assert differences(a, b) == []
+    same_checkpoints(tmp_path, straight, resumed, 8)
