@@ -69,7 +69,12 @@ def test_sigterm_to_torchrun_saves_and_every_rank_exits_0(tmp_path):
     assert (save / "latest_checkpointed_iteration.txt").read_text() == str(reached)
     assert rank_exits(tmp_path, "signalled") == {0: 0, 1: 0}, out[-4000:]
     assert "Unable to shutdown process" not in out  # torchrun did not have to SIGKILL a rank
-    assert "SignalException" in out and rc == 1, out[-4000:]
+    assert "SignalException" in out, out[-4000:]
+    # torchrun's own exit: 1, or (seen once, at load ~30) after the ranks had saved and
+    # exited 0, SIGABRT from a C++ thread torch leaves unjoined as its interpreter ends ("terminate
+    # called without an active exception"): torch's shutdown race, after everything checked above
+    aborted = rc == -signal.SIGABRT and "terminate called without an active exception" in out
+    assert rc == 1 or aborted, out[-4000:]
 
     stop = str(reached + 1)  # --exit-interval: the resumed run saves and exits (rc 0) there
     flags = ["--load", str(save), "--save", str(save), "--save-interval", str(SAVED_EVERY)]
