@@ -7,6 +7,7 @@ precision, memory and bytes: docs/distopt_exchange.md.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,7 @@ from .functional import (
     MuonParamInfo,
     Orthogonalizer,
     OrthoSpec,
+    batches,
     scale_flat_,
     timed,
 )
@@ -335,12 +337,20 @@ class DistributedMuonOrthogonalizer:
             for i, orth in zip(gangs, orths):
                 self._scatter(at[i], orth.reshape(-1), results)
             del orths
-        for i in [i for i in at if i not in set(gangs)]:
-            block = self._assemble(i, at[i], received)
-            orth = self.inner([block], [self.plan.matrices[i].info], spec)[0]
-            del block
-            self._scatter(at[i], orth.reshape(-1), results)
+        whole = sorted((i for i in at if i not in set(gangs)), key=self._shape_of)
+        nbytes = [math.prod(self._shape_of(i)) * _itemsize(self.update_dtype) for i in whole]
+        for run in batches(nbytes, spec.batch_bytes):  # same shapes together: batched chains
+            ids = [whole[j] for j in run]
+            blocks = [self._assemble(i, at[i], received) for i in ids]
+            orths = self.inner(blocks, [self.plan.matrices[i].info for i in ids], spec)
+            del blocks
+            for i, orth in zip(ids, orths):
+                self._scatter(at[i], orth.reshape(-1), results)
+            del orths
         return results
+
+    def _shape_of(self, i: int) -> tuple[int, int]:
+        return self.plan.matrices[i].unit_of(self.plan.rank).block.shape
 
     def _assemble(self, i: int, pieces: list, received: Tensor) -> Tensor:
         """This rank's unit of matrix ``i`` from its received pieces, in the update dtype."""
