@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from dispatch_count import DispatchCounter  # noqa: E402
+from dispatch_count import PER_MATRIX, DispatchCounter, measure  # noqa: E402
 
 from megatron.core.optimizer.megatron_muon.optimizer import Muon  # noqa: E402
 
@@ -73,3 +73,21 @@ def test_muon_step_runs_one_batched_chain_per_shape(batch_bytes, chains):
     assert single + batched == 3 * 5 * chains
     assert batched == (3 * 5 * chains if batch_bytes is None else 0)
     assert counter.counts.host_syncs == 0
+
+
+def test_distopt_step_runs_a_chain_per_shape_and_no_host_sync_of_its_own():
+    """A real step of bench/dispatch_count.py (2 layers, DP 2, bf16): each owner runs at most one
+    Newton-Schulz chain (5 iterations x 3 matmuls) per shape of the model's 4 (128 x 128: Q
+    blocks and output projections; 64 x 128: K/V blocks; fc1; fc2), and its host syncs are the
+    AdamW + DistributedOptimizer step's (Megatron's wrapper). Negative control: a chain per
+    matrix and Q/K/V block (``ns_batch_bytes=1``) runs more chains than shapes on some rank."""
+    ranks = measure(2, ("adamw", "ours", "ours" + PER_MATRIX))
+    matmuls = {
+        who: [sum(n for op, n in r[who].by_op.items() if op in MATMULS | BATCHED) for r in ranks]
+        for who in ("ours", "ours" + PER_MATRIX)
+    }
+    assert all(m % 15 == 0 for ms in matmuls.values() for m in ms), matmuls
+    assert all(0 < m // 15 <= 4 for m in matmuls["ours"]), matmuls
+    assert max(matmuls["ours" + PER_MATRIX]) // 15 > 4, matmuls
+    for r in ranks:
+        assert r["ours"].host_syncs == r["adamw"].host_syncs == 2, r
