@@ -337,10 +337,9 @@ class DistributedMuonOrthogonalizer:
             for i, orth in zip(gangs, orths):
                 self._scatter(at[i], orth.reshape(-1), results)
             del orths
-        whole = sorted((i for i in at if i not in set(gangs)), key=self._shape_of)
-        nbytes = [math.prod(self._shape_of(i)) * _itemsize(self.update_dtype) for i in whole]
-        for run in batches(nbytes, spec.batch_bytes):  # same shapes together: batched chains
-            ids = [whole[j] for j in run]
+        whole = [i for i in at if i not in set(gangs)]
+        itemsize = _itemsize(self.update_dtype)
+        for ids in owned_runs(self.plan, whole, self.plan.rank, itemsize, spec.batch_bytes):
             blocks = [self._assemble(i, at[i], received) for i in ids]
             orths = self.inner(blocks, [self.plan.matrices[i].info for i in ids], spec)
             del blocks
@@ -348,9 +347,6 @@ class DistributedMuonOrthogonalizer:
                 self._scatter(at[i], orth.reshape(-1), results)
             del orths
         return results
-
-    def _shape_of(self, i: int) -> tuple[int, int]:
-        return self.plan.matrices[i].unit_of(self.plan.rank).block.shape
 
     def _assemble(self, i: int, pieces: list, received: Tensor) -> Tensor:
         """This rank's unit of matrix ``i`` from its received pieces, in the update dtype."""
@@ -406,6 +402,26 @@ def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: to
     if _itemsize(ns_dtype) < _itemsize(update_dtype):
         return forward, ns_dtype, True
     return forward, named, False
+
+
+def owned_runs(plan, whole: list[int], rank: int, itemsize: int, budget: int) -> list[list[int]]:
+    """The whole matrices an owner orthogonalizes together: sorted by shape (same shapes batch),
+    in runs of at most ``budget`` bytes (``functional.batches``).
+
+    Args:
+        plan: the ``MuonExchangePlan``.
+        whole: indices of matrices ``rank`` owns whole.
+        rank: the owner's DP rank.
+        itemsize: bytes per element of the assembled matrices (the update dtype).
+        budget: ``OrthoSpec.batch_bytes``.
+
+    Returns:
+        The runs of matrix indices, in the order they run.
+    """
+    shape = lambda i: plan.matrices[i].unit_of(rank).block.shape  # noqa: E731
+    whole = sorted(whole, key=shape)
+    runs = batches([math.prod(shape(i)) * itemsize for i in whole], budget)
+    return [[whole[j] for j in run] for run in runs]
 
 
 def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int]]]:
