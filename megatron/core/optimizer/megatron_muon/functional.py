@@ -259,8 +259,7 @@ def orthogonalize_matrices(
 
 
 def _batched_ns(xs: list[Tensor], spec: OrthoSpec) -> Tensor:
-    """Unscaled ``NS_k`` of same-shape matrices as one (b, m, n) tensor: one chain on their
-    stack, a lone matrix as it is (docs/newton_schulz.md, "Batches")."""
+    """Unscaled ``NS_k`` of same-shape matrices as one (b, m, n) tensor (one chain)."""
     if len(xs) == 1:
         return newton_schulz(xs[0], *spec.ns).unsqueeze(0)
     return newton_schulz_stack(xs, *spec.ns)

@@ -208,27 +208,17 @@ def newton_schulz(
     return out.reshape(x.shape).to(x.dtype)
 
 
-def newton_schulz_stack(
-    xs: Sequence[Tensor],
-    steps: int = DEFAULT_STEPS,
-    coefficients: str | CoefficientSet | Sequence[Triple] = DEFAULT_COEFFICIENTS,
-    precision: str = DEFAULT_PRECISION,
-    eps: float = DEFAULT_EPS,
-    form: str = DEFAULT_NS_FORM,
-) -> Tensor:
-    """``newton_schulz(torch.stack(xs))``, stacked straight into the compute dtype (one copy).
+def newton_schulz_stack(xs: Sequence[Tensor], *ns) -> Tensor:
+    """``newton_schulz(torch.stack(xs), *ns)``, stacked straight into the compute dtype.
 
     Args:
         xs: same-shape, same-dtype 2-D matrices.
-        steps: iterations k >= 1.
-        coefficients: a name in ``COEFFICIENT_SETS``, a ``CoefficientSet`` or (a, b, c) triples.
-        precision: a name in ``PRECISIONS``.
-        eps: the Frobenius norm's floor.
-        form: one of ``FORMS``.
+        *ns: ``newton_schulz``'s settings after ``x`` (steps, coefficients, precision, eps, form).
 
     Returns:
         ``NS_k`` of each, as one (len(xs), m, n) tensor in their dtype.
     """
+    steps, coefficients, precision, eps, form = _settings(*ns)
     x = xs[0]
     buf = torch.empty((len(xs), *x.shape), dtype=compute_dtype(precision), device=x.device)
     torch.stack(xs, out=buf)  # the cast rounds as ``_normalized``'s ``copy_``
@@ -237,8 +227,17 @@ def newton_schulz_stack(
     )
 
 
+def _settings(
+    steps=DEFAULT_STEPS,
+    coefficients=DEFAULT_COEFFICIENTS,
+    precision=DEFAULT_PRECISION,
+    eps=DEFAULT_EPS,
+    form=DEFAULT_NS_FORM,
+):
+    return steps, coefficients, precision, eps, form
+
+
 def _iterate_normalized(buf: Tensor, steps, coefficients, precision, form) -> Tensor:
-    """The steps on ``buf`` (2-D or a batch), normalized and in the compute dtype."""
     if steps < 1:
         raise ValueError(f"Newton-Schulz steps must be >= 1, got {steps}")
     schedule = coefficient_set(coefficients).schedule(steps)
