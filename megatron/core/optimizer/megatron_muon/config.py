@@ -56,6 +56,9 @@ DEFAULT_PLAN_MIN_EFFICIENCY = None
 # Ours, off: upstream's Newton-Schulz steps on every matrix.
 DEFAULT_NS_FORM: NSForm = "standard"
 DEFAULT_EPS = 1e-7  # Newton-Schulz normalization: X / max(||X||_F, eps), as upstream
+# Ours: same-shape matrices run as one batched Newton-Schulz chain of at most this many bytes of
+# input (``Muon(ns_batch_bytes=...)``); a larger group is chunked (docs/newton_schulz.md).
+DEFAULT_NS_BATCH_BYTES = 256 * 2**20
 
 
 def is_megatron_muon(config) -> bool:

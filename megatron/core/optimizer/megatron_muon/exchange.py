@@ -7,6 +7,7 @@ precision, memory and bytes: docs/distopt_exchange.md.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,7 @@ from .functional import (
     MuonParamInfo,
     Orthogonalizer,
     OrthoSpec,
+    batches,
     scale_flat_,
     timed,
 )
@@ -335,11 +337,15 @@ class DistributedMuonOrthogonalizer:
             for i, orth in zip(gangs, orths):
                 self._scatter(at[i], orth.reshape(-1), results)
             del orths
-        for i in [i for i in at if i not in set(gangs)]:
-            block = self._assemble(i, at[i], received)
-            orth = self.inner([block], [self.plan.matrices[i].info], spec)[0]
-            del block
-            self._scatter(at[i], orth.reshape(-1), results)
+        whole = [i for i in at if i not in set(gangs)]
+        itemsize = _itemsize(self.update_dtype)
+        for ids in owned_runs(self.plan, whole, self.plan.rank, itemsize, spec.batch_bytes):
+            blocks = [self._assemble(i, at[i], received) for i in ids]
+            orths = self.inner(blocks, [self.plan.matrices[i].info for i in ids], spec)
+            del blocks
+            for i, orth in zip(ids, orths):
+                self._scatter(at[i], orth.reshape(-1), results)
+            del orths
         return results
 
     def _assemble(self, i: int, pieces: list, received: Tensor) -> Tensor:
@@ -396,6 +402,26 @@ def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: to
     if _itemsize(ns_dtype) < _itemsize(update_dtype):
         return forward, ns_dtype, True
     return forward, named, False
+
+
+def owned_runs(plan, whole: list[int], rank: int, itemsize: int, budget: int) -> list[list[int]]:
+    """The whole matrices an owner orthogonalizes together: sorted by shape (same shapes batch),
+    in runs of at most ``budget`` bytes (``functional.batches``).
+
+    Args:
+        plan: the ``MuonExchangePlan``.
+        whole: indices of matrices ``rank`` owns whole.
+        rank: the owner's DP rank.
+        itemsize: bytes per element of the assembled matrices (the update dtype).
+        budget: ``OrthoSpec.batch_bytes``.
+
+    Returns:
+        The runs of matrix indices, in the order they run.
+    """
+    shape = lambda i: plan.matrices[i].unit_of(rank).block.shape  # noqa: E731
+    whole = sorted(whole, key=shape)
+    runs = batches([math.prod(shape(i)) * itemsize for i in whole], budget)
+    return [[whole[j] for j in run] for run in runs]
 
 
 def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int]]]:

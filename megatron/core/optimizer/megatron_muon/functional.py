@@ -10,6 +10,7 @@ from the local tensor, so a shard's stage 2 can be fed the global layout.
 """
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -19,12 +20,13 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
-from .config import SCALE_MODES
+from .config import DEFAULT_NS_BATCH_BYTES, SCALE_MODES
 from .newton_schulz import (
     CoefficientSet,
     Request,
     Triple,
     newton_schulz,
+    newton_schulz_stack,
     sharded_newton_schulz_steps,
     splits_polynomial,
 )
@@ -102,6 +104,8 @@ class OrthoSpec:
     # False: ``orthogonalize`` returns NS_k(U) unscaled, for a caller that scales it elsewhere
     # (``scale_flat_``: the DistOpt exchange returns bf16 NS output, exact, and holders scale).
     apply_scale: bool = True
+    # The most bytes of matrices (in their own dtype) stacked into one batched chain.
+    batch_bytes: int = DEFAULT_NS_BATCH_BYTES
 
     @property
     def ns(self) -> tuple:
@@ -211,13 +215,14 @@ class LocalOrthogonalizer:
                     "orthogonalizer"
                 )
         with timed(self.timers, NS_TIMER):
-            return [orthogonalize(u, info, spec) for u, info in zip(updates, infos)]
+            return orthogonalize_matrices(updates, infos, spec)
 
 
 def orthogonalize_matrices(
     updates: list[Tensor], infos: list[MuonParamInfo], spec: OrthoSpec
 ) -> list[Tensor]:
-    """``s * NS_k(U)`` for each whole matrix, QKV weights block by block.
+    """``s * NS_k(U)`` for each whole matrix, QKV weights block by block; the matrices and
+    blocks of one shape, dtype and scale as one batched chain per ``spec.batch_bytes``.
 
     Args:
         updates: whole matrices U.
@@ -227,7 +232,58 @@ def orthogonalize_matrices(
     Returns:
         The scaled orthogonalized updates, laid out like ``updates``.
     """
-    return [orthogonalize(u, info, spec) for u, info in zip(updates, infos)]
+    out: list = [None] * len(updates)
+    jobs: dict[tuple, list[tuple[Tensor, Callable[[Tensor], None]]]] = {}
+
+    def job(x: Tensor, shape: tuple[int, int], put: Callable[[Tensor], None]) -> None:
+        key = (tuple(x.shape), x.dtype, spec.scale(*shape) if spec.apply_scale else None)
+        jobs.setdefault(key, []).append((x, put))
+
+    for i, (u, info) in enumerate(zip(updates, infos)):
+        if info.qkv_split is None:
+            job(u, info.shape, functools.partial(out.__setitem__, i))
+            continue
+        out[i] = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        for r, starts in _qkv_heights(info.qkv_split):
+            for s, block in zip(starts, _qkv_blocks(u, info, r, starts)):
+                put = functools.partial(_qkv_put_, out[i], info, r, s)
+                job(block, _block_shape(info, r), put)
+    for (_, _, scale), xs in jobs.items():
+        for chunk in batches([x.numel() * x.element_size() for x, _ in xs], spec.batch_bytes):
+            orths = _batched_ns([xs[j][0] for j in chunk], spec)
+            if scale is not None:  # the batch's one scale: the same product as per matrix
+                orths.mul_(scale)  # after the cast back, as torch.optim.Muon (``_scale_``)
+            for j, orth in zip(chunk, orths.unbind(0)):
+                xs[j][1](orth)
+    return out
+
+
+def _batched_ns(xs: list[Tensor], spec: OrthoSpec) -> Tensor:
+    """Unscaled ``NS_k`` of same-shape matrices as one (b, m, n) tensor (one chain)."""
+    if len(xs) == 1:
+        return newton_schulz(xs[0], *spec.ns).unsqueeze(0)
+    return newton_schulz_stack(xs, *spec.ns)
+
+
+def batches(sizes: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` in runs of at most ``budget`` in all (one at least).
+
+    Args:
+        sizes: each item's bytes.
+        budget: the most bytes of a run.
+
+    Returns:
+        The runs, in order.
+    """
+    runs: list[list[int]] = []
+    total = budget + 1
+    for i, size in enumerate(sizes):
+        if total + size > budget:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += size
+    return runs
 
 
 def orthogonalize(u: Tensor, info: MuonParamInfo, spec: OrthoSpec) -> Tensor:
@@ -241,13 +297,7 @@ def orthogonalize(u: Tensor, info: MuonParamInfo, spec: OrthoSpec) -> Tensor:
     Returns:
         The scaled orthogonalized update, shaped like ``u``.
     """
-    if info.qkv_split is None:
-        return _scale_(newton_schulz(u, *spec.ns), info.shape, spec)
-    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    for r, starts in _qkv_heights(info.qkv_split):
-        blocks = torch.stack(_qkv_blocks(u, info, r, starts))
-        _qkv_put_(out, info, spec, r, starts, newton_schulz(blocks, *spec.ns).unbind(0))
-    return out
+    return orthogonalize_matrices([u], [info], spec)[0]
 
 
 # Unscaled Newton-Schulz of same-shape blocks as a generator of requests (``newton_schulz.
@@ -265,8 +315,9 @@ def _orthogonalize_steps(
         return _scale_(orth, info.shape, spec)
     out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     for r, starts in _qkv_heights(info.qkv_split):
-        blocks = _qkv_blocks(u, info, r, starts)
-        _qkv_put_(out, info, spec, r, starts, (yield from ns_blocks(blocks)))
+        orths = yield from ns_blocks(_qkv_blocks(u, info, r, starts))
+        for s, orth in zip(starts, orths):
+            _qkv_put_(out, info, r, s, _scale_(orth, _block_shape(info, r), spec))
     return out
 
 
@@ -287,12 +338,9 @@ def _qkv_blocks(u: Tensor, info: MuonParamInfo, r: int, starts: list[int]) -> li
     return [per_group[:, s : s + r].reshape(-1, u.shape[1]) for s in starts]
 
 
-def _qkv_put_(out, info, spec, r: int, starts: list[int], orths: list[Tensor]) -> None:
-    """Write the scaled orthogonalized blocks ``r`` rows high into ``out``."""
-    per_group = _per_group(out, info)
-    for s, orth in zip(starts, orths):
-        orth = _scale_(orth, _block_shape(info, r), spec)
-        per_group[:, s : s + r] = orth.view(-1, r, out.shape[1])
+def _qkv_put_(out: Tensor, info: MuonParamInfo, r: int, s: int, orth: Tensor) -> None:
+    """Write the orthogonalized block ``r`` rows high from row ``s`` of each group into ``out``."""
+    _per_group(out, info)[:, s : s + r] = orth.view(-1, r, out.shape[1])
 
 
 def orthogonalize_sharded_steps(

@@ -201,17 +201,51 @@ def newton_schulz(
     """
     if x.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
+    m, n = x.shape[-2:]
+    flat = x.reshape(-1, m, n) if x.ndim > 2 else x
+    buf = _normalized(flat, compute_dtype(precision), eps)
+    out = _iterate_normalized(buf, steps, coefficients, precision, form)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def newton_schulz_stack(xs: Sequence[Tensor], *ns) -> Tensor:
+    """``newton_schulz(torch.stack(xs), *ns)``, stacked straight into the compute dtype.
+
+    Args:
+        xs: same-shape, same-dtype 2-D matrices.
+        *ns: ``newton_schulz``'s settings after ``x`` (steps, coefficients, precision, eps, form).
+
+    Returns:
+        ``NS_k`` of each, as one (len(xs), m, n) tensor in their dtype.
+    """
+    steps, coefficients, precision, eps, form = _settings(*ns)
+    x = xs[0]
+    buf = torch.empty((len(xs), *x.shape), dtype=compute_dtype(precision), device=x.device)
+    torch.stack(xs, out=buf)  # the cast rounds as ``_normalized``'s ``copy_``
+    return _iterate_normalized(_normalize_(buf, eps), steps, coefficients, precision, form).to(
+        x.dtype
+    )
+
+
+def _settings(
+    steps=DEFAULT_STEPS,
+    coefficients=DEFAULT_COEFFICIENTS,
+    precision=DEFAULT_PRECISION,
+    eps=DEFAULT_EPS,
+    form=DEFAULT_NS_FORM,
+):
+    return steps, coefficients, precision, eps, form
+
+
+def _iterate_normalized(buf: Tensor, steps, coefficients, precision, form) -> Tensor:
     if steps < 1:
         raise ValueError(f"Newton-Schulz steps must be >= 1, got {steps}")
     schedule = coefficient_set(coefficients).schedule(steps)
-    dtype = compute_dtype(precision)
-    m, n = x.shape[-2:]
-    flat = x.reshape(-1, m, n) if x.ndim > 2 else x
+    m, n = buf.shape[-2:]
     gram = uses_gram(m, n, steps, form)
-    with matmul_precision(precision, x.device):
+    with matmul_precision(precision, buf.device):
         iterate = _gram_iterate if gram else _iterate
-        out = iterate(_normalized(flat, dtype, eps), schedule, tall=m > n)
-    return out.reshape(x.shape).to(x.dtype)
+        return iterate(buf, schedule, tall=m > n)
 
 
 # ``form``'s values: ``config.NS_FORMS`` plus ``'gram'`` (always the Gram form).
@@ -337,10 +371,14 @@ def _sym_mm(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _normalized(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
-    """x / max(||x||_F, eps) per matrix in a fresh ``dtype`` buffer; cast first, so the result
-    depends on the rounded input alone (docs/newton_schulz.md, "The iteration")."""
-    buf = torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
-    norm = torch.linalg.vector_norm(buf, dim=None if x.ndim == 2 else (-2, -1), keepdim=True)
+    """x / max(||x||_F, eps) per matrix in a fresh ``dtype`` buffer (``_normalize_``)."""
+    return _normalize_(torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x), eps)
+
+
+def _normalize_(buf: Tensor, eps: float) -> Tensor:
+    """buf / max(||buf||_F, eps) per matrix, in place on the input already cast to the compute
+    dtype, so the result depends on the rounded input alone (docs/newton_schulz.md)."""
+    norm = torch.linalg.vector_norm(buf, dim=None if buf.ndim == 2 else (-2, -1), keepdim=True)
     return buf.div_(norm.clamp_min_(eps))
 
 

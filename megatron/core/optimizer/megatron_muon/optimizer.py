@@ -98,6 +98,7 @@ class Muon(Optimizer):
         exp_avg_dtype: Optional[torch.dtype] = None,
         on_nonfinite_grad: Literal["raise", "skip", "ignore"] = "raise",
         foreach: Optional[bool] = None,
+        ns_batch_bytes: int = defaults.DEFAULT_NS_BATCH_BYTES,
     ) -> None:
         if exp_avg_dtype is not None and not exp_avg_dtype.is_floating_point:
             raise ValueError(f"exp_avg_dtype must be a floating dtype or None, got {exp_avg_dtype}")
@@ -105,6 +106,9 @@ class Muon(Optimizer):
             raise ValueError(
                 f"on_nonfinite_grad must be one of {NONFINITE_POLICIES}, got {on_nonfinite_grad!r}"
             )
+        if ns_batch_bytes < 1:
+            raise ValueError(f"ns_batch_bytes must be a positive byte count, got {ns_batch_bytes}")
+        self.ns_batch_bytes = ns_batch_bytes  # the cap of one batched Newton-Schulz chain
         self.exp_avg_dtype = exp_avg_dtype
         self.on_nonfinite_grad = on_nonfinite_grad
         self.foreach = foreach  # the AdamW groups' (torch's; None: its default rule)
@@ -230,7 +234,10 @@ class Muon(Optimizer):
         settings = [group[k] for k in SPEC_SETTINGS]
         cached = self._specs.get(i)
         if cached is None or cached[0] != settings:
-            cached = self._specs[i] = (copy.deepcopy(settings), _ortho_spec(group))
+            cached = self._specs[i] = (
+                copy.deepcopy(settings),
+                _ortho_spec(group, self.ns_batch_bytes),
+            )
         return cached[1]
 
     def _muon_steps(self) -> None:
@@ -315,7 +322,7 @@ class Muon(Optimizer):
         raise AssertionError("no non-finite gradient found")
 
 
-def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:
+def _ortho_spec(group: dict[str, Any], batch_bytes: int) -> OrthoSpec:
     mode, factor = resolve_scale(
         group["matched_adamw_rms"], group["scale_mode"], group["extra_scale_factor"]
     )
@@ -327,6 +334,7 @@ def _ortho_spec(group: dict[str, Any]) -> OrthoSpec:
         form=group["ns_form"],
         scale_mode=mode,
         scale_factor=factor,
+        batch_bytes=batch_bytes,
     )
 
 

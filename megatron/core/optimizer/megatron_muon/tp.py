@@ -18,6 +18,7 @@ from .functional import (
     Orthogonalizer,
     OrthoSpec,
     orthogonalize,
+    orthogonalize_matrices,
     orthogonalize_sharded_steps,
     timed,
 )
@@ -37,7 +38,20 @@ class TPOrthogonalizer:
 
     def __call__(self, updates: list[Tensor], infos: list, spec: OrthoSpec) -> list[Tensor]:
         with timed(self.timers, NS_TIMER):
-            return [self._one(u, info, spec) for u, info in zip(updates, infos)]
+            out = [
+                None if self._local(info) else self._one(u, info, spec)
+                for u, info in zip(updates, infos)
+            ]
+            here = [i for i, o in enumerate(out) if o is None]  # no collective: batched chains
+            infos_here = [self.scale_info(infos[i], updates[i].shape) for i in here]
+            orths = orthogonalize_matrices([updates[i] for i in here], infos_here, spec)
+            for i, orth in zip(here, orths):
+                out[i] = orth
+            return out
+
+    def _local(self, info) -> bool:
+        """Whether ``_one`` orthogonalizes ``info``'s matrix with no collective."""
+        return self.mode == "blockwise" or self._group(info) is None
 
     def together(self, updates: list[Tensor], infos: list, fn) -> list[Tensor]:
         """As a call, but ``fn`` sees all matrices at once, gathered before and sliced after

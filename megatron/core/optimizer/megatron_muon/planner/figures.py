@@ -3,7 +3,8 @@
 import math
 from typing import Optional
 
-from ..exchange import Exchange, MatrixSlot, Unit
+from ..config import DEFAULT_NS_BATCH_BYTES as NS_BATCH
+from ..exchange import Exchange, MatrixSlot, Unit, owned_runs
 from .cost_model import ALL, POST, Gather, critical_path, exchange_schedule, member_events
 from .plan import MuonExchangePlan, TPCollective, tp_collectives
 
@@ -303,7 +304,9 @@ def sum_bytes_per_step(plan: MuonExchangePlan, rank=None) -> float:
     return 2 * sum(_sum_traffic(plan, ex)[rank] for ex in plan.exchanges)
 
 
-def transient_bytes(plan, forward_itemsize, return_itemsize, working_set, rank=None) -> int:
+def transient_bytes(
+    plan, forward_itemsize, return_itemsize, working_set, rank=None, batch_bytes=NS_BATCH
+) -> int:
     """Upper bound of the exchange's transient memory on ``rank`` (docs/distopt_exchange.md,
     "Memory").
 
@@ -313,6 +316,7 @@ def transient_bytes(plan, forward_itemsize, return_itemsize, working_set, rank=N
         return_itemsize: bytes per element of the return exchange.
         working_set: ``(slot, unit) -> bytes``, e.g. ``working_set_bytes`` bound to dtypes.
         rank: a DP rank; None: the plan's rank.
+        batch_bytes: ``OrthoSpec.batch_bytes``: whole matrices run in batches of this size.
 
     Returns:
         Bytes, an upper bound over the step's exchanges.
@@ -325,8 +329,11 @@ def transient_bytes(plan, forward_itemsize, return_itemsize, working_set, rank=N
         owned = sum(p.size for p in ex.receives(rank))
         mine = [(plan.matrices[i], plan.matrices[i].unit_of(rank)) for i in ex.matrices]
         sets = [(bool(u.gang), working_set(m, u)) for m, u in mine if u is not None]
-        # gang blocks are all in flight together, then whole matrices one at a time
-        work = max(sum(b for gang, b in sets if gang), *(b for gang, b in sets if not gang), 0)
+        whole = [i for i in ex.matrices if (u := plan.matrices[i].unit_of(rank)) and not u.gang]
+        runs = owned_runs(plan, whole, rank, 4, batch_bytes)  # DistOpt's fp32 main params
+        ws = {i: working_set(plan.matrices[i], plan.matrices[i].unit_of(rank)) for i in whole}
+        # gang blocks are all in flight together, then whole matrices a batch at a time
+        work = max(sum(b for gang, b in sets if gang), *(sum(ws[i] for i in r) for r in runs), 0)
         results = 0 if f == r else owned * r  # else written over the received pieces
         # Held parts of split matrices come back in pieces and are assembled into a copy.
         split = sum(p.size for p in ex.sends(rank) if len(plan.matrices[p.matrix].units) > 1)
