@@ -335,7 +335,15 @@ class DistributedMuonOrthogonalizer:
             for i, orth in zip(gangs, orths):
                 self._scatter(at[i], orth.reshape(-1), results)
             del orths
-        for i in [i for i in at if i not in set(gangs)]:
+        whole = [i for i in at if i not in set(gangs)]
+        if getattr(self.inner, "batches", False) and whole:  # one call: tp.py's owner mode
+            blocks = [self._assemble(i, at[i], received) for i in whole]
+            orths = self.inner(blocks, [self.plan.matrices[i].info for i in whole], spec)
+            del blocks
+            for i, orth in zip(whole, orths):
+                self._scatter(at[i], orth.reshape(-1), results)
+            return results
+        for i in whole:
             block = self._assemble(i, at[i], received)
             orth = self.inner([block], [self.plan.matrices[i].info], spec)[0]
             del block
