@@ -617,12 +617,13 @@ def parse_args(argv=None):
         "--param-bytes", type=int, choices=[4, 2], default=2, help="DDP param all-gather dtype"
     )
     parser.add_argument("--dps", type=int, nargs="+", default=list(DPS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
-    rows = [project(m, dp, a) for m in MODELS for dp in a.dps]
+    rows = [project(m, dp, a) for m in a.models for dp in a.dps]
     print(
         f"PROJECTION: {a.peak_tflops:g} TFLOP/s x {a.mfu:g} achieved (model and NS), "
         f"{a.link_gbps:g} Gb/s links, {a.tokens:,} tokens/step, exchange %d B/elt out, %d B back, "
