@@ -210,7 +210,7 @@ def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
         The orthogonalizer owners run (at TP=1 the step never enters tp.py).
     """
     if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
-        return inner.without_replicas()
+        return inner.without_replicas() if inner.replicas else inner
     return LocalOrthogonalizer(getattr(inner, "timers", None))
 
 
