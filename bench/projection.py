@@ -63,9 +63,11 @@ from megatron.core.optimizer.megatron_muon.planner.cost_model import (
 )
 from megatron.core.optimizer.megatron_muon.planner.plan import (
     MuonExchangePlan,
+    owner_collectives,
     tp_collectives,
     tp_ns_cost,
 )
+from megatron.core.optimizer.megatron_muon.tp import owner_cells
 
 # name: (layers, hidden, ffn, heads, kv heads, vocab, tp); Llama 3.2 1B, Llama 3 8B / 70B shapes.
 MODELS = {
@@ -329,6 +331,42 @@ def with_tp(plan: MuonExchangePlan, traces: list, flops_per_byte: float, model) 
     return out
 
 
+def owner_ns(plan: MuonExchangePlan, rate: float, tp_link: float, tp: int) -> dict:
+    """The ``owner`` TP mode's NS figures of ``plan`` (TP-sharded matrices, no gangs): each DP
+    owner's matrices spread over its TP ranks as tp.py's ``owner_cells`` does; the busiest TP
+    rank's NS FLOPs plus its two TP all-to-alls (``owner_collectives``) at ``tp_link``."""
+    assert not any(ex.gangs for ex in plan.exchanges), "owner mode: TP-sharded matrices whole"
+    flops, seconds = 0.0, 0.0
+    for r in range(plan.world):
+        owned = [m for m in plan.matrices if m.owner == r]
+        infos = [m.info for m in owned]
+        cells = owner_cells(infos, tp)
+        for t in range(tp):
+            load = sum(m.cost * tp for m, c in zip(owned, cells) if c == t)
+            moved = sum(c.link_bytes() for c in owner_collectives(infos, tp, t)) / tp_link
+            flops, seconds = max(flops, load), max(seconds, load / rate + moved)
+    ideal = sum(m.cost for m in plan.matrices) / plan.world
+    return {"ns": seconds, "ns_flops": flops / rate, "efficiency": ideal / flops if flops else 1.0}
+
+
+def with_owner(row: dict, plans: dict, rate: float, tp_link: float, tp: int) -> dict:
+    """``row`` with the ``owner`` mode's NS figures of each of its plans (``owner_ns``)."""
+    for key, plan in plans.items():
+        if not plan:
+            continue
+        got = owner_ns(plan, rate, tp_link, tp)
+        if key == "":
+            row.update(ns=got["ns"], ns_no_tp=got["ns_flops"], ns_flops=got["ns_flops"])
+            row["efficiency"] = got["efficiency"]
+        elif key == "unsplit":
+            row.update(unsplit_ns=got["ns_flops"], unsplit_tp=got["ns"] - got["ns_flops"])
+            row["unsplit_efficiency"] = got["efficiency"]
+        else:
+            row[f"{key}_ns"], row[f"{key}_ns_flops"] = got["ns"], got["ns_flops"]
+            row[f"{key}_efficiency"] = got["efficiency"]
+    return row
+
+
 def project(model: str, dp: int, a) -> dict:
     cfg = MODELS[model]
     tp = cfg[-1]
@@ -358,7 +396,12 @@ def project(model: str, dp: int, a) -> dict:
     floor = a.min_efficiency or None
     floored = floor and plan.rebuilt(model=dataclasses.replace(link_model, min_efficiency=floor))
     muon_bytes = sum(math.prod(info.shape) for info in infos) / tp * a.exchange_bytes
-    lw = layer_wise(params, dp, bucket, link_model, tp_link)
+    # LayerWise and gather-everything in upstream's exact TP mode where ours is ``owner``
+    ref = link_model
+    if a.tp_mode == "owner":
+        whole = lambda info: tp_ns_cost(info, NS_STEPS, "duplicated", tp)  # noqa: E731
+        ref = dataclasses.replace(link_model, mode="duplicated", whole=whole)
+    lw = layer_wise(params, dp, bucket, ref, tp_link)
     lw_busiest = max(f / rate + t for f, t in zip(lw["flops"], lw["tp_seconds"]))
     ns = lambda p, **kw: ns_seconds(p, rate, link, tp_link, latency, **kw)  # noqa: E731
     distopt_numel = ddp_layout([math.prod(shape) for _, shape, _ in params], dp, bucket)[-1][1]
@@ -368,7 +411,7 @@ def project(model: str, dp: int, a) -> dict:
     extra = lw["numel"] - distopt_numel
     per_element = (dp - 1) / dp * (a.grad_bytes + a.param_bytes) / link
     moved = {p.matrix for ex in plan.exchanges for p in ex.pieces if p.holder != p.owner}
-    return {
+    row = {
         "layout": f"shard-aligned ({len(moved)} moved)" if aligned else "byte-level",
         "pad_comm": max(ours_numel - distopt_numel, 0) * per_element,
         "sync_points": plan_figures.sync_points(plan),
@@ -398,8 +441,8 @@ def project(model: str, dp: int, a) -> dict:
         - plan_figures.critical_path_flops(unsplit) / rate,
         "unsplit_efficiency": plan_figures.efficiency(unsplit),
         "unsplit_comm": exchange_seconds(unsplit, forward, back, link),
-        "base_ns": sum(link_model.whole(i) for i in infos) / rate,
-        "base_tp": sum(matrix_tp_bytes(link_model, i) for i in infos) / tp_link,
+        "base_ns": sum(ref.whole(i) for i in infos) / rate,
+        "base_tp": sum(matrix_tp_bytes(ref, i) for i in infos) / tp_link,
         "base_comm": muon_bytes * (dp - 1) / dp / link,
         "lw_ns": max(lw["flops"]) / rate,
         "lw_tp": lw_busiest - max(lw["flops"]) / rate,
@@ -411,6 +454,10 @@ def project(model: str, dp: int, a) -> dict:
         "distopt_buffer_gb": distopt_numel * (a.grad_bytes + a.param_bytes) / 1e9,
         "lw_idle": sum(1 for f in lw["flops"] if f == 0),
     }
+    if a.tp_mode != "owner" or tp == 1:  # at TP 1 every mode is one process's NS
+        return row
+    plans = {"": plan, "flop": flop_only, "floor": floored, "unsplit": unsplit}
+    return with_owner(row, plans, rate, tp_link, tp)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -546,7 +593,10 @@ def parse_args(argv=None):
         "--ns-bytes", type=int, choices=[2, 4], default=2, help="NS matmul dtype: 2 bf16 (default)"
     )
     parser.add_argument(
-        "--tp-mode", choices=["duplicated", "distributed", "blockwise"], default="duplicated"
+        "--tp-mode",
+        choices=["duplicated", "distributed", "blockwise", "owner"],
+        default="duplicated",
+        help="owner: LayerWise and gather-everything are then counted in duplicated",
     )
     parser.add_argument("--one-bucket", action="store_true", help="no --overlap-grad-reduce")
     parser.add_argument(
@@ -567,12 +617,13 @@ def parse_args(argv=None):
         "--param-bytes", type=int, choices=[4, 2], default=2, help="DDP param all-gather dtype"
     )
     parser.add_argument("--dps", type=int, nargs="+", default=list(DPS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
-    rows = [project(m, dp, a) for m in MODELS for dp in a.dps]
+    rows = [project(m, dp, a) for m in a.models for dp in a.dps]
     print(
         f"PROJECTION: {a.peak_tflops:g} TFLOP/s x {a.mfu:g} achieved (model and NS), "
         f"{a.link_gbps:g} Gb/s links, {a.tokens:,} tokens/step, exchange %d B/elt out, %d B back, "

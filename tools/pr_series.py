@@ -364,6 +364,15 @@ SERIES = [
         [OPT + "megatron_muon/fsdp.py"],
         ["0090-training-megatron-fsdp-admits-megatron-muon.patch"],
     ),
+    (
+        "training: --muon-tp-mode owner, our exact TP mode without duplicated NS",
+        "megatron_muon/tp.py's 'owner' mode orthogonalizes each TP-sharded matrix whole on one\n"
+        "rank of TP x DP (two TP all-to-alls per step; without DistOpt one all-gather over DP),\n"
+        "so NS runs once per matrix over the grid; upstream's parser admits the value, which\n"
+        "needs --muon-impl megatron_muon.",
+        [],
+        ["0091-training-args-muon-tp-mode-owner.patch"],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)

@@ -214,6 +214,12 @@ def validate_megatron_muon_args(args) -> None:
             "--qk-clip-per-head selects the rule of --qk-clip: add --qk-clip or drop it"
         )
     if args.muon_impl != "megatron_muon":
+        if getattr(args, "muon_tp_mode", None) == "owner":
+            raise ValueError(
+                "--muon-tp-mode owner is megatron-muon's TP mode, but --muon-impl is "
+                f"{args.muon_impl!r}: add --muon-impl megatron_muon or pick one of upstream's "
+                "blockwise, duplicated, distributed"
+            )
         if flags:
             verb = "configures" if len(flags) == 1 else "configure"
             raise ValueError(

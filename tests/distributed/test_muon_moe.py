@@ -34,6 +34,8 @@ LAYOUTS = {
     # needs EP > 1 here: with EP = 1 Megatron marks expert weights as dense (allreduce=True) and
     # DDP would average different expert-TP shards over the same ranks.
     "ep2_expert_tp2_duplicated": dict(world_size=4, ep=2, etp=2, muon_tp_mode="duplicated"),
+    # ours: each expert matrix whole on one expert-TP rank (tp.py's owner mode)
+    "ep2_expert_tp2_owner": dict(world_size=4, ep=2, etp=2, muon_tp_mode="owner"),
 }
 
 

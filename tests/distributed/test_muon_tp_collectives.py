@@ -64,21 +64,22 @@ def _step(mode: str, gangs: bool) -> dict:
         return [(c.op, c.numel, c.dtype, c.world, c.bytes) for c in calls if c.ranks == tp]
 
     other = "distributed" if mode != "distributed" else "duplicated"
+    t = ps.get_tensor_model_parallel_rank()
     return {
         "muon": ours(inner.calls),
         "step": ours(outer.calls),
-        "counted": _counted(plan),
-        "other_mode": _counted(_with_model(plan, mode=other)),
-        "fewer_steps": _counted(_with_model(plan, steps=plan.model.steps - 1)),
+        "counted": _counted(plan, t),
+        "other_mode": _counted(_with_model(plan, mode=other), t),
+        "fewer_steps": _counted(_with_model(plan, steps=plan.model.steps - 1), t),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
     }
 
 
-def _counted(plan) -> list[tuple]:
+def _counted(plan, tp_rank: int) -> list[tuple]:
     """The plan's count, as recorded: bytes sent plus received (twice each way)."""
     return [
         (c.op, c.elements, c.dtype, c.tp, 2 * c.link_bytes())
-        for c in plan_figures.tp_collectives_per_step(plan)
+        for c in plan_figures.tp_collectives_per_step(plan, tp_rank=tp_rank)
     ]
 
 
@@ -95,7 +96,13 @@ def _runs(mode: str, gangs: bool = False) -> list[dict]:
     return run_distributed(_step, 4, tp=2, args=(mode, gangs))
 
 
-CASES = [("duplicated", False), ("duplicated", True), ("distributed", False), ("blockwise", False)]
+CASES = [
+    ("duplicated", False),
+    ("duplicated", True),
+    ("distributed", False),
+    ("blockwise", False),
+    ("owner", False),
+]
 
 
 @pytest.mark.parametrize("mode,gangs", CASES)
@@ -112,5 +119,7 @@ def test_tp_collectives_of_a_step_are_the_counted_ones(mode, gangs):
             assert r["counted"] == [] and r["other_mode"] != []
             continue
         assert r["counted"] and r["other_mode"] != r["counted"]
+        if mode == "owner":  # one all-to-all to the owners, one back
+            assert [c[0] for c in r["counted"]] == ["all_to_all_single"] * 2
         if mode == "distributed" or gangs:
             assert r["fewer_steps"] != r["counted"]

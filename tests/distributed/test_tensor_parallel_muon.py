@@ -51,7 +51,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+@pytest.mark.parametrize("mode", ["duplicated", "distributed", "owner"])
 def test_exact_tp_modes_equal_one_process(mode):
     (ref,) = run_distributed(_run, 1, args=(mode,))
     for got in run_distributed(_run, 2, tp=2, args=(mode,)):

@@ -89,6 +89,8 @@ CASES = {
         "--muon-distopt-exchange-dtype",
         "bf16",
     ],  # FSDP2 runs the same exchange
+    "ours-tp-owner": OURS + DISTOPT + ["--muon-tp-mode", "owner"],  # patch 0091
+    "emerging-tp-owner": MUON + ["--muon-tp-mode", "owner"],
     "emerging-megatron-fsdp": MUON + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
     "emerging-torch-fsdp2": MUON
     + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
@@ -284,6 +286,13 @@ def test_bad_values_are_refused_naming_the_flag(outcome):
     _error(outcome, "ours-coefficient-unknown", "--muon-coefficient-type", "nonsense", "quintic")
     _error(outcome, "ours-scalar-lion", "--muon-scalar-optimizer lion", "adam")
     _error(outcome, "ours-precision-aware", "--use-precision-aware-optimizer")
+
+
+def test_tp_mode_owner_is_ours_only(outcome):
+    """Patch 0091: upstream's --muon-tp-mode admits 'owner' (ours), refused with its Muon."""
+    _, config = _ok(outcome, "ours-tp-owner")
+    assert config["muon_tp_mode"] == "owner"
+    _error(outcome, "emerging-tp-owner", "--muon-tp-mode owner", "--muon-impl megatron_muon")
 
 
 def test_our_knobs_need_muon_impl_megatron_muon(outcome):

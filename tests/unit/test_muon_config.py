@@ -171,6 +171,7 @@ GOOD = [
     dict(muon_extra_scale_factor=2.0),
     dict(muon_tp_mode="blockwise"),
     dict(muon_tp_mode="distributed"),
+    dict(muon_tp_mode="owner"),  # ours
     dict(muon_matched_adamw_rms=None, muon_scale_mode="unit_rms_norm", muon_extra_scale_factor=2),
     dict(muon_coefficient_type="polar_express", muon_fp32_matmul_prec="highest"),
     dict(muon_distopt_exchange_dtype="bf16", muon_momentum=0.0, muon_num_ns_steps=1),

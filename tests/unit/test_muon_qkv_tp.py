@@ -167,7 +167,7 @@ class _PgCollection:
 
 
 @pytest.mark.parametrize("pg_collection", [None, _PgCollection()])
-@pytest.mark.parametrize("mode", ["blockwise", "duplicated", "distributed"])
+@pytest.mark.parametrize("mode", ["blockwise", "duplicated", "distributed", "owner"])
 def test_tensor_parallel_muon_equals_muon_with_mapped_settings(mode, pg_collection):
     ours = _tp_params()
     ref = [p.detach().clone().requires_grad_() for p in ours]

@@ -325,7 +325,7 @@ def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer()
     cpu.done(None)
 
 
-@pytest.mark.parametrize("mode", ["blockwise", "distributed", "duplicated"])
+@pytest.mark.parametrize("mode", ["blockwise", "distributed", "duplicated", "owner"])
 def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
     """At TP 8 a TP-sharded matrix splits over DP only in the ``duplicated`` TP mode; in the
     others ``--muon-plan-*`` only weigh the exchange, and the start-up line says so rather than

@@ -13,7 +13,8 @@ from typing import Literal, Optional, get_args
 MAX_PLAN_TFLOPS = 1e6  # per GPU: 1 EFLOP/s
 MIN_PLAN_GBPS = 1e-3  # per GPU and direction: 1 Mb/s (inf: a free link)
 
-TPMode = Literal["blockwise", "duplicated", "distributed"]
+# ``owner`` (ours): each TP-sharded matrix orthogonalized whole on one rank of TP x DP (tp.py).
+TPMode = Literal["blockwise", "duplicated", "distributed", "owner"]
 ScaleMode = Literal["spectral", "shape_scaling", "unit_rms_norm"]
 # Upstream's names (emerging_optimizers' NSCoeffT less 'custom'), same numbers (newton_schulz.py).
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"]
@@ -26,7 +27,7 @@ NSForm = Literal["standard", "auto"]
 # OptimizerConfig.muon_impl (megatron-core >= 0.17 only): which Muon optimizer='muon' builds.
 MuonImpl = Literal["emerging", "megatron_muon"]
 
-TP_MODES: tuple[str, ...] = ("blockwise", "duplicated", "distributed")
+TP_MODES: tuple[str, ...] = get_args(TPMode)
 SCALE_MODES: tuple[str, ...] = ("spectral", "shape_scaling", "unit_rms_norm")
 COEFFICIENT_TYPES: tuple[str, ...] = get_args(CoefficientType)
 MATMUL_PRECISIONS: tuple[str, ...] = get_args(MatmulPrecision)

@@ -339,7 +339,10 @@ class DistributedMuonOrthogonalizer:
             del orths
         whole = [i for i in at if i not in set(gangs)]
         itemsize = _itemsize(self.update_dtype)
-        for ids in owned_runs(self.plan, whole, self.plan.rank, itemsize, spec.batch_bytes):
+        runs = owned_runs(self.plan, whole, self.plan.rank, itemsize, spec.batch_bytes)
+        if getattr(self.inner, "batches", False) and whole:  # one call: tp.py's owner mode
+            runs = [whole]
+        for ids in runs:
             blocks = [self._assemble(i, at[i], received) for i in ids]
             orths = self.inner(blocks, [self.plan.matrices[i].info for i in ids], spec)
             del blocks

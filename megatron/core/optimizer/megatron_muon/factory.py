@@ -58,6 +58,16 @@ def tp_groups(pg_collection=None) -> dict[bool, Any]:
     }
 
 
+def dp_groups(pg_collection=None) -> dict[bool, Any]:
+    """{expert?: DP group}: the ranks whose (expert) TP shards DDP keeps equal (``owner`` mode)."""
+    if pg_collection is not None and hasattr(pg_collection, "dp_cp"):
+        return {False: pg_collection.dp_cp, True: getattr(pg_collection, "expt_dp", None)}
+    return {
+        False: parallel_state.get_data_parallel_group(with_context_parallel=True),
+        True: parallel_state.get_expert_data_parallel_group(check_initialized=False),
+    }
+
+
 def _agree_across(local_ok: bool, groups: dict, device=None) -> bool:
     """True iff ``local_ok`` holds on every rank of the TP ``groups``; with two distinct groups,
     over all ranks, so that no chain of overlapping groups can disagree."""
@@ -118,12 +128,12 @@ def _check_qkv_layout(model_config, tp_mode: str, tp: int) -> None:
             "Q/K/V split does not know; set muon_split_qkv=False"
         )
     groups = model_config.num_query_groups or model_config.num_attention_heads
-    if groups < tp and tp_mode != "duplicated":
+    if groups < tp and tp_mode not in ("duplicated", "owner"):
         raise ValueError(
             f"TransformerConfig.num_query_groups={groups} < tensor_model_parallel_size={tp} "
             f"with muon_split_qkv=True and muon_tp_mode={tp_mode!r}: a TP shard of QKV holds "
-            "part of a query group, which only muon_tp_mode='duplicated' splits per block (or "
-            "set muon_split_qkv=False)"
+            "part of a query group, which only muon_tp_mode='duplicated' or 'owner' split per "
+            "block (or set muon_split_qkv=False)"
         )
 
 
@@ -239,7 +249,10 @@ def build_muon(config, model_chunks, param_groups: list[dict], pg_collection=Non
         ),
         param_info=infos,
         orthogonalizer=TPOrthogonalizer(
-            config.muon_tp_mode, tp_groups(pg_collection), timers=config.timers
+            config.muon_tp_mode,
+            tp_groups(pg_collection),
+            timers=config.timers,
+            replicas=dp_groups(pg_collection) if config.muon_tp_mode == "owner" else None,
         ),
         **muon_kwargs(config),
     )

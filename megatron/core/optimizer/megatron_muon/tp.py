@@ -1,6 +1,6 @@
 """Tensor-parallel orthogonalizers for Muon (``muon_tp_mode``): every TP collective of Muon
-lives here. ``duplicated`` and ``distributed`` are exact, ``blockwise`` is not TP-invariant:
-docs/tp_modes.md.
+lives here. ``duplicated``, ``distributed`` and ``owner`` are exact, ``blockwise`` is not
+TP-invariant: docs/tp_modes.md.
 """
 
 import functools
@@ -22,22 +22,30 @@ from .functional import (
     orthogonalize_sharded_steps,
     timed,
 )
-from .newton_schulz import GATHER, SUM, serve
+from .newton_schulz import GATHER, SUM, ns_flops, serve
 
 
 class TPOrthogonalizer:
     """Muon ``Orthogonalizer`` for TP-sharded params (infos carry ``partition_dim``, ``expert``);
-    ``groups`` maps ``info.expert`` to its (expert) TP group. Unsharded params are orthogonalized
-    as they are."""
+    ``groups`` maps ``info.expert`` to its (expert) TP group, ``replicas`` (``owner`` mode without
+    DistOpt) to its DP group. Unsharded params are orthogonalized as they are."""
 
-    def __init__(self, mode: str, groups: dict[bool, Any], timers=None) -> None:
+    def __init__(self, mode: str, groups: dict[bool, Any], timers=None, replicas=None) -> None:
         assert mode in TP_MODES, f"a validated TP mode, got {mode!r}"
         self.mode = mode
         self.groups = groups
         self.timers = timers
+        self.replicas = replicas or {}
+
+    @property
+    def batches(self) -> bool:
+        """Whether a call must see all of a step's matrices at once (``owner``: one exchange)."""
+        return self.mode == "owner"
 
     def __call__(self, updates: list[Tensor], infos: list, spec: OrthoSpec) -> list[Tensor]:
         with timed(self.timers, NS_TIMER):
+            if self.mode == "owner":
+                return self._owned(updates, infos, spec)
             out = [
                 None if self._local(info) else self._one(u, info, spec)
                 for u, info in zip(updates, infos)
@@ -52,6 +60,32 @@ class TPOrthogonalizer:
     def _local(self, info) -> bool:
         """Whether ``_one`` orthogonalizes ``info``'s matrix with no collective."""
         return self.mode == "blockwise" or self._group(info) is None
+
+    def _owned(self, updates: list[Tensor], infos: list, spec: OrthoSpec) -> list[Tensor]:
+        """``owner`` mode: each TP-sharded matrix orthogonalized whole by one rank of TP x DP."""
+        out: list = [None] * len(updates)
+        local = [i for i, info in enumerate(infos) if self._group(info) is None]
+        done = orthogonalize_matrices([updates[i] for i in local], [infos[i] for i in local], spec)
+        for i, o in zip(local, done):
+            out[i] = o
+        for expert in (False, True):
+            idx = [
+                i
+                for i, info in enumerate(infos)
+                if out[i] is None and getattr(info, "expert", False) == expert
+            ]
+            if idx:
+                group, dp = self.groups[expert], self.replicas.get(expert)
+                got = owner_orthogonalize(
+                    [updates[i] for i in idx], [infos[i] for i in idx], spec, group, dp
+                )
+                for i, o in zip(idx, got):
+                    out[i] = o
+        return out
+
+    def without_replicas(self) -> "TPOrthogonalizer":
+        """This orthogonalizer over TP only (DistOpt's exchange already spreads owners over DP)."""
+        return TPOrthogonalizer(self.mode, self.groups, self.timers)
 
     def together(self, updates: list[Tensor], infos: list, fn) -> list[Tensor]:
         """As a call, but ``fn`` sees all matrices at once, gathered before and sliced after
@@ -189,5 +223,102 @@ def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
         The orthogonalizer owners run (at TP=1 the step never enters tp.py).
     """
     if isinstance(inner, TPOrthogonalizer) and any(inner._group(i) is not None for i in infos):
-        return inner
+        return inner.without_replicas() if inner.replicas else inner
     return LocalOrthogonalizer(getattr(inner, "timers", None))
+
+
+# ------------------------------------------------------------------ the owner mode
+def owner_cells(infos: list, cells: int) -> list[int]:
+    """Each matrix's owner cell ``d * tp + t`` (TP rank t of DP replica d), balanced (LPT).
+
+    Args:
+        infos: the matrices' TP-global infos, in the order every rank of the grid lists them.
+        cells: TP size x replicas.
+
+    Returns:
+        One cell per matrix.
+    """
+    load, out = [0.0] * cells, [0] * len(infos)
+    weights = [_ns_weight(info) for info in infos]
+    for i in sorted(range(len(infos)), key=lambda i: (-weights[i], i)):
+        out[i] = min(range(cells), key=lambda c: (load[c], c))
+        load[out[i]] += weights[i]
+    return out
+
+
+def _ns_weight(info) -> float:
+    """One standard NS step's FLOPs, ``4 max(m, n) min(m, n)^2 + 2 min(m, n)^3``, per NS block."""
+    rows, cols = info.shape
+    split = info.qkv_split
+    blocks = [(rows, cols)] if split is None else [(rows // sum(split) * r, cols) for r in split]
+    return float(sum(ns_flops(m, n, 1, "standard") for m, n in blocks))
+
+
+def owner_orthogonalize(
+    updates: list[Tensor], infos: list, spec: OrthoSpec, group, replicas=None
+) -> list[Tensor]:
+    """``s * NS(U)`` of this rank's TP shards, each matrix whole on its owner (``owner_cells``);
+    collectives: docs/tp_modes.md.
+
+    Args:
+        updates: this rank's TP shards (same list, order and shapes on every rank of the grid).
+        infos: their TP-global infos (``partition_dim`` set).
+        spec: the Newton-Schulz and scale settings.
+        group: the TP process group.
+        replicas: the DP group whose ranks hold the same shards (plain DDP), or None.
+
+    Returns:
+        The results, laid out like ``updates``, in their dtype.
+    """
+    tp, t = dist.get_world_size(group), dist.get_rank(group)
+    one = replicas is None
+    r, d = (1, 0) if one else (dist.get_world_size(replicas), dist.get_rank(replicas))
+    cells = owner_cells(infos, tp * r)
+    dtype, sizes = updates[0].dtype, [u.numel() for u in updates]
+    mine = sorted((i for i, c in enumerate(cells) if c // tp == d), key=lambda i: (cells[i], i))
+    owned = [i for i in mine if cells[i] % tp == t]
+    send = [sum(sizes[i] for i in mine if cells[i] % tp == q) for q in range(tp)]
+    recv = [sum(sizes[i] for i in owned)] * tp
+    got = _all_to_all(
+        [updates[i].reshape(-1).to(dtype) for i in mine], send, recv, group, updates[0]
+    )
+    shards = [part.split([sizes[i] for i in owned]) for part in got.split(recv)]
+    whole = [
+        torch.cat([s[k].view(updates[i].shape) for s in shards], dim=infos[i].partition_dim)
+        for k, i in enumerate(owned)
+    ]
+    del got, shards
+    orth = orthogonalize_matrices(whole, [infos[i] for i in owned], spec)
+    del whole
+    back = [
+        o.to(dtype).chunk(tp, dim=infos[i].partition_dim)[q].reshape(-1)
+        for q in range(tp)
+        for o, i in zip(orth, owned)
+    ]
+    flat = _all_to_all(back, recv, send, group, updates[0])
+    if r > 1:
+        flat = _gather_replicas(flat, cells, sizes, tp, replicas)
+        mine = sorted(range(len(updates)), key=lambda i: (cells[i] // tp, cells[i], i))
+    out: list = [None] * len(updates)
+    for i, part in zip(mine, flat.split([sizes[i] for i in mine])):
+        out[i] = part.view(updates[i].shape)
+    return out
+
+
+def _all_to_all(chunks: list, send: list[int], recv: list[int], group, like: Tensor) -> Tensor:
+    """One ``all_to_all_single`` of ``chunks`` (grouped by destination) over ``group``."""
+    inp = torch.cat(chunks) if chunks else like.new_empty(0)
+    out = inp.new_empty(sum(recv))
+    dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def _gather_replicas(flat: Tensor, cells: list[int], sizes: list[int], tp: int, replicas):
+    """Every replica's results (each its own matrices', by cell) in one all-gather."""
+    r, d = dist.get_world_size(replicas), dist.get_rank(replicas)
+    per = [sum(n for c, n in zip(cells, sizes) if c // tp == q) for q in range(r)]
+    starts = [sum(per[:q]) for q in range(r)]
+    full = flat.new_empty(sum(per))
+    full[starts[d] : starts[d] + per[d]] = flat
+    all_gather_ranges(full, [(s, s + n) for s, n in zip(starts, per)], d, replicas)
+    return full

@@ -6,7 +6,7 @@ from typing import Optional
 from ..config import DEFAULT_NS_BATCH_BYTES as NS_BATCH
 from ..exchange import Exchange, MatrixSlot, Unit, owned_runs
 from .cost_model import ALL, POST, Gather, critical_path, exchange_schedule, member_events
-from .plan import MuonExchangePlan, TPCollective, tp_collectives
+from .plan import MuonExchangePlan, TPCollective, owner_collectives, tp_collectives
 
 NS_DTYPES = {2: "bfloat16", 4: "float32"}  # ``NSCostModel.ns_itemsize`` -> dtype name
 
@@ -94,7 +94,12 @@ def efficiency(plan: MuonExchangePlan) -> float:
 
 
 def tp_schedule(
-    plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype: str = "float32", model=None
+    plan: MuonExchangePlan,
+    ex: Exchange,
+    rank: int,
+    update_dtype: str = "float32",
+    model=None,
+    tp_rank: int = 0,
 ):
     """The TP collectives DP rank ``rank``'s TP ranks issue in ``ex``, in the step's order: gang
     blocks' gathers, slices after sliced gang collectives, whole matrices' (distopt_exchange.md).
@@ -105,6 +110,7 @@ def tp_schedule(
         rank: a DP rank.
         update_dtype: the update's dtype (DistOpt's fp32 main params).
         model: the ``NSCostModel`` to count with; None: the plan's.
+        tp_rank: the TP rank (``owner`` mode: its all-to-alls depend on what it owns).
 
     Returns:
         (gathered, sliced, whole): three lists of ``TPCollective``.
@@ -126,6 +132,10 @@ def tp_schedule(
             dtype = ns_dtype if isinstance(n, Gather) else "float32"
             sliced.append(TPCollective("all_gather_into_tensor", -(-int(n) // tp), dtype, tp))
     whole = []
+    if model.mode == "owner":
+        infos = [plan.matrices[i].info for i in owned if i not in gangs]
+        tp = max([model.tp_of(info) for info in infos] or [1])
+        return gathered, sliced, owner_collectives(infos, tp, tp_rank, update_dtype)
     for i in [i for i in owned if i not in gangs]:
         info = plan.matrices[i].info
         whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
@@ -144,19 +154,21 @@ def _owned(plan: MuonExchangePlan, ex: Exchange) -> dict[int, list[int]]:
     return cache[id(ex)]
 
 
-def tp_collectives_per_step(plan: MuonExchangePlan, rank=None) -> list[TPCollective]:
+def tp_collectives_per_step(plan: MuonExchangePlan, rank=None, tp_rank=0) -> list[TPCollective]:
     """Every TP collective DP rank ``rank``'s TP ranks issue in a step, in order (``tp_schedule``
     of each exchange).
 
     Args:
         plan: the plan.
         rank: a DP rank; None: the plan's rank.
+        tp_rank: the TP rank (``tp_schedule``).
 
     Returns:
         The collectives.
     """
     rank = plan.rank if rank is None else rank
-    return [c for ex in plan.exchanges for run in tp_schedule(plan, ex, rank) for c in run]
+    runs = (tp_schedule(plan, ex, rank, tp_rank=tp_rank) for ex in plan.exchanges)
+    return [c for three in runs for run in three for c in run]
 
 
 def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...], int]]:

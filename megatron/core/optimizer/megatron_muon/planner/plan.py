@@ -12,7 +12,7 @@ from typing import Optional
 from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece
 from ..functional import MuonParamInfo
 from ..newton_schulz import ns_flops, packed_size, splits_polynomial
-from ..tp import TPOrthogonalizer
+from ..tp import TPOrthogonalizer, owner_cells
 from .cost_model import NSCostModel
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
@@ -57,6 +57,8 @@ def tp_ns_cost(
     dim = getattr(info, "partition_dim", None)
     if tp == 1 or dim is None or mode == "duplicated":
         return ns_cost(info, steps, form)
+    if mode == "owner":  # one TP rank runs it whole: on average 1/tp per TP rank
+        return ns_cost(info, steps, form) / tp
     if mode == "blockwise":
         shape = list(info.shape)
         shape[dim] //= tp
@@ -80,15 +82,19 @@ class TPCollective:
     bench/collectives.py records): torch.distributed's op, the elements of this rank's input
     tensor, its dtype (torch's name without ``torch.``), the group size."""
 
-    op: str  # "all_gather" (list form), "all_gather_into_tensor" or "all_reduce"
+    op: str  # "all_gather" (list form), "all_gather_into_tensor", "all_reduce", "all_to_all_single"
     elements: int
     dtype: str
     tp: int
+    moved: int = 0  # all_to_all_single: elements sent to plus received from other ranks
 
     def link_bytes(self) -> float:
         """Bytes one TP rank sends (as many it receives) in a ring over the TP link: an
-        all-reduce ``2 (tp - 1) / tp`` of its tensor, a gather ``tp - 1`` times its input."""
+        all-reduce ``2 (tp - 1) / tp`` of its tensor, a gather ``tp - 1`` times its input, an
+        all-to-all half of what it moves."""
         size = self.elements * ITEMSIZES[self.dtype]
+        if self.op == "all_to_all_single":
+            return self.moved * ITEMSIZES[self.dtype] / 2
         if self.op == "all_reduce":
             return 2 * (self.tp - 1) / self.tp * size
         return float((self.tp - 1) * size)
@@ -129,6 +135,31 @@ def tp_collectives(
             out.append(TPCollective("all_reduce", packed_size(g), "float32", tp))
             if splits_polynomial(g, lines, tp, False):  # the distributed mode never reassociates
                 out.append(TPCollective("all_gather_into_tensor", -(-g // tp) * g, ns_dtype, tp))
+    return out
+
+
+def owner_collectives(infos: list, tp: int, t: int, dtype: str = "float32") -> list[TPCollective]:
+    """The two ``all_to_all_single`` TP rank ``t`` issues in one ``owner``-mode call (no replicas).
+
+    Args:
+        infos: the call's TP-global infos (its unsharded matrices move nothing).
+        tp: the tensor-parallel size.
+        t: the TP rank.
+        dtype: the updates' dtype (DistOpt's fp32 main params).
+
+    Returns:
+        The collectives, forward then return (none where nothing is TP-sharded).
+    """
+    out = []
+    for expert in (False, True):  # one call per (expert) TP group: tp.py's ``_owned``
+        sharded = [i for i in infos if i.partition_dim is not None and i.expert == expert]
+        if tp == 1 or not sharded:
+            continue
+        local = [math.prod(i.shape) // tp for i in sharded]
+        own = sum(n for n, c in zip(local, owner_cells(sharded, tp)) if c == t)
+        other, total = (tp - 1) * own, sum(local)
+        out.append(TPCollective("all_to_all_single", total, dtype, tp, total - own + other))
+        out.append(TPCollective("all_to_all_single", tp * own, dtype, tp, other + total - own))
     return out
 
 
