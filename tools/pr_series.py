@@ -373,6 +373,15 @@ SERIES = [
         [],
         ["0091-training-args-muon-tp-mode-owner.patch"],
     ),
+    (
+        "checkpointing: our Muon's DistOpt and ZeRO-3 checkpoints refused across",
+        "A DistOpt (torch_dist) checkpoint of our Muon under Megatron-FSDP or FSDP2, or the\n"
+        "reverse, failed after the load began (KeyError 'model', or an AttributeError inside\n"
+        "DCP). The checkpoint's args are read first for torch_dcp too, and the mismatch is\n"
+        "refused in one line naming the flags, on every rank, before any state is loaded.",
+        [],
+        ["0092-checkpoint-distopt-zero3-refused.patch"],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)

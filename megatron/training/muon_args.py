@@ -33,6 +33,7 @@ changed).
 
 import argparse
 import dataclasses
+from typing import Optional
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -284,12 +285,15 @@ def check_checkpoint_muon_impl(checkpoint_args, args) -> None:
     """Refuse to resume one Muon's optimizer state with the other (upstream's LayerWise/emerging
     state and ours differ in layout and keys). A checkpoint saved without ``--muon-impl`` is
     upstream's; ``--no-load-optim`` (or ``--finetune``) loads the model only, which either Muon
-    can then train. Called from upstream's ``check_checkpoint_args`` (every format) and, for
-    ``torch_dist``, as soon as the checkpoint's args are read: before the sharded optimizer state
-    to load is built from this run's optimizer (a mismatch would fail there, unnamed).
+    can then train. Nor is our Muon's state converted between the DistributedOptimizer,
+    Megatron-FSDP and FSDP2 (each such load failed unnamed once it began: docs/fsdp.md). Called
+    from upstream's ``check_checkpoint_args`` (every format) and, for ``torch_dist``,
+    ``fsdp_dtensor`` and (patch 0092) ``torch_dcp``, as soon as the checkpoint's args are read on
+    every rank: before the state to load is built from this run's optimizer.
 
     Raises:
-        RuntimeError: one line naming ``--muon-impl``, the saved value and this run's.
+        RuntimeError: one line naming the flags (``--muon-impl``, or the wrappers' and
+            ``--ckpt-format``), the saved values and this run's.
     """
     if args.optimizer != "muon" or args.no_load_optim or args.finetune:
         return
@@ -302,3 +306,38 @@ def check_checkpoint_muon_impl(checkpoint_args, args) -> None:
             "the two Muons' optimizer states are not interchangeable (resume with --muon-impl "
             f"{saved}, or add --no-load-optim to load the model only)"
         )
+    saved, mine = _wrapper(checkpoint_args), _wrapper(args)
+    across = None not in (saved, mine) and saved[0] != mine[0] and ZERO3 & {saved[0], mine[0]}
+    if across and args.muon_impl == "megatron_muon":
+        raise RuntimeError(
+            f"checkpoint was saved with {saved[0]} (--ckpt-format {saved[1]}); this run uses "
+            f"{mine[0]} (--ckpt-format {mine[1]}): such checkpoints are not converted between "
+            "the DistributedOptimizer, Megatron-FSDP and FSDP2 (resume with the saving run's "
+            "flags; docs/fsdp.md)"
+        )
+
+
+ZERO3 = {"--use-megatron-fsdp", "--use-torch-fsdp2"}
+
+
+def reads_checkpoint_args_first(args) -> bool:
+    """Whether ``load_checkpoint`` reads a torch_dcp checkpoint's args before its state, as
+    upstream does for torch_dist and fsdp_dtensor (patch 0092): for our Muon under FSDP2, so
+    ``check_checkpoint_muon_impl`` sees them in time.
+
+    Args:
+        args: this run's Megatron-LM args.
+
+    Returns:
+        True for ``--optimizer muon --muon-impl megatron_muon --ckpt-format torch_dcp``.
+    """
+    ours = args.optimizer == "muon" and getattr(args, "muon_impl", None) == "megatron_muon"
+    return ours and args.ckpt_format == "torch_dcp"
+
+
+def _wrapper(args) -> Optional[tuple]:
+    """(the data-parallel wrapper's flag, ``--ckpt-format``) a run's args name; None: none."""
+    for flag in ("--use-megatron-fsdp", "--use-torch-fsdp2", "--use-distributed-optimizer"):
+        if getattr(args, flag.removeprefix("--").replace("-", "_"), False):
+            return flag, getattr(args, "ckpt_format", "?")
+    return None  # no DistOpt: not refused (untested across)

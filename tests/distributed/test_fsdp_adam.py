@@ -126,10 +126,9 @@ def full_params(chunk, spec: TinyGPT) -> dict:
     return out
 
 
-def train_fsdp(spec: TinyGPT, steps: int, kind: str, strategy=None, perturb_rank=None):
-    """This rank's (initial whole params, final whole params, losses) after ``steps`` AdamW steps
-    under FSDP. ``perturb_rank``: that rank scales its own copy of one weight by 1.01 after
-    training (negative control: only that rank's comparison may fail)."""
+def build_wrapped(spec: TinyGPT, kind: str, strategy=None) -> list:
+    """This rank's GPT, initialized layout-invariantly, in ``wrap``'s wrapper, hooked up to the
+    schedule as Megatron-LM's train() does without --overlap-grad-reduce."""
     config = transformer_config(spec)
     # as --transformer-impl local sets it for the local layer spec; upstream's FSDP2 wrapper then
     # leaves the output layer to the root's unit (with the default, 'transformer_engine', it
@@ -142,6 +141,14 @@ def train_fsdp(spec: TinyGPT, steps: int, kind: str, strategy=None, perturb_rank
     # as Megatron-LM's train() sets them without --overlap-grad-reduce: no no_sync_func (with
     # Megatron-FSDP's 'optim' inside no_sync, the first micro-batch's gradient was lost here)
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, None
+    return chunks
+
+
+def train_fsdp(spec: TinyGPT, steps: int, kind: str, strategy=None, perturb_rank=None):
+    """This rank's (initial whole params, final whole params, losses) after ``steps`` AdamW steps
+    under FSDP. ``perturb_rank``: that rank scales its own copy of one weight by 1.01 after
+    training (negative control: only that rank's comparison may fail)."""
+    chunks = build_wrapped(spec, kind, strategy)
     initial = full_params(chunks[0], spec)
     distopt = kind == "megatron_fsdp"  # FSDP2 refuses the distributed optimizer (upstream)
     optimizer = build_optimizer(spec, chunks, use_distributed_optimizer=distopt)

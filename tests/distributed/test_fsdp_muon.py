@@ -178,9 +178,10 @@ def test_negative_control_ns_on_local_pieces_misses():
 # ------------------------------------------------------------------ Megatron-FSDP
 
 
-def build_megatron_fsdp(spec: TinyGPT, strategy: str, bucket_size=None):
+def build_megatron_fsdp(spec: TinyGPT, strategy: str, bucket_size=None, overlap=True):
     """This rank's GPT as Megatron-LM's get_model wraps it for ``--use-megatron-fsdp``
-    (``FullyShardedDataParallel``), initialized layout-invariantly."""
+    (``FullyShardedDataParallel``), initialized layout-invariantly, and hooked up to the
+    schedule as its train() does with (``overlap``) or without ``--overlap-grad-reduce``."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
@@ -193,13 +194,13 @@ def build_megatron_fsdp(spec: TinyGPT, strategy: str, bucket_size=None):
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
         bucket_size=bucket_size,
-        # Megatron-FSDP forces it for optim_grads*; for 'optim' without it Megatron-FSDP trains
-        # wrongly on CPU ranks with AdamW too (update error 0.7 vs one process, measured)
-        overlap_grad_reduce=True,
-        overlap_param_gather=strategy == "optim_grads_params",
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and strategy == "optim_grads_params",
     )
     chunk = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    _hook_up_schedule(config, [chunk], ddp_config.overlap_grad_reduce, False)
+    _hook_up_schedule(config, [chunk], overlap, False)
+    if not overlap:  # train() hooks no_sync only with --overlap-grad-reduce: see MEGATRON_FSDP
+        config.no_sync_func = None
     return [chunk]
 
 
@@ -248,10 +249,11 @@ def train_megatron_fsdp(
     strategy="optim_grads_params",
     hook=None,
     bucket_size=None,
+    overlap=True,
     **overrides,
 ):
     """(initial params, final params, losses) of ``steps`` steps under Megatron-FSDP."""
-    chunks = build_megatron_fsdp(spec, strategy, bucket_size)
+    chunks = build_megatron_fsdp(spec, strategy, bucket_size, overlap)
     initial = _gathered_fsdp(chunks, spec)
     optimizer = build_optimizer(
         spec, chunks, use_distributed_optimizer=True, **{**MUON, **overrides}
@@ -271,6 +273,15 @@ def reference(steps: int = STEPS, moe: bool = False):
 
 MEGATRON_FSDP = {
     "optim": dict(world_size=2, strategy="optim"),
+    # without --overlap-grad-reduce (Megatron-LM's default), hooked up as train() does: no
+    # no_sync_func. Megatron-FSDP's 'optim' reduces in its backward hooks only on the last
+    # micro-batch (no_sync's exit marks it) and, without overlap, once more in finish_grad_sync:
+    # no_sync without overlap, or overlap without no_sync (combinations train() never makes)
+    # gave update errors 0.73 and 1.26 with AdamW, 0.57 and 1.12 with Muon (measured, DP 2)
+    "optim_no_overlap": dict(world_size=2, strategy="optim", overlap=False),
+    "optim_grads_params_no_overlap": dict(
+        world_size=2, strategy="optim_grads_params", overlap=False
+    ),
     "optim_grads": dict(world_size=2, strategy="optim_grads"),
     "optim_grads_params": dict(world_size=2, strategy="optim_grads_params"),
     # small buckets: several parameter groups, matrices cut by 4 shards, some ranks hold none

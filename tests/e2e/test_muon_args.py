@@ -106,6 +106,29 @@ CHECKPOINTS = {
     "emerging-loads-emerging": ("emerging-distopt", {}),
     "ours-loads-adam": ("ours-distopt", {"optimizer": "adam", "muon_impl": "emerging"}),
     "ours-no-load-optim-loads-emerging": ("ours-no-load-optim", {"muon_impl": "emerging"}),
+    # our Muon across the DistributedOptimizer and ZeRO-3 (docs/fsdp.md, "Checkpoints")
+    "ours-megatron-fsdp-loads-distopt": (
+        "ours-megatron-fsdp",
+        {"use_megatron_fsdp": False, "ckpt_format": "torch_dist"},
+    ),
+    "ours-torch-fsdp2-loads-distopt": (
+        "ours-torch-fsdp2",
+        {"use_torch_fsdp2": False, "use_distributed_optimizer": True, "ckpt_format": "torch_dist"},
+    ),
+    "ours-distopt-loads-megatron-fsdp": (
+        "ours-distopt",
+        {"use_megatron_fsdp": True, "ckpt_format": "fsdp_dtensor"},
+    ),
+    "ours-distopt-loads-torch-fsdp2": (
+        "ours-distopt",
+        {"use_torch_fsdp2": True, "use_distributed_optimizer": False, "ckpt_format": "torch_dcp"},
+    ),
+    "ours-megatron-fsdp-loads-torch-fsdp2": (
+        "ours-megatron-fsdp",
+        {"use_megatron_fsdp": False, "use_torch_fsdp2": True, "ckpt_format": "torch_dcp"},
+    ),
+    "ours-megatron-fsdp-loads-ours": ("ours-megatron-fsdp", {}),
+    "ours-torch-fsdp2-loads-ours": ("ours-torch-fsdp2", {}),
 }
 CASES["ours-no-load-optim"] = OURS + DISTOPT + ["--no-load-optim"]
 
@@ -327,6 +350,24 @@ def test_a_checkpoint_of_the_other_muon_is_refused_naming_the_flag(outcome):
         "ours-loads-adam",
         "ours-no-load-optim-loads-emerging",  # the model only: either Muon trains it
     ):
+        assert outcome[name] == {"ok": True}, name
+
+
+def test_our_muon_across_distopt_and_zero3_is_refused_naming_the_flags(outcome):
+    """A DistOpt checkpoint of our Muon under Megatron-FSDP or FSDP2, the reverse, or one
+    ZeRO-3 wrapper's under the other: one line naming both wrappers' flags (each such load
+    failed unnamed once it began: docs/fsdp.md)."""
+    for name, saved, run in (
+        ("ours-megatron-fsdp-loads-distopt", "--use-distributed-optimizer", "--use-megatron-fsdp"),
+        ("ours-torch-fsdp2-loads-distopt", "--use-distributed-optimizer", "--use-torch-fsdp2"),
+        ("ours-distopt-loads-megatron-fsdp", "--use-megatron-fsdp", "--use-distributed-optimizer"),
+        ("ours-distopt-loads-torch-fsdp2", "--use-torch-fsdp2", "--use-distributed-optimizer"),
+        ("ours-megatron-fsdp-loads-torch-fsdp2", "--use-torch-fsdp2", "--use-megatron-fsdp"),
+    ):
+        message = _error(outcome, name, f"checkpoint was saved with {saved} (--ckpt-format ")
+        assert f"this run uses {run} (--ckpt-format " in message and "\n" not in message
+        assert outcome[name]["error"] == "RuntimeError"
+    for name in ("ours-megatron-fsdp-loads-ours", "ours-torch-fsdp2-loads-ours"):
         assert outcome[name] == {"ok": True}, name
 
 
