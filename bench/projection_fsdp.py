@@ -213,6 +213,7 @@ def project(model: str, dp: int, a) -> dict:
     per_element = (dp - 1) / dp * (a.grad_bytes + a.param_bytes) / link
     pad = max(ours_numel - distopt_numel, 0) * per_element
     return {
+        **memory_gb(params, dp, a.param_bytes),
         "model": model,
         "params": total,
         "tp": tp,
@@ -232,6 +233,21 @@ def project(model: str, dp: int, a) -> dict:
         "d_ns": ns(d_plan),
         "d_comm": projection.exchange_seconds(d_plan, forward, back, link) + pad,
         "d_gflop": max(plan_figures.ns_flops_per_rank(d_plan)) / 1e9,
+    }
+
+
+def memory_gb(params: list[tuple], dp: int, param_bytes: int) -> dict:
+    """GB per GPU of model params (``param_bytes``), fp32 grads, fp32 main params and optimizer
+    state (Muon: a fp32 momentum per matrix element; Adam: two fp32 moments), unpadded:
+    ZeRO-3 shards all four over DP, DistOpt the last two only."""
+    n = sum(math.prod(shape) for _, shape, _ in params)  # per TP rank
+    m = sum(math.prod(shape) for _, shape, info in params if info is not None)
+    muon_state, adam_state = 4 * m + 8 * (n - m), 8 * n
+    whole = (param_bytes + 4) * n  # model params and grads
+    return {
+        "mem_muon_fsdp": (whole + 4 * n + muon_state) / dp / 1e9,
+        "mem_adamw_fsdp": (whole + 4 * n + adam_state) / dp / 1e9,
+        "mem_muon_distopt": (whole + (4 * n + muon_state) / dp) / 1e9,
     }
 
 
@@ -261,8 +277,9 @@ def markdown(rows: list[dict]) -> str:
         "| NS GFLOP per GPU (busiest), efficiency "
         "| ours under FSDP: NS (+ gang + TP) + exchange | Muon overhead, FSDP "
         "| ours under DistOpt: NS (+ gang + TP) + exchange (+ padding) | Muon overhead, DistOpt "
-        "| FSDP - DistOpt | goal: FSDP <= DistOpt |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| FSDP - DistOpt | goal: FSDP <= DistOpt "
+        "| params + grads + main params + state per GPU: ours FSDP / AdamW FSDP / ours DistOpt |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         fsdp_s, distopt_s = r["ns"] + r["comm"], r["d_ns"] + r["d_comm"]
@@ -275,7 +292,9 @@ def markdown(rows: list[dict]) -> str:
             f"| {_ms(r['ns'])} + {_ms(r['comm'])} | {fsdp_s / r['step']:.3%} "
             f"| {_ms(r['d_ns'])} + {_ms(r['d_comm'])} ({r['d_layout']}) "
             f"| {distopt_s / r['step']:.3%} | {_ms(fsdp_s - distopt_s)} "
-            f"| {'met' if fsdp_s <= distopt_s else 'NOT met'} |"
+            f"| {'met' if fsdp_s <= distopt_s else 'NOT met'} "
+            f"| {r['mem_muon_fsdp']:.1f} / {r['mem_adamw_fsdp']:.1f} "
+            f"/ {r['mem_muon_distopt']:.1f} GB |"
         )
     return "\n".join(lines)
 
