@@ -12,9 +12,11 @@ It models the schedule the FSDP code executes (``--use-megatron-fsdp``,
   TP-local shapes: one group per transformer layer (its FSDP unit), the other params in groups of
   ``bucket_size`` (Megatron-LM's ``max(40M, 1M dp)``), each buffer padded to
   ``dp * chunk_size_factor`` and cut in ``dp`` equal shards;
-* the framework's collectives (``schedule``): per group, the param all-gather before its forward
-  and again before its backward (params are resharded after each), and the grad reduce-scatter,
-  at ``--param-bytes`` and ``--grad-bytes`` per element; both optimizers pay them alike;
+* the framework's collectives (``schedule``), per micro-batch (``--seq-length``,
+  ``--micro-batch-size``): each layer group's param all-gather before its forward and again
+  before its backward (resharded after each; the other groups' once a step), each group's grad
+  reduce-scatter, at ``--param-bytes`` and ``--grad-bytes`` per element; both optimizers pay
+  them alike;
 * ours: the plan our FSDP code builds (``fsdp.build_plans`` on those layouts), its all-to-alls to
   the owners and back (``figures.bytes_per_step``; time as projection.py's ``exchange_seconds``)
   and its Newton-Schulz critical path with the TP mode's collectives (projection.py's
@@ -25,7 +27,7 @@ Muon's overhead = (NS + TP + exchange) / model step, the DistOpt section's defin
 ``6 N tokens / (gpus * peak * mfu)``; the framework's collectives overlapped with compute under
 both optimizers, Muon's work not overlapped: an upper bound). The DistOpt column is projection.py's
 "ours overhead" for the same row (our layout, padding RS/AG included).
-tests/unit/test_projection_fsdp.py ties ``counts`` to a real Megatron-FSDP step.
+tests/distributed/test_fsdp_projection.py ties ``counts`` to a real Megatron-FSDP step.
 """
 
 import argparse
