@@ -136,9 +136,12 @@ def tp_schedule(
         infos = [plan.matrices[i].info for i in owned if i not in gangs]
         tp = max([model.tp_of(info) for info in infos] or [1])
         return gathered, sliced, owner_collectives(infos, tp, tp_rank, update_dtype)
-    for i in [i for i in owned if i not in gangs]:
-        info = plan.matrices[i].info
-        whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
+    itemsize = {v: k for k, v in NS_DTYPES.items()}[update_dtype]
+    rest = [i for i in owned if i not in gangs]
+    for run in owned_runs(plan, rest, rank, itemsize, NS_BATCH):  # the owner's order: by shape
+        for i in run:
+            info = plan.matrices[i].info
+            whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
     return gathered, sliced, whole
 
 
