@@ -359,3 +359,57 @@ SERIES = [
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)
 UNSENT = [TRAIN + "corpus.py", TRAIN + "shakespeare.py"]
+
+
+def _commit(name: str) -> tuple:
+    """The commit of SERIES that carries the patch or file ``name`` (a patch's number will do)."""
+    found = [c for c in SERIES if any(x == name or x.startswith(name + "-") for x in c[3] + c[2])]
+    assert len(found) == 1, (name, len(found))
+    return found[0]
+
+
+# Megatron-LM's main branch as pinned for the second check of `make pr` (MEGATRON_LM_CHECKOUT):
+# the commit of github.com/NVIDIA/Megatron-LM main the series were last checked on.
+MAIN_PIN = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"  # 2026-08-22, main
+MAIN_CHECKOUT_ENV = "MEGATRON_LM_CHECKOUT"
+# The pull requests: independent series, each one concern, each applied alone to a pristine tree
+# (a commit may sit in several: a feature carries the modules it builds on). (slug, commits,
+# main): main is True where the series must apply to MAIN_PIN with `git am`, else why not.
+_MUON_BASE = [OPT + "repairs/distopt_layout.py", "0001", OPT + "megatron_muon/optimizer.py"]
+PRS = [
+    ("fix-torch-adam-step", ["0042"], True),
+    ("fix-distopt-torch-adam-checkpoint", [OPT + "repairs/distopt_layout.py", "0009"],
+     "fixed on main by NVIDIA/Megatron-LM#5077 (0.19.2 only)"),
+    ("fix-distopt-groups-in-order", ["0016"], True),
+    ("fix-mla-rope-key-grad-over-tp", ["0019"], True),
+    ("fix-mla-q-layernorm-grad-once", ["0020"], True),
+    ("fix-chained-optimizer-one-loss-scale", ["0021"], True),
+    ("fix-moe-expert-bias-out-of-place", ["0022"], True),
+    ("fix-writer-queue-survives-sigterm", ["0032"], True),
+    ("fix-async-worker-without-cuda", ["0033"], True),
+    ("fix-emerging-optimizers-0.3.0", ["0040"], True),
+    ("fix-layer-wise-all-gather-on-gloo", ["0041"], True),
+    ("fix-float16-empty-groups-torch-dist", ["0043"], True),
+    ("fix-help-percent", ["0050"], True),
+    ("fix-full-validation-one-set", ["0062"], True),
+    ("fix-tokenizers-local-files", ["0070"], True),
+    ("fix-fsdp-checkpoints", ["0080"], True),
+    ("local-sequence-parallel-norms", ["0015", "0017"], True),
+    ("local-mla", ["0018"], True),
+    ("qk-clip-local-attention", ["0013", "0060"], True),
+    ("muon-distributed-optimizer",
+     [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063"], True),
+    ("muon-zero3",
+     [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090"], True),
+    ("training-preprocess-preflight", [TRAIN + "preflight.py"], True),
+]
+PRS = [(slug, [_commit(c) for c in commits], main) for slug, commits, main in PRS]
+# Commits of SERIES that no pull request carries: the fork's own (CPU stand-ins and the GPT entry
+# our pretrain_gpt.py runs; the triton stand-in, which upstream's PR #6891 replaces)
+FORK_ONLY = [_commit(TRAIN + "cpu_mode.py"), _commit("0024")]
+# The form a patch takes in the pull requests where it differs from the fork's: the repair
+# written in the file it repairs (the fork keeps its repairs/ module), or the hunks placed where
+# Megatron-LM main and 0.19.2 read alike (patches/pr/)
+PR_FORM = {
+    "0016-distopt-param-groups-matched-in-order.patch": "pr/0016-distopt-param-groups-matched-in-order.patch",
+}
