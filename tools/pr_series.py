@@ -387,7 +387,8 @@ PRS = [
     ("fix-moe-expert-bias-out-of-place", ["0022"], True),
     ("fix-writer-queue-survives-sigterm", ["0032"], True),
     ("fix-async-worker-without-cuda", ["0033"], True),
-    ("fix-emerging-optimizers-0.3.0", ["0040"], True),
+    ("fix-emerging-optimizers-0.3.0", ["0040"],
+     "main moved to emerging-optimizers 0.3.0 itself (Megatron-LM 2c8ac9b753; 0.19.2 only)"),
     ("fix-layer-wise-all-gather-on-gloo", ["0041"], True),
     ("fix-float16-empty-groups-torch-dist", ["0043"], True),
     ("fix-help-percent", ["0050"], True),
@@ -412,4 +413,5 @@ FORK_ONLY = [_commit(TRAIN + "cpu_mode.py"), _commit("0024")]
 # Megatron-LM main and 0.19.2 read alike (patches/pr/)
 PR_FORM = {
     "0016-distopt-param-groups-matched-in-order.patch": "pr/0016-distopt-param-groups-matched-in-order.patch",
+    "0042-torch-adam-step-kept.patch": "pr/0042-torch-adam-step-kept.patch",
 }
