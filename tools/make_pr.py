@@ -16,6 +16,7 @@ files of ours linked into them. Benchmarks never travel. Only the standard libra
 used.
 """
 
+import ast
 import os
 import re
 import shutil
@@ -112,8 +113,18 @@ def build_series(out: Path) -> dict[str, list[Path]]:
             got = _git(repo, "rev-parse", "HEAD^{tree}").strip()
             if got != tree:
                 raise RuntimeError(f"make_pr: git am of {slug} gives tree {got}, not {tree}")
+            check_parses(repo, base)
             write_description(dest, slug, commits)
     return written
+
+
+def check_parses(repo: Path, base: str) -> None:
+    """Every Python file the commits since ``base`` touch parses (a hunk that lands in the wrong
+    place shows as a syntax error)."""
+    names = _git(repo, "diff", "--name-only", "--diff-filter=AM", base, "HEAD").split()
+    for name in names:
+        if name.endswith(".py"):
+            ast.parse((repo / name).read_text(), filename=name)
 
 
 def description(slug: str) -> str:
@@ -149,11 +160,15 @@ def check_main(checkout: Path, written: dict[str, list[Path]]) -> dict[str, str]
             _reset(repo, MAIN_PIN)
             done = subprocess.run(
                 ["git", *AUTHOR, "am", "-q", *map(str, patches)],
-                cwd=repo, capture_output=True, text=True,
+                cwd=repo,
+                capture_output=True,
+                text=True,
             )
             results[slug] = "" if done.returncode == 0 else (done.stdout + done.stderr).strip()
             if done.returncode:
                 _git(repo, "am", "--abort")
+            else:
+                check_parses(repo, MAIN_PIN)
     return results
 
 
@@ -167,7 +182,9 @@ def main(argv: list[str]) -> int:
     )
     checkout = os.environ.get(MAIN_CHECKOUT_ENV)
     if not checkout:
-        print(f"(set {MAIN_CHECKOUT_ENV}=<Megatron-LM clone> to check them on main {MAIN_PIN[:10]})")
+        print(
+            f"(set {MAIN_CHECKOUT_ENV}=<Megatron-LM clone> to check them on main {MAIN_PIN[:10]})"
+        )
         return 0
     results = check_main(Path(checkout), written)
     expected = {slug: main for slug, _, main in PRS}

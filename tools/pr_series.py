@@ -378,8 +378,11 @@ MAIN_CHECKOUT_ENV = "MEGATRON_LM_CHECKOUT"
 _MUON_BASE = [OPT + "repairs/distopt_layout.py", "0001", OPT + "megatron_muon/optimizer.py"]
 PRS = [
     ("fix-torch-adam-step", ["0042"], True),
-    ("fix-distopt-torch-adam-checkpoint", [OPT + "repairs/distopt_layout.py", "0009"],
-     "fixed on main by NVIDIA/Megatron-LM#5077 (0.19.2 only)"),
+    (
+        "fix-distopt-torch-adam-checkpoint",
+        [OPT + "repairs/distopt_layout.py", "0009"],
+        "fixed on main by NVIDIA/Megatron-LM#5077 (0.19.2 only)",
+    ),
     ("fix-distopt-groups-in-order", ["0016"], True),
     ("fix-mla-rope-key-grad-over-tp", ["0019"], True),
     ("fix-mla-q-layernorm-grad-once", ["0020"], True),
@@ -387,8 +390,11 @@ PRS = [
     ("fix-moe-expert-bias-out-of-place", ["0022"], True),
     ("fix-writer-queue-survives-sigterm", ["0032"], True),
     ("fix-async-worker-without-cuda", ["0033"], True),
-    ("fix-emerging-optimizers-0.3.0", ["0040"],
-     "main moved to emerging-optimizers 0.3.0 itself (Megatron-LM 2c8ac9b753; 0.19.2 only)"),
+    (
+        "fix-emerging-optimizers-0.3.0",
+        ["0040"],
+        "main moved to emerging-optimizers 0.3.0 itself (Megatron-LM 2c8ac9b753; 0.19.2 only)",
+    ),
     ("fix-layer-wise-all-gather-on-gloo", ["0041"], True),
     ("fix-float16-empty-groups-torch-dist", ["0043"], True),
     ("fix-help-percent", ["0050"], True),
@@ -398,10 +404,8 @@ PRS = [
     ("local-sequence-parallel-norms", ["0015", "0017"], True),
     ("local-mla", ["0018"], True),
     ("qk-clip-local-attention", ["0013", "0060"], True),
-    ("muon-distributed-optimizer",
-     [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063"], True),
-    ("muon-zero3",
-     [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090"], True),
+    ("muon-distributed-optimizer", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063"], True),
+    ("muon-zero3", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090"], True),
     ("training-preprocess-preflight", [TRAIN + "preflight.py"], True),
 ]
 PRS = [(slug, [_commit(c) for c in commits], main) for slug, commits, main in PRS]
