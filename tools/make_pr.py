@@ -28,6 +28,7 @@ from pathlib import Path
 import fork
 from pr_series import (  # noqa: F401  (FORK_ONLY, SERIES, UNSENT: tests/meta/test_make_pr.py)
     FORK_ONLY,
+    FORK_TESTS,
     MAIN_CHECKOUT_ENV,
     MAIN_PIN,
     PR_FORM,
@@ -76,7 +77,18 @@ def _commit_all(repo: Path, commit: tuple) -> None:
     for name in patches:
         _git(repo, "apply", "--whitespace=nowarn", str(fork.PATCH_DIR / PR_FORM.get(name, name)))
     _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", f"{subject}\n\n{body}")
+    _git(repo, "commit", "-q", "-m", f"{subject}\n\n{body}{tests_line(commit)}")
+
+
+def tests_line(commit: tuple) -> str:
+    """The commit message's last paragraph: the tests that cover it (those it carries, in
+    upstream's form, and the fork's suite's)."""
+    carried = [rel for rel in commit[2] if rel.startswith("tests/unit_tests/")]
+    fork_tests = FORK_TESTS.get(id(commit))
+    parts = [f"Tests: {', '.join(carried)} (this PR; upstream's Utils)"] if carried else []
+    if fork_tests:
+        parts.append(f"Tested in megatron-muon by {fork_tests}")
+    return "\n\n" + "\n".join(parts) if parts else ""
 
 
 def _reset(repo: Path, rev: str) -> None:

@@ -92,7 +92,7 @@ SERIES = [
         "group kept the last: a DistOpt resume gave the default group the decoupled lr bounds.\n"
         "The k-th saved group of an identity now loads into the k-th current one\n"
         "(group_matching.match_groups).",
-        [],
+        ["tests/unit_tests/optimizer/test_decoupled_lr_groups_on_load.py"],
         ["0016-distopt-param-groups-matched-in-order.patch"],
     ),
     (
@@ -170,7 +170,7 @@ SERIES = [
         "Experts with biases outside expert parallelism crashed at the first forward: at TP=1\n"
         "the row-parallel reduce returns its input as is, and MLP.forward added the routing-\n"
         "weighted bias to that view in place, which autograd forbids.",
-        [],
+        ["tests/unit_tests/transformer/moe/test_expert_bias.py"],
         ["0022-moe-expert-bias-out-of-place.patch"],
     ),
     (
@@ -188,7 +188,7 @@ SERIES = [
         "that group, so --exit-signal-handler's save found the Manager dead (BrokenPipeError):\n"
         "nothing saved, every rank exit 1. The Manager now ignores SIGTERM/SIGINT; its owner\n"
         "still shuts it down at exit.",
-        [],
+        ["tests/unit_tests/dist_checkpointing/test_write_results_queue_signals.py"],
         ["0032-checkpoint-writer-queue-survives-sigterm.patch"],
     ),
     (
@@ -247,7 +247,7 @@ SERIES = [
         "ArgumentGroupFactory hands each field's docstring to argparse as its help, and argparse\n"
         "formats help with %: TransformerConfig.moe_paged_stash_buffer_size_factor_cuda's\n"
         "docstring says 10%, so every --help raised ValueError. Docstring help escapes its %.",
-        [],
+        ["tests/unit_tests/test_argument_help_percent.py"],
         ["0050-training-help-percent-in-docstrings.patch"],
     ),
     (
@@ -416,6 +416,43 @@ FORK_ONLY = [_commit(TRAIN + "cpu_mode.py"), _commit("0024")]
 # written in the file it repairs (the fork keeps its repairs/ module), or the hunks placed where
 # Megatron-LM main and 0.19.2 read alike (patches/pr/)
 PR_FORM = {
-    "0016-distopt-param-groups-matched-in-order.patch": "pr/0016-distopt-param-groups-matched-in-order.patch",
-    "0042-torch-adam-step-kept.patch": "pr/0042-torch-adam-step-kept.patch",
+    name: f"pr/{name}"
+    for name in (
+        "0016-distopt-param-groups-matched-in-order.patch",
+        "0042-torch-adam-step-kept.patch",
+    )
 }
+# The fork's tests that cover each commit (its patch, else its first file), named in the commit's
+# message beside the upstream-form tests (tests/unit_tests/) it carries
+FORK_TESTS = {
+    "0009": "tests/distributed/test_adam_checkpoint.py",
+    "0001": "tests/unit/test_muon_config.py",
+    OPT + "megatron_muon/optimizer.py": "tests/unit/test_muon.py",
+    "0002": "tests/distributed/test_muon_distopt.py, tests/distributed/test_muon_checkpoint.py",
+    "0016": "tests/unit/test_optimizer_state_regressions.py",
+    "0013": "tests/unit/test_qk_clip_rule.py, tests/distributed/test_qk_clip.py",
+    "0015": "tests/distributed/test_sequence_parallel_norm.py",
+    "0017": "tests/distributed/test_sequence_parallel_norm.py",
+    "0018": "tests/distributed/test_local_attention_mla.py",
+    "0019": "tests/distributed/test_mla_tensor_parallel.py",
+    "0020": "tests/distributed/test_mla_tensor_parallel.py",
+    "0021": "tests/unit/test_chained_grad_scaler.py",
+    "0032": "tests/e2e/test_upstream_signals.py",
+    "0033": "tests/unit/test_async_ckpt_worker.py",
+    "0040": "tests/e2e/test_upstream_optimizers.py",
+    "0041": "tests/distributed/test_uneven_all_gather.py",
+    "0042": "tests/e2e/test_upstream_optimizers.py",
+    "0043": "tests/distributed/test_muon_checkpoint.py",
+    "0050": "tests/e2e/test_help.py",
+    "0030": "tests/e2e/test_muon_args.py",
+    "0031": "tests/e2e/test_muon_args.py",
+    "0060": "tests/unit/test_qk_clip_rule.py, tests/e2e/test_upstream_qk_clip.py",
+    "0062": "tests/unit/test_convergence_bench.py",
+    "0063": "tests/distributed/test_muon_distopt.py",
+    "0070": "tests/unit/test_offline_tokenizers.py",
+    "0080": "tests/e2e/test_fsdp_loop.py",
+    "0090": "tests/distributed/test_fsdp_muon.py, tests/e2e/test_fsdp_muon_e2e.py",
+    TRAIN + "preflight.py": "tests/unit/test_offline_preprocess.py",
+    OPT + "repairs/distopt_layout.py": "tests/distributed/test_adam_checkpoint.py",
+}
+FORK_TESTS = {id(_commit(key)): tests for key, tests in FORK_TESTS.items()}

@@ -49,7 +49,7 @@ def test_each_pull_request_applies_alone_in_review_order(built):
         patches = written[slug]
         assert len(patches) == len(commits), slug
         for patch, (subject, *_) in zip(patches, commits):
-            assert f"Subject: [PATCH" in patch.read_text() and subject[:40] in patch.read_text()
+            assert "Subject: [PATCH" in patch.read_text() and subject[:40] in patch.read_text()
         text = (patches[0].parent / "DESCRIPTION.md").read_text()
         assert "How to run" in text and "Why" in text, slug
 

@@ -1,4 +1,5 @@
 # Copyright (c) 2025, NVIDIA CORPORATION. All rights reserved.
+
 """--help of Megatron-LM's parser: argparse formats each help text with %, and a config field's
 docstring is handed to it as help (ArgumentGroupFactory), so a literal '%' in one
 (TransformerConfig.moe_paged_stash_buffer_size_factor_cuda: "10%") raised ValueError."""

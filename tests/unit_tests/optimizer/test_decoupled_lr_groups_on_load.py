@@ -1,19 +1,19 @@
 # Copyright (c) 2025, NVIDIA CORPORATION. All rights reserved.
+
 """A DistributedOptimizer resume with --decoupled-lr: the decoupled group (embedding, output
 layer) and the default group share one identity (param_group_identifier_keys), and load_state_dict
 mapped each identity to the last saved group of it: every group of the resumed optimizer got the
 decoupled group's lr bounds. The k-th saved group of an identity now loads into the k-th one."""
 
-import pytest
 import torch
-
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
+
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 LR, DECOUPLED_LR = 1e-2, 3e-3
 

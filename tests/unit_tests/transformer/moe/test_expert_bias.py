@@ -1,10 +1,10 @@
 # Copyright (c) 2025, NVIDIA CORPORATION. All rights reserved.
+
 """Experts with biases (add_bias_linear) at TP=1 without expert parallelism: MLP.forward added
 the routing-weighted bias in place to the row-parallel output, which at TP=1 is its input
 returned as is (a view autograd forbids modifying in place): the first forward raised."""
 
 import torch
-
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_layer import MoELayer
