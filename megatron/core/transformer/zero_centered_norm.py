@@ -76,7 +76,7 @@ def _sequence_parallel_class(norm_cls: type) -> type:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             for param in self.parameters():
-                setattr(param, "sequence_parallel", True)
+                param.sequence_parallel = True
 
     SequenceParallelNorm.__name__ = SequenceParallelNorm.__qualname__ = norm_cls.__name__
     return SequenceParallelNorm
