@@ -111,7 +111,8 @@ SERIES = [
         "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms",
         "WrappedTorchNorm asserted layernorm_zero_centered_gamma off; it now returns LayerNorm /\n"
         "RMSNorm modules whose weight is gamma (scale 1 + gamma, gamma initialized to 0), as TE\n"
-        "and Apex store it.",
+        "and Apex store it (zero_centered_norm.local_norm_class, which also gives the SP-marked\n"
+        "class that the next commit admits).",
         ["megatron/core/transformer/zero_centered_norm.py"],
         ["0015-local-norm-zero-centered-gamma.patch"],
     ),
