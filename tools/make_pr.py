@@ -16,6 +16,9 @@ files of ours linked into them. Benchmarks never travel. Only the standard libra
 used.
 """
 
+import ast
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,12 +26,22 @@ import tempfile
 from pathlib import Path
 
 import fork
-from pr_series import SERIES, UNSENT  # noqa: F401  (UNSENT: tests/meta/test_make_pr.py)
+from pr_series import (  # noqa: F401  (FORK_ONLY, SERIES, UNSENT: tests/meta/test_make_pr.py)
+    FORK_ONLY,
+    FORK_TESTS,
+    MAIN_CHECKOUT_ENV,
+    MAIN_PIN,
+    PR_FORM,
+    PRS,
+    SERIES,
+    UNSENT,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "# Copyright (c) 2025, NVIDIA CORPORATION. All rights reserved.\n\n"
 AUTHOR = ["-c", "user.name=megatron-muon", "-c", "user.email=megatron-muon@users.noreply"]
 SOURCES = {"docs/source/api-guide/muon.md": ROOT / "docs" / "muon.md"}
+DESCRIPTIONS = ROOT / "docs" / "pull_requests.md"
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -57,27 +70,88 @@ def _write_ours(repo: Path, rel: str) -> None:
     dest.write_text(text)
 
 
-def build_series(out: Path) -> list[Path]:
-    """Write the series into ``out`` (emptied first) and check it (``check_series``); return the
-    patch files in order."""
-    commits, patch_dir = SERIES, fork.PATCH_DIR
+def _commit_all(repo: Path, commit: tuple) -> None:
+    subject, body, files, patches = commit
+    for rel in files:
+        _write_ours(repo, rel)
+    for name in patches:
+        _git(repo, "apply", "--whitespace=nowarn", str(fork.PATCH_DIR / PR_FORM.get(name, name)))
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", f"{subject}\n\n{body}{tests_line(commit)}")
+
+
+def tests_line(commit: tuple) -> str:
+    """The commit message's last paragraph: the tests that cover it (those it carries, in
+    upstream's form, and the fork's suite's)."""
+    carried = [rel for rel in commit[2] if rel.startswith("tests/unit_tests/")]
+    fork_tests = FORK_TESTS.get(id(commit))
+    parts = [f"Tests: {', '.join(carried)} (this PR; upstream's Utils)"] if carried else []
+    if fork_tests:
+        parts.append(f"Tested in megatron-muon by {fork_tests}")
+    return "\n\n" + "\n".join(parts) if parts else ""
+
+
+def _reset(repo: Path, rev: str) -> None:
+    _git(repo, "checkout", "-q", "-f", "--detach", rev)
+    _git(repo, "clean", "-fdxq")
+
+
+def series_dir(out: Path, index: int, slug: str) -> Path:
+    return out / f"{index + 1:02d}-{slug}"
+
+
+def build_series(out: Path) -> dict[str, list[Path]]:
+    """Write each pull request of ``PRS`` into ``out/NN-slug/`` (``out`` emptied first), every
+    one built alone on the pristine tree and checked (``git am`` on the pristine tree gives the
+    built tree); return {slug: its patch files in order}."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    written = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "megatron-lm"
         init_pristine(repo)
-        for subject, body, files, patches in commits:
-            for rel in files:
-                _write_ours(repo, rel)
-            for name in patches:
-                _git(repo, "apply", "--whitespace=nowarn", str(patch_dir / name))
-            _git(repo, "add", "-A")
-            _git(repo, "commit", "-q", "-m", f"{subject}\n\n{body}")
-        _git(repo, "format-patch", "-q", "-o", str(out), "HEAD~" + str(len(commits)))
-        written = sorted(out.glob("*.patch"))
-        check_series(written, _git(repo, "rev-parse", "HEAD^{tree}").strip())
+        base = _git(repo, "rev-parse", "HEAD").strip()
+        for index, (slug, commits, _) in enumerate(PRS):
+            _reset(repo, base)
+            for commit in commits:
+                _commit_all(repo, commit)
+            tree = _git(repo, "rev-parse", "HEAD^{tree}").strip()
+            dest = series_dir(out, index, slug)
+            _git(repo, "format-patch", "-q", "-o", str(dest), f"{base}..HEAD")
+            written[slug] = sorted(dest.glob("*.patch"))
+            _reset(repo, base)
+            _git(repo, "am", "-q", *map(str, written[slug]))
+            got = _git(repo, "rev-parse", "HEAD^{tree}").strip()
+            if got != tree:
+                raise RuntimeError(f"make_pr: git am of {slug} gives tree {got}, not {tree}")
+            check_parses(repo, base)
+            write_description(dest, slug, commits)
     return written
+
+
+def check_parses(repo: Path, base: str) -> None:
+    """Every Python file the commits since ``base`` touch parses (a hunk that lands in the wrong
+    place shows as a syntax error)."""
+    names = _git(repo, "diff", "--name-only", "--diff-filter=AM", base, "HEAD").split()
+    for name in names:
+        if name.endswith(".py"):
+            ast.parse((repo / name).read_text(), filename=name)
+
+
+def description(slug: str) -> str:
+    """The pull request's description: its section of docs/pull_requests.md."""
+    text = DESCRIPTIONS.read_text()
+    match = re.search(rf"^## `{re.escape(slug)}`\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    if not match:
+        raise RuntimeError(f"make_pr: docs/pull_requests.md has no section ## `{slug}`")
+    return match.group(1).strip()
+
+
+def write_description(dest: Path, slug: str, commits: list) -> None:
+    lines = [f"# {slug}", "", description(slug), "", "## Commits", ""]
+    lines += [f"- {subject}" for subject, *_ in commits]
+    (dest / "DESCRIPTION.md").write_text("\n".join(lines) + "\n")
 
 
 def apply_series(repo: Path, patches: list[Path]) -> None:
@@ -86,23 +160,59 @@ def apply_series(repo: Path, patches: list[Path]) -> None:
     _git(repo, "am", "-q", *map(str, patches))
 
 
-def check_series(patches: list[Path], tree: str) -> None:
-    """``git am`` of ``patches`` on a fresh pristine tree gives ``tree`` (the built one)."""
+def check_main(checkout: Path, written: dict[str, list[Path]]) -> dict[str, str]:
+    """``git am`` of each series onto Megatron-LM main at ``MAIN_PIN`` (``checkout``: a clone
+    holding that commit, work tree or bare); {slug: '' where it applied, else git's error}."""
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "megatron-lm"
-        apply_series(repo, patches)
-        got = _git(repo, "rev-parse", "HEAD^{tree}").strip()
-    if got != tree:
-        raise RuntimeError(f"make_pr: git am of the series gives tree {got}, not {tree}")
+        repo = Path(tmp) / "main"
+        clone = ["git", "clone", "-q", "--shared", "--no-checkout", str(checkout), str(repo)]
+        subprocess.run(clone, check=True, capture_output=True)
+        for slug, patches in written.items():
+            _reset(repo, MAIN_PIN)
+            done = subprocess.run(
+                ["git", *AUTHOR, "am", "-q", *map(str, patches)],
+                cwd=repo,
+                capture_output=True,
+                text=True,
+            )
+            results[slug] = "" if done.returncode == 0 else (done.stdout + done.stderr).strip()
+            if done.returncode:
+                _git(repo, "am", "--abort")
+            else:
+                check_parses(repo, MAIN_PIN)
+    return results
 
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0]) if argv else ROOT / "build" / "pr"
     written = build_series(out)
     print(
-        f"{len(written)} patches for Megatron-LM core_v{fork.UPSTREAM_VERSION} in {out} (git am; "
-        "checked on a fresh pristine tree)"
+        f"{len(written)} pull requests ({sum(map(len, written.values()))} patches) for "
+        f"Megatron-LM core_v{fork.UPSTREAM_VERSION} in {out}, each checked alone with git am "
+        "on a fresh pristine tree"
     )
+    checkout = os.environ.get(MAIN_CHECKOUT_ENV)
+    if not checkout:
+        print(
+            f"(set {MAIN_CHECKOUT_ENV}=<Megatron-LM clone> to check them on main {MAIN_PIN[:10]})"
+        )
+        return 0
+    results = check_main(Path(checkout), written)
+    expected = {slug: main for slug, _, main in PRS}
+    bad = []
+    for slug, error in results.items():
+        want = expected[slug] is True
+        state = "applies" if not error else "does not apply"
+        note = "" if want else f" (expected not to: {expected[slug]})"
+        print(f"  main {MAIN_PIN[:10]}: {slug}: {state}{note}")
+        if want and error:
+            bad.append(f"{slug}:\n{error}")
+    ok = sum(not e for e in results.values())
+    print(f"{ok} of {len(results)} pull requests apply to Megatron-LM main {MAIN_PIN[:10]}")
+    if bad:
+        print("expected to apply but do not:\n" + "\n".join(bad), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -92,7 +92,7 @@ SERIES = [
         "group kept the last: a DistOpt resume gave the default group the decoupled lr bounds.\n"
         "The k-th saved group of an identity now loads into the k-th current one\n"
         "(group_matching.match_groups).",
-        [],
+        ["tests/unit_tests/optimizer/test_decoupled_lr_groups_on_load.py"],
         ["0016-distopt-param-groups-matched-in-order.patch"],
     ),
     (
@@ -111,7 +111,8 @@ SERIES = [
         "transformer: zero-centered gamma (apply-layernorm-1p) for the local torch norms",
         "WrappedTorchNorm asserted layernorm_zero_centered_gamma off; it now returns LayerNorm /\n"
         "RMSNorm modules whose weight is gamma (scale 1 + gamma, gamma initialized to 0), as TE\n"
-        "and Apex store it.",
+        "and Apex store it (zero_centered_norm.local_norm_class, which also gives the SP-marked\n"
+        "class that the next commit admits).",
         ["megatron/core/transformer/zero_centered_norm.py"],
         ["0015-local-norm-zero-centered-gamma.patch"],
     ),
@@ -170,7 +171,7 @@ SERIES = [
         "Experts with biases outside expert parallelism crashed at the first forward: at TP=1\n"
         "the row-parallel reduce returns its input as is, and MLP.forward added the routing-\n"
         "weighted bias to that view in place, which autograd forbids.",
-        [],
+        ["tests/unit_tests/transformer/moe/test_expert_bias.py"],
         ["0022-moe-expert-bias-out-of-place.patch"],
     ),
     (
@@ -188,7 +189,7 @@ SERIES = [
         "that group, so --exit-signal-handler's save found the Manager dead (BrokenPipeError):\n"
         "nothing saved, every rank exit 1. The Manager now ignores SIGTERM/SIGINT; its owner\n"
         "still shuts it down at exit.",
-        [],
+        ["tests/unit_tests/dist_checkpointing/test_write_results_queue_signals.py"],
         ["0032-checkpoint-writer-queue-survives-sigterm.patch"],
     ),
     (
@@ -247,7 +248,7 @@ SERIES = [
         "ArgumentGroupFactory hands each field's docstring to argparse as its help, and argparse\n"
         "formats help with %: TransformerConfig.moe_paged_stash_buffer_size_factor_cuda's\n"
         "docstring says 10%, so every --help raised ValueError. Docstring help escapes its %.",
-        [],
+        ["tests/unit_tests/test_argument_help_percent.py"],
         ["0050-training-help-percent-in-docstrings.patch"],
     ),
     (
@@ -386,3 +387,116 @@ SERIES = [
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)
 UNSENT = [TRAIN + "corpus.py", TRAIN + "shakespeare.py"]
+
+
+def _commit(name: str) -> tuple:
+    """The commit of SERIES that carries the patch or file ``name`` (a patch's number will do)."""
+    found = [c for c in SERIES if any(x == name or x.startswith(name + "-") for x in c[3] + c[2])]
+    assert len(found) == 1, (name, len(found))
+    return found[0]
+
+
+# Megatron-LM's main branch as pinned for the second check of `make pr` (MEGATRON_LM_CHECKOUT):
+# the commit of github.com/NVIDIA/Megatron-LM main the series were last checked on.
+MAIN_PIN = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"  # 2026-08-22, main
+MAIN_CHECKOUT_ENV = "MEGATRON_LM_CHECKOUT"
+# The pull requests: independent series, each one concern, each applied alone to a pristine tree
+# (a commit may sit in several: a feature carries the modules it builds on). (slug, commits,
+# main): main is True where the series must apply to MAIN_PIN with `git am`, else why not.
+_MUON_BASE = [OPT + "repairs/distopt_layout.py", "0001", OPT + "megatron_muon/optimizer.py"]
+PRS = [
+    ("fix-torch-adam-step", ["0042"], True),
+    (
+        "fix-distopt-torch-adam-checkpoint",
+        [OPT + "repairs/distopt_layout.py", "0009"],
+        "fixed on main by NVIDIA/Megatron-LM#5077 (0.19.2 only)",
+    ),
+    ("fix-distopt-groups-in-order", ["0016"], True),
+    ("fix-mla-rope-key-grad-over-tp", ["0019"], True),
+    ("fix-mla-q-layernorm-grad-once", ["0020"], True),
+    ("fix-chained-optimizer-one-loss-scale", ["0021"], True),
+    ("fix-moe-expert-bias-out-of-place", ["0022"], True),
+    ("fix-writer-queue-survives-sigterm", ["0032"], True),
+    ("fix-async-worker-without-cuda", ["0033"], True),
+    (
+        "fix-emerging-optimizers-0.3.0",
+        ["0040"],
+        "main moved to emerging-optimizers 0.3.0 itself (Megatron-LM 2c8ac9b753; 0.19.2 only)",
+    ),
+    ("fix-layer-wise-all-gather-on-gloo", ["0041"], True),
+    ("fix-float16-empty-groups-torch-dist", ["0043"], True),
+    ("fix-help-percent", ["0050"], True),
+    ("fix-full-validation-one-set", ["0062"], True),
+    ("fix-tokenizers-local-files", ["0070"], True),
+    ("tokenizers-transformers-on-use", ["0070", "0071"], True),
+    ("fix-fsdp-checkpoints", ["0080"], True),
+    ("local-sequence-parallel-norms", ["0015", "0017"], True),
+    ("local-mla", ["0018"], True),
+    ("qk-clip-local-attention", ["0013", "0060"], True),
+    ("muon-distributed-optimizer", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063"], True),
+    (
+        "muon-tp-owner",
+        [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0091"],
+        "main's --muon-tp-mode has another default (duplicated) and help text around the choices "
+        "line 0091 changes: a one-line rebase (0.19.2 only until then)",
+    ),
+    ("muon-zero3", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090"], True),
+    (
+        "muon-zero3-checkpoints-refused-across",
+        [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090", "0092"],
+        "main wraps the load that 0092's condition guards in an OpenTelemetry span "
+        "(_otel_managed_span): the hunk needs a rebase (0.19.2 only until then)",
+    ),
+    ("training-preprocess-preflight", [TRAIN + "preflight.py"], True),
+]
+PRS = [(slug, [_commit(c) for c in commits], main) for slug, commits, main in PRS]
+# Commits of SERIES that no pull request carries: the fork's own (CPU stand-ins and the GPT entry
+# our pretrain_gpt.py runs; the triton stand-in, which upstream's PR #6891 replaces)
+FORK_ONLY = [_commit(TRAIN + "cpu_mode.py"), _commit("0024")]
+# The form a patch takes in the pull requests where it differs from the fork's: the repair
+# written in the file it repairs (the fork keeps its repairs/ module), or the hunks placed where
+# Megatron-LM main and 0.19.2 read alike (patches/pr/)
+PR_FORM = {
+    name: f"pr/{name}"
+    for name in (
+        "0016-distopt-param-groups-matched-in-order.patch",
+        "0042-torch-adam-step-kept.patch",
+    )
+}
+# The fork's tests that cover each commit (its patch, else its first file), named in the commit's
+# message beside the upstream-form tests (tests/unit_tests/) it carries
+FORK_TESTS = {
+    "0009": "tests/distributed/test_adam_checkpoint.py",
+    "0001": "tests/unit/test_muon_config.py",
+    OPT + "megatron_muon/optimizer.py": "tests/unit/test_muon.py",
+    "0002": "tests/distributed/test_muon_distopt.py, tests/distributed/test_muon_checkpoint.py",
+    "0016": "tests/unit/test_optimizer_state_regressions.py",
+    "0013": "tests/unit/test_qk_clip_rule.py, tests/distributed/test_qk_clip.py",
+    "0015": "tests/distributed/test_sequence_parallel_norm.py",
+    "0017": "tests/distributed/test_sequence_parallel_norm.py",
+    "0018": "tests/distributed/test_local_attention_mla.py",
+    "0019": "tests/distributed/test_mla_tensor_parallel.py",
+    "0020": "tests/distributed/test_mla_tensor_parallel.py",
+    "0021": "tests/unit/test_chained_grad_scaler.py",
+    "0032": "tests/e2e/test_upstream_signals.py",
+    "0033": "tests/unit/test_async_ckpt_worker.py",
+    "0040": "tests/e2e/test_upstream_optimizers.py",
+    "0041": "tests/distributed/test_uneven_all_gather.py",
+    "0042": "tests/e2e/test_upstream_optimizers.py",
+    "0043": "tests/distributed/test_muon_checkpoint.py",
+    "0050": "tests/e2e/test_help.py",
+    "0030": "tests/e2e/test_muon_args.py",
+    "0031": "tests/e2e/test_muon_args.py",
+    "0060": "tests/unit/test_qk_clip_rule.py, tests/e2e/test_upstream_qk_clip.py",
+    "0062": "tests/unit/test_convergence_bench.py",
+    "0063": "tests/distributed/test_muon_distopt.py",
+    "0070": "tests/unit/test_offline_tokenizers.py",
+    "0071": "tests/unit/test_tokenizer_imports.py",
+    "0080": "tests/e2e/test_fsdp_loop.py",
+    "0090": "tests/distributed/test_fsdp_muon.py, tests/e2e/test_fsdp_muon_e2e.py",
+    "0091": "tests/distributed/test_muon_tp_owner.py, tests/e2e/test_muon_args.py",
+    "0092": "tests/e2e/test_muon_args.py, tests/distributed/test_fsdp_checkpoint.py",
+    TRAIN + "preflight.py": "tests/unit/test_offline_preprocess.py",
+    OPT + "repairs/distopt_layout.py": "tests/distributed/test_adam_checkpoint.py",
+}
+FORK_TESTS = {id(_commit(key)): tests for key, tests in FORK_TESTS.items()}

@@ -1,7 +1,7 @@
 """Run Megatron-LM's own Muon unit tests against the installed fork (issue 27, item 10).
 
     .venv/bin/python tools/upstream_muon_tests.py CHECKOUT [--ranks 2]
-        [--ref core_v0.19.0] [-- PYTEST_ARGS]
+        [--ref core_v0.19.0] [--ours] [-- PYTEST_ARGS]
 
 CHECKOUT is a Megatron-LM work tree or git directory (e.g. ``git clone --bare
 https://github.com/NVIDIA/Megatron-LM``); with a git directory the tests are read at ``--ref``.
@@ -14,7 +14,9 @@ absent), ``tests/unit_tests/test_emerging_optimizers.py``, ``test_layer_wise_opt
 of upstream's conftest, ``NVIDIA_PYTORCH_VERSION`` set (both files skip everything on <= 25.05,
 their "LTS" marker), and prints pass/fail/skip counts per file, each skip reason with its count,
 and every failure. A test counts as failed when it failed on any rank. Exit status 1 when any
-failed.
+failed. ``--ours`` runs instead this repository's tests in upstream's form
+(``tests/unit_tests/``, upstream's ``Utils``; they travel with ``make pr``), copied into the same
+tree.
 """
 
 import argparse
@@ -42,6 +44,9 @@ SUPPORT = (
     "tests/unit_tests/test_utilities.py",
     "tests/unit_tests/dist_checkpointing",
 )
+# Our tests in upstream's form (they travel with `make pr`): copied over the export; --ours runs
+# them instead of upstream's Muon files
+OURS = HERE.parent / "tests" / "unit_tests"
 NGC_VERSION = "26.01"  # any NGC release above the files' 25.05 "LTS" cut-off
 
 
@@ -64,6 +69,20 @@ def export_tests(checkout: Path, ref: str, dest: Path) -> None:
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="data")
     archive.unlink()
+
+
+def copy_ours(tree: Path) -> list:
+    """Copy our upstream-form tests into ``tree`` (a package ``__init__.py`` where a folder has
+    none); their paths, as pytest arguments."""
+    names = []
+    for src in sorted(OURS.rglob("test_*.py")):
+        rel = Path("tests/unit_tests") / src.relative_to(OURS)
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, tree / rel)
+        for folder in list(rel.parents)[:-2]:
+            (tree / folder / "__init__.py").touch(exist_ok=True)
+        names.append(str(rel))
+    return names
 
 
 def run(tree: Path, ranks: int, extra: list) -> dict:
@@ -130,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ref", default="core_v0.19.0", help="tag read from a git directory")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    parser.add_argument("--ours", action="store_true", help="run our upstream-form tests instead")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:cut])  # what follows "--" goes to pytest
@@ -138,6 +158,9 @@ def main(argv=None) -> int:
     try:
         export_tests(args.checkout.resolve(), args.ref, tree)
         shutil.copy(HERE / "upstream_muon_conftest.py", tree / "tests/unit_tests/conftest.py")
+        ours = copy_ours(tree)
+        if args.ours and not any(a.startswith("tests/") for a in args.pytest_args):
+            args.pytest_args = ours + args.pytest_args
         start = time.time()
         merged = merge(run(tree, args.ranks, args.pytest_args))
         print(f"{args.ranks} ranks, {time.time() - start:.0f} s")

@@ -42,6 +42,22 @@ def fill_empty_shard_state(optimizer_state: dict, model: torch.nn.Module) -> dic
     return optimizer_state
 
 
+def with_empty_shard_state(state_dict: dict, model: torch.nn.Module) -> dict:
+    """A checkpoint's state dict whose optimizer state ``fill_empty_shard_state`` completed.
+
+    Args:
+        state_dict: the fsdp_dtensor state dict being saved or loaded.
+        model: the first model chunk.
+
+    Returns:
+        ``state_dict`` itself without an ``optimizer`` entry, else a copy of it (the outer dict)
+        with the filled optimizer state.
+    """
+    if "optimizer" not in state_dict:
+        return state_dict
+    return {**state_dict, "optimizer": fill_empty_shard_state(state_dict["optimizer"], model)}
+
+
 def _bare(name: str) -> str:
     """A parameter's name without its wrappers' ``module.`` prefixes: the optimizer names them
     from its model chunks (DDP wrapper included), the checkpoint from the unwrapped model."""

@@ -73,6 +73,7 @@ TOOL_FLAGS = {
     "--recipe": "tools/upstream_muon_recipes.py",
     "--impl": "tools/upstream_muon_recipes.py",
     "--case": "tools/upstream_recipes_sample.py",
+    "--ours": "tools/upstream_muon_tests.py",
     "--print-flags": "tools/upstream_recipes_sample.py",  # tools/upstream_muon_recipes.py too
     **{  # python -m megatron.training.preprocess_data (its tokenizer flags are upstream's)
         flag: "megatron/training/preprocess_data.py"

@@ -1,7 +1,7 @@
-"""`make pr`: the series, built from the pristine archive, applies with `git am` to a fresh
-pristine tree and imports; every file tools/fork.py links in and every patch is in one commit."""
+"""`make pr`: the pull requests, each built alone from the pristine archive, apply with `git am`
+to a fresh pristine tree; the Muon one imports; every file tools/fork.py links in and every patch
+is in one commit, every commit in a pull request or the fork's own."""
 
-import ast
 import os
 import re
 import subprocess
@@ -29,62 +29,68 @@ def _hunks_into_upstream_files(patch: str):
             yield name, sum(1 for x in lines if x[:1] in "+-" and x[:3] not in ("+++", "---"))
 
 
-def _touched(patch: str) -> set:
-    return set(re.findall(r"^\+\+\+ b/(\S+)", patch, re.MULTILINE))
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(patch files, the repository `git am` made from a fresh pristine tree)."""
+    """({slug: patch files}, the repository `git am` of the Muon ZeRO-3 PR made from a fresh
+    pristine tree: the largest, which carries our Muon whole)."""
     tmp = tmp_path_factory.mktemp("pr")
-    patches = make_pr.build_series(tmp / "out")
+    written = make_pr.build_series(tmp / "out")
     repo = tmp / "megatron-lm"
-    make_pr.apply_series(repo, patches)
-    return patches, repo
+    make_pr.apply_series(repo, written["muon-zero3"])
+    return written, repo
 
 
-def test_series_applies_to_the_pristine_tree_in_review_order(built):
-    patches, repo = built
-    commits = make_pr.SERIES
-    assert len(patches) == len(commits)
-    log = subprocess.run(["git", "log", "--format=%s"], cwd=repo, capture_output=True, text=True)
-    assert log.stdout.splitlines() == [s for s, *_ in reversed(commits)] + [
-        f"megatron-core {make_pr.fork.UPSTREAM_VERSION} (pristine archive)"
-    ]
+def test_each_pull_request_applies_alone_in_review_order(built):
+    """build_series checks each with `git am` on the pristine tree (and that every file it
+    touches parses); here: one patch per commit, in order, and a description each."""
+    written, _ = built
+    assert list(written) == [slug for slug, *_ in make_pr.PRS]
+    for slug, commits, _ in make_pr.PRS:
+        patches = written[slug]
+        assert len(patches) == len(commits), slug
+        for patch, (subject, *_) in zip(patches, commits):
+            assert "Subject: [PATCH" in patch.read_text() and subject[:40] in patch.read_text()
+        text = (patches[0].parent / "DESCRIPTION.md").read_text()
+        assert "How to run" in text and "Why" in text, slug
 
 
 def test_hunks_into_upstream_files_stay_small_and_our_files_carry_the_header(built):
-    patches, repo = built
+    written, repo = built
     ours = {rel for _, _, files, _ in make_pr.SERIES for rel in files}  # muon.py: replaced
-    for patch in patches:
+    for patch in (p for ps in written.values() for p in ps):
         for name, changed in _hunks_into_upstream_files(patch.read_text()):
             if name not in ours:
                 assert changed <= MAX_CHANGED_LINES_PER_HUNK, (patch.name, name, changed)
-    for rel in ours:
+    applied = next(commits for slug, commits, _ in make_pr.PRS if slug == "muon-zero3")
+    for rel in {rel for _, _, files, _ in applied for rel in files}:  # the tree `built` holds
         if rel.endswith(".py"):
             assert (repo / rel).read_text().startswith(make_pr.HEADER), rel
 
 
-def test_only_what_is_linked_in_travels(built):
-    """megatron/ (less the corpora, UNSENT), its unit test and docs; benchmarks never travel."""
-    patches, _ = built
-    text = "".join(p.read_text() for p in patches)
+def test_only_what_is_ours_to_send_travels(built):
+    """megatron/ (less the corpora, UNSENT, and the fork's own commits: CPU stand-ins, the
+    triton stand-in), upstream-form unit tests and docs; benchmarks never travel."""
+    written, _ = built
+    text = "".join(p.read_text() for ps in written.values() for p in ps)
     added = set(re.findall(r"create mode \d+ (\S+)", text))
     allowed = ("megatron/", "tests/unit_tests/", "docs/")
     assert added and all(f.startswith(allowed) for f in added), sorted(added)
     assert not added & set(make_pr.UNSENT)
-    assert {"megatron/training/muon_args.py", "megatron/training/gpt_entry.py"} <= added
+    fork_only = {f for _, _, files, _ in make_pr.FORK_ONLY for f in files}
+    assert {"megatron/training/cpu_mode.py", "megatron/training/cpu_loop.py"} <= fork_only
+    assert not added & fork_only
+    assert "MagicMock" not in text
+    assert "megatron/training/muon_args.py" in added
 
 
-def test_every_touched_python_file_parses(built):
-    """A patch that lands in the wrong place shows as a syntax error (0.19.2's facts: fuzz put
-    lines inside an import tuple); checked on every file the series adds or changes."""
-    patches, repo = built
-    touched = set().union(*(_touched(p.read_text()) for p in patches))
-    assert any(name.startswith("megatron/") for name in touched)
-    for name in sorted(touched):
-        if name.endswith(".py"):
-            ast.parse((repo / name).read_text(), filename=name)
+def test_every_commit_is_in_a_pull_request_or_the_fork_only():
+    carried = {id(c) for _, commits, _ in make_pr.PRS for c in commits}
+    fork_only = {id(c) for c in make_pr.FORK_ONLY}
+    assert not carried & fork_only
+    missing = [c[0] for c in make_pr.SERIES if id(c) not in carried | fork_only]
+    assert not missing, f"place these commits in a PR of tools/pr_series.py PRS: {missing}"
+    for slug, _, main in make_pr.PRS:  # a series not meant for main says why
+        assert main is True or (isinstance(main, str) and main), slug
 
 
 def test_the_applied_tree_imports(built):

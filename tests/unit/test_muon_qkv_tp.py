@@ -204,3 +204,23 @@ def test_tensor_parallel_muon_rejects_bad_mode_and_incomplete_qkv():
         TensorParallelMuon(_tp_params(), **_upstream_kwargs(qkv_split_shapes=None))
     with pytest.raises(ValueError, match="num_ns_steps|ns_steps must be an int >= 1, got 0"):
         TensorParallelMuon(_tp_params(), **_upstream_kwargs(num_ns_steps=0))
+
+
+def test_tensor_parallel_muon_checks_grads_only_when_asked(monkeypatch):
+    """Upstream's TensorParallelMuon checks no grad; ours neither by default (no finiteness
+    check, no TP all-reduce per step); on_nonfinite_grad='raise' (or 'skip') opts in."""
+    syncs = []
+    monkeypatch.setattr(TensorParallelMuon, "_agree", lambda self, ok: syncs.append(ok) or ok)
+
+    def nan_step(**overrides):
+        opt = TensorParallelMuon(_tp_params(), **_upstream_kwargs(**overrides))
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.full_like(p, float("nan"))
+        opt.step()
+
+    nan_step()  # upstream's behaviour: the step runs, nothing checked or synchronized
+    assert syncs == []
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        nan_step(on_nonfinite_grad="raise")
+    assert syncs == [False]

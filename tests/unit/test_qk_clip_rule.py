@@ -264,7 +264,7 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize("fields, message", BAD_CONFIGS)
 def test_bad_qk_clip_configs_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
-        TransformerConfig(**BASE, **fields)
+        TransformerConfig(**BASE, **fields, transformer_impl="local")
 
 
 def test_ranges_are_checked_only_with_the_clip_on_as_upstream():
@@ -340,3 +340,13 @@ def _cli_error(argv: list) -> str:
     except (AssertionError, ValueError) as err:  # validate_args asserts; the config raises
         return f"{type(err).__name__}: {err}"
     raise AssertionError(f"{argv} accepted: {config}")
+
+
+@pytest.mark.parametrize(
+    "fields, message", [c for c in BAD_CONFIGS if "qk_clip_per_head" not in c[0]]
+)
+def test_transformer_engine_configs_are_accepted_as_upstream(fields, message):
+    """The checks act where the local attention's clip (ours) runs; a TE configuration keeps
+    upstream's acceptance (no config upstream took raises after the patch)."""
+    config = TransformerConfig(**BASE, **fields, transformer_impl="transformer_engine")
+    assert config.qk_clip

@@ -21,8 +21,8 @@ def validate_qk_clip_config(config) -> None:
                 "qk_clip_per_head does not apply to multi_latent_attention (upstream's MLA clip "
                 "has its own rule)"
             )
-    if not config.qk_clip:
-        return  # upstream takes any alpha / threshold while the clip is off
+    if not config.qk_clip or getattr(config, "transformer_impl", "local") != "local":
+        return  # upstream takes any alpha / threshold while the clip is off, and with TE
     alpha, tau = config.qk_clip_alpha, config.qk_clip_threshold
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"qk_clip_alpha must be in (0, 1), got {alpha}")

@@ -62,3 +62,44 @@ def zero_centered_norm_class(normalization: str) -> type:
             f"got {normalization!r}"
         )
     return ZERO_CENTERED_NORMS[normalization]
+
+
+PLAIN_NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+
+def _sequence_parallel_class(norm_cls: type) -> type:
+    """``norm_cls`` whose params are marked ``sequence_parallel``, as TE's and Apex's norms mark
+    theirs: each TP rank normalizes its part of the sequence, so their grads are partial and
+    ``finalize_model_grads`` all-reduces them over the TP group."""
+
+    class SequenceParallelNorm(norm_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for param in self.parameters():
+                param.sequence_parallel = True
+
+    SequenceParallelNorm.__name__ = SequenceParallelNorm.__qualname__ = norm_cls.__name__
+    return SequenceParallelNorm
+
+
+def local_norm_class(config) -> type:
+    """The local norm's module class where ``WrappedTorchNorm`` asserted a field off: a
+    zero-centered gamma (``layernorm_zero_centered_gamma``) and/or params marked for sequence
+    parallelism (``sequence_parallel``).
+
+    Args:
+        config: the TransformerConfig (``normalization`` LayerNorm or RMSNorm).
+
+    Returns:
+        A module class taking torch's constructor arguments (``normalized_shape``, ``eps``).
+    """
+    if config.layernorm_zero_centered_gamma:
+        norm_cls = zero_centered_norm_class(config.normalization)
+    elif config.normalization in PLAIN_NORMS:
+        norm_cls = PLAIN_NORMS[config.normalization]
+    else:
+        raise ValueError(
+            f"sequence_parallel with the local norms needs normalization LayerNorm or RMSNorm, "
+            f"got {config.normalization!r}"
+        )
+    return _sequence_parallel_class(norm_cls) if config.sequence_parallel else norm_cls

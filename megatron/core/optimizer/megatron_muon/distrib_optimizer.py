@@ -15,6 +15,7 @@ from ..distrib_optimizer import DistributedOptimizer
 from ..repairs.distopt_layout import in_bucket, param_name
 from . import checkpoint, layout
 from . import checkpoint_sharded as sharded
+from .config import is_megatron_muon
 from .exchange import (
     BucketSlot,
     DistributedMuonOrthogonalizer,
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 class MuonDistributedOptimizer(DistributedOptimizer):
     """``DistributedOptimizer`` with a ``MegatronMuon`` inside: exact Muon, DP-sharded."""
+
+    @classmethod
+    def _serves_config(cls, config) -> bool:  # DistributedOptimizer(...) builds this class
+        return is_megatron_muon(config)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

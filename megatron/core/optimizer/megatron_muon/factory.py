@@ -356,6 +356,7 @@ class TensorParallelMuon(Muon):
         extra_scale_factor: float = 1.0,
         pg_collection: Optional[Any] = None,
         tp_mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
+        on_nonfinite_grad: Literal["raise", "skip", "ignore"] = "ignore",  # opt-in: a TP sync
     ) -> None:
         mode = tp_mode
         check_choice("tp_mode", mode, TP_MODES)
@@ -387,6 +388,7 @@ class TensorParallelMuon(Muon):
             decoupled_weight_decay=use_decoupled_weight_decay,
             param_info=infos,
             orthogonalizer=TPOrthogonalizer(mode, groups),
+            on_nonfinite_grad=on_nonfinite_grad,
         )
 
     def _agree(self, local_ok: bool) -> bool:
