@@ -328,7 +328,8 @@ RECIPES = {
 }
 # torch.compile (megatron-core's jit_fuser) spends ~10 s of each launch's initialization
 # (_warmup_jit_function) and ~25 s of the MTP recipe's first iteration compiling fused functions
-# on a CPU: eager, as on a torch without compile (the other e2e tests run them compiled)
+# on a CPU: eager, as on a torch without compile (as upstream_runs.launch_env, which says where
+# the compiled path stays tested)
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 FEATURE = {  # what the run's log must show (upstream's args printout for the parallelism)
     "vpp": ["Number of virtual stages per pipeline stage: 2"],

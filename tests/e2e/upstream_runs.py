@@ -41,9 +41,10 @@ def launch_env(tmp: Path, name: str) -> dict:
     ``jit_fuser = torch.compile``); on CPU inductor builds them as C++ in every rank of every
     launch: 9 of a 2-rank launch's 29 CPU-seconds (measured, 3 iterations). These tests are about
     the loop, the optimizer and checkpoints, and every run a test compares is launched alike, so
-    none compares compiled with eager numbers. The recipes (``test_upstream_recipes_sample``,
-    ``test_upstream_muon_recipes``, ``test_offline_recipe``) and ``make demo`` run compiled, as
-    users do."""
+    none compares compiled with eager numbers. The compiled path stays covered where users run
+    it: ``make demo``, upstream's Muon recipe resumed bit for bit (``test_upstream_muon_recipes``)
+    and the convergence benchmark's run (``tests/unit/test_convergence_bench.py``); the other
+    recipe tests were already eager (``TORCHDYNAMO_DISABLE``)."""
     hits = str(tmp / f"{name}.hits")
     return dict(
         os.environ, OMP_NUM_THREADS="1", MEGATRON_CPU_LOOP_HITS=hits, TORCH_COMPILE_DISABLE="1"
