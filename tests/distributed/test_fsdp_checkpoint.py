@@ -59,7 +59,10 @@ def save_fsdp_dtensor(directory: str, chunks, optimizer) -> None:
     """``save_checkpoint``'s fsdp_dtensor path: its state dict, preprocessed, written by DCP."""
     from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 
+    from megatron.training import fsdp_checkpoint
+
     state = _state_dict(chunks, optimizer, loading=False)
+    state = fsdp_checkpoint.with_empty_shard_state(state, chunks[0])  # as save_checkpoint does
     state = preprocess_fsdp_dtensor_state_dict(_args(), state, chunks[0])
     torch.distributed.checkpoint.save(state, checkpoint_id=directory)
 
@@ -69,8 +72,11 @@ def load_fsdp_dtensor(directory: str, chunks, optimizer) -> None:
     from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
     from torch.distributed.checkpoint import FileSystemReader, default_planner
 
+    from megatron.training import fsdp_checkpoint
+
     state = _state_dict(chunks, optimizer, loading=True)
     raw = {k: state[k].copy() for k in ("model", "optimizer") if k in state}
+    state = fsdp_checkpoint.with_empty_shard_state(state, chunks[0])  # as load_checkpoint does
     state = preprocess_fsdp_dtensor_state_dict(_args(), state, chunks[0])
     torch.distributed.checkpoint.load_state_dict(
         state_dict=state,

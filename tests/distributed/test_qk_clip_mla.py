@@ -298,10 +298,12 @@ MLA_CONFIG = dict(num_layers=1, hidden_size=64, num_attention_heads=4, **MLA)
     ],
 )
 def test_bad_mla_qk_clip_configs_name_the_field(fields, message):
+    """Patch 0013's checks, which apply to the local attention our QK-clip serves (a Transformer
+    Engine config keeps upstream's own: test_qk_clip_rule.py)."""
     from megatron.core.transformer import MLATransformerConfig
 
     with pytest.raises(ValueError, match=message):
-        MLATransformerConfig(**MLA_CONFIG, qk_clip=True, **fields)
+        MLATransformerConfig(**MLA_CONFIG, qk_clip=True, transformer_impl="local", **fields)
 
 
 def test_mla_qk_clip_takes_qk_layernorm():
