@@ -36,6 +36,7 @@ class Layout:
     ep: int = 1
     etp: int | None = None  # expert tensor parallel size; None = same as tp
     vpp: int | None = None
+    dp_instances: int = 1  # num_distributed_optimizer_instances: HSDP's outer (replica) groups
 
     @property
     def dp(self) -> int:
@@ -74,6 +75,7 @@ def _init_rank(rank: int, layout: Layout, store: str, seed: int) -> None:
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        num_distributed_optimizer_instances=layout.dp_instances,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -155,13 +157,14 @@ def run_distributed(
     ep=1,
     etp=None,
     vpp=None,
+    dp_instances=1,
     args=(),
     kwargs=None,
     seed=1234,
     timeout=180.0,
 ):
     """Run ``fn(*args, **kwargs)`` on every rank; return the list of per-rank results."""
-    layout = Layout(world_size, tp, pp, ep, etp, vpp)
+    layout = Layout(world_size, tp, pp, ep, etp, vpp, dp_instances)
     if world_size % (tp * pp):
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
     ctx = multiprocessing.get_context("fork")

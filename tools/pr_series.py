@@ -383,6 +383,15 @@ SERIES = [
         [],
         ["0092-checkpoint-distopt-zero3-refused.patch"],
     ),
+    (
+        "training: Megatron-FSDP's HSDP sums the replicas without --overlap-grad-reduce",
+        "Megatron-FSDP turns overlap_grad_reduce on itself when it shards gradients and, under\n"
+        "HSDP, all-reduces across the replicas only on a micro-batch that no_sync marks last;\n"
+        "train() hooked no_sync only for --overlap-grad-reduce, so without the flag the replicas\n"
+        "never summed their gradients. train() follows the wrapper's own setting.",
+        [],
+        ["0093-training-megatron-fsdp-hsdp-no-sync.patch"],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)
@@ -430,6 +439,12 @@ PRS = [
     ("fix-tokenizers-local-files", ["0070"], True),
     ("tokenizers-transformers-on-use", ["0070", "0071"], True),
     ("fix-fsdp-checkpoints", ["0080"], True),
+    (
+        "fix-megatron-fsdp-hsdp-no-sync",
+        ["0093"],
+        "main names the FSDP wrappers (FullyShardedDataParallelV1/V2) on the line 0093 changes: "
+        "a one-line rebase (0.19.2 only until then)",
+    ),
     ("local-sequence-parallel-norms", ["0015", "0017"], True),
     ("local-mla", ["0018"], True),
     ("qk-clip-local-attention", ["0013", "0060"], True),
@@ -496,6 +511,7 @@ FORK_TESTS = {
     "0090": "tests/distributed/test_fsdp_muon.py, tests/e2e/test_fsdp_muon_e2e.py",
     "0091": "tests/distributed/test_muon_tp_owner.py, tests/e2e/test_muon_args.py",
     "0092": "tests/e2e/test_muon_args.py, tests/distributed/test_fsdp_checkpoint.py",
+    "0093": "tests/distributed/test_fsdp_muon.py (hsdp cases, test_hsdp_before_0093_misses)",
     TRAIN + "preflight.py": "tests/unit/test_offline_preprocess.py",
     OPT + "repairs/distopt_layout.py": "tests/distributed/test_adam_checkpoint.py",
 }

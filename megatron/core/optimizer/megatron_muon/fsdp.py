@@ -339,11 +339,30 @@ def check_megatron_fsdp(config, model_chunks) -> None:
                 f"data_parallel_sharding_strategy={strategy!r} with use_megatron_fsdp=True and "
                 f"optimizer='muon': our Muon takes {list(SHARDED_STRATEGIES)}"
             )
+        if ddp.num_distributed_optimizer_instances > 1:
+            _check_hsdp(ddp)
         if getattr(ddp, "megatron_fsdp_use_decoupled_grad", False):
             raise ValueError(
                 "megatron_fsdp_use_decoupled_grad=True (--use-precision-aware-optimizer) with "
                 "optimizer='muon': Muon keeps its state in the main params' dtype"
             )
+
+
+def _check_hsdp(ddp) -> None:
+    outer = ddp.outer_dp_sharding_strategy
+    if outer != "no_shard":
+        raise ValueError(
+            f"outer_dp_sharding_strategy={outer!r} (--outer-dp-sharding-strategy) with "
+            "HSDP (num_distributed_optimizer_instances > 1) and optimizer='muon': our Muon "
+            "takes 'no_shard' there (its exchange runs within a shard group)"
+        )
+    if not ddp.overlap_grad_reduce:  # 'optim' (the others turn it on themselves)
+        raise ValueError(
+            f"data_parallel_sharding_strategy={ddp.data_parallel_sharding_strategy!r} with HSDP "
+            "(num_distributed_optimizer_instances > 1) and optimizer='muon' needs "
+            "--overlap-grad-reduce: without it Megatron-FSDP never sums the replicas' gradients, "
+            "and each replica steps on its own (AdamW too: docs/fsdp.md)"
+        )
 
 
 def muon_params(muon) -> list[Tensor]:
