@@ -144,14 +144,19 @@ def build_wrapped(spec: TinyGPT, kind: str, strategy=None) -> list:
     return chunks
 
 
-def train_fsdp(spec: TinyGPT, steps: int, kind: str, strategy=None, perturb_rank=None):
-    """This rank's (initial whole params, final whole params, losses) after ``steps`` AdamW steps
-    under FSDP. ``perturb_rank``: that rank scales its own copy of one weight by 1.01 after
-    training (negative control: only that rank's comparison may fail)."""
+def train_fsdp(
+    spec: TinyGPT, steps: int, kind: str, strategy=None, perturb_rank=None, **optimizer_overrides
+):
+    """This rank's (initial whole params, final whole params, losses) after ``steps`` steps
+    under FSDP (AdamW unless ``optimizer_overrides`` say otherwise). ``perturb_rank``: that rank
+    scales its own copy of one weight by 1.01 after training (negative control: only that
+    rank's comparison may fail)."""
     chunks = build_wrapped(spec, kind, strategy)
     initial = full_params(chunks[0], spec)
     distopt = kind == "megatron_fsdp"  # FSDP2 refuses the distributed optimizer (upstream)
-    optimizer = build_optimizer(spec, chunks, use_distributed_optimizer=distopt)
+    optimizer = build_optimizer(
+        spec, chunks, use_distributed_optimizer=distopt, **optimizer_overrides
+    )
     losses = [train_step(spec, chunks, optimizer, b)["loss"] for b in global_batches(spec, steps)]
     if kind == "megatron_fsdp":  # the step prefetches the first bucket's params, asynchronously
         chunks[0].module.synchronize_param_gather()

@@ -146,6 +146,18 @@ def test_hsdp_fsdp2_muon_matches_one_process():
     assert_every_rank_close(reference_fsdp2(), got)
 
 
+def test_fsdp2_wrapper_muon_tp2_dp2_matches_one_process():
+    """Megatron's own FSDP2 wrapper (``TorchFullyShardedDataParallel``, as ``--use-torch-fsdp2``
+    builds it) at TP 2 x DP 2: the exchange over DP brings each TP shard's pieces to an owner,
+    whose TP orthogonalizer runs as under the DistOpt (every rank, each replica compared)."""
+    from test_fsdp_adam import train_fsdp
+
+    args = (TinyGPT(), STEPS, "torch_fsdp2")
+    assert_every_rank_close(
+        reference(), run_distributed(train_fsdp, 4, tp=2, args=args, kwargs=MUON)
+    )
+
+
 def _ns_on_local_pieces(muon):
     """Negative control (upstream PR #5961's warning): each rank runs Newton-Schulz on its own
     Shard(0) piece, as if it were the matrix, instead of the exchange."""
