@@ -146,16 +146,16 @@ def test_hsdp_fsdp2_muon_matches_one_process():
     assert_every_rank_close(reference_fsdp2(), got)
 
 
-def test_fsdp2_wrapper_muon_tp2_dp2_matches_one_process():
+@pytest.mark.parametrize("tp_mode", ["duplicated", "owner"])
+def test_fsdp2_wrapper_muon_tp2_dp2_matches_one_process(tp_mode):
     """Megatron's own FSDP2 wrapper (``TorchFullyShardedDataParallel``, as ``--use-torch-fsdp2``
     builds it) at TP 2 x DP 2: the exchange over DP brings each TP shard's pieces to an owner,
     whose TP orthogonalizer runs as under the DistOpt (every rank, each replica compared)."""
     from test_fsdp_adam import train_fsdp
 
-    args = (TinyGPT(), STEPS, "torch_fsdp2")
-    assert_every_rank_close(
-        reference(), run_distributed(train_fsdp, 4, tp=2, args=args, kwargs=MUON)
-    )
+    args, kwargs = (TinyGPT(), STEPS, "torch_fsdp2"), dict(MUON, muon_tp_mode=tp_mode)
+    got = run_distributed(train_fsdp, 4, tp=2, args=args, kwargs=kwargs)
+    assert_every_rank_close(reference(), got)
 
 
 def _ns_on_local_pieces(muon):
@@ -316,6 +316,10 @@ MEGATRON_FSDP = {
         world_size=4, strategy="optim_grads_params", bucket_size=6000
     ),
     "tp2_optim_grads_params": dict(world_size=4, tp=2, strategy="optim_grads_params"),
+    # --muon-tp-mode owner: the DP exchange's owners hand each TP-sharded matrix to one TP rank
+    "tp2_owner_optim_grads_params": dict(
+        world_size=4, tp=2, strategy="optim_grads_params", muon_tp_mode="owner"
+    ),
     # experts over EP 2: their own (expert DP) buffers and exchange beside the dense one
     "ep2_moe_optim_grads_params": dict(world_size=4, ep=2, strategy="optim_grads_params"),
     # HSDP: 2 replicas (--num-distributed-optimizer-instances 2) of 2 shards; the exchange runs
@@ -339,6 +343,8 @@ def test_megatron_fsdp_muon_matches_one_process(layout):
     args = (TinyGPT(**(MOE if moe else {})), STEPS, strategy)
     if instances > 1:  # HSDP: each exchange spans one shard group, not the replicas
         case["hook"] = functools.partial(_exchanges_span, world_size // instances)
+    if case.get("muon_tp_mode") == "owner":  # the owners run the owner mode's TP exchange
+        case["hook"] = _owners_in_owner_mode
     got = run_distributed(train_megatron_fsdp, world_size, **layout, args=args, kwargs=case)
     assert_every_rank_close(reference(moe=moe), got)
 
@@ -353,6 +359,10 @@ def test_hsdp_before_0093_misses():
     initial, ref, _ = reference()
     for _, params, _ in got:
         assert misses(update_rel_error(initial, ref, params), 100 * TOL)
+
+
+def _owners_in_owner_mode(optimizer) -> None:
+    assert {ex.inner.mode for ex in optimizer.optimizer.orthogonalizer.exchanges} == {"owner"}
 
 
 def _exchanges_span(ranks: int, optimizer) -> None:
