@@ -8,7 +8,6 @@ import dataclasses
 import logging
 from typing import Optional
 
-import torch
 from megatron.core.utils import log_single_rank
 
 from ..distrib_optimizer import DistributedOptimizer
@@ -21,13 +20,11 @@ from .exchange import (
     DistributedMuonOrthogonalizer,
     MatrixSlot,
     ShardInfo,
-    exchange_dtypes,
 )
-from .newton_schulz import compute_dtype
 from .planner import figures as plan_figures
 from .planner.cost_model import DEFAULT_LINKS, NSCostModel, PlanLinks
 from .planner.gangs import GangRunner, gang_nodes
-from .planner.plan import MuonExchangePlan, ns_cost_model
+from .planner.plan import MuonExchangePlan, exchange_cost_model
 from .tp import owners_orthogonalizer
 
 logger = logging.getLogger(__name__)
@@ -224,24 +221,11 @@ def attach(
         window: Muon elements per exchange; None: one exchange per DP group.
         links: the machine the planner assumes (``PlanLinks``, planner/cost_model.py).
     """
-    specs = muon.ortho_specs()
-    if len(specs) > 1:
-        raise ValueError(
-            "with use_distributed_optimizer all Muon param groups must share the Newton-Schulz "
-            f"and scale settings (one owner runs each matrix); got {len(specs)} different ones"
-        )
-    steps = specs[0].steps if specs else 0
-    form = specs[0].form if specs else "standard"
-    ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
+    model, ns_dtype = exchange_cost_model(
+        muon, exchange_dtype, links, "with use_distributed_optimizer"
+    )
     muon_params = {p for p in distopt.model_param_group_index_map if muon.param_info.get(p)}
     infos = [muon.param_info[p] for p in muon_params]
-    forward, back, _ = exchange_dtypes(exchange_dtype, ns_dtype, torch.float32)
-    sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
-    model = dataclasses.replace(
-        ns_cost_model(muon.orthogonalizer, steps, *sizes, form=form),
-        **links.link_costs(),
-        min_efficiency=links.min_efficiency or 0.0,
-    )
     if distopt.buffers:  # where gangs may ring
         group = distopt.buffers[0].data_parallel_group
         nodes = gang_nodes(group, links.nvlink_domain, muon.orthogonalizer, infos)
@@ -261,7 +245,3 @@ def attach(
     # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.
     muon.on_nonfinite_grad = "ignore"
     distopt.muon_plan = plan
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits // 8

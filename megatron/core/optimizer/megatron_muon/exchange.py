@@ -338,8 +338,8 @@ class DistributedMuonOrthogonalizer:
                 self._scatter(at[i], orth.reshape(-1), results)
             del orths
         whole = [i for i in at if i not in set(gangs)]
-        itemsize = _itemsize(self.update_dtype)
-        runs = owned_runs(self.plan, whole, self.plan.rank, itemsize, spec.batch_bytes)
+        size = itemsize(self.update_dtype)
+        runs = owned_runs(self.plan, whole, self.plan.rank, size, spec.batch_bytes)
         if getattr(self.inner, "batches", False) and whole:  # one call: tp.py's owner mode
             runs = [whole]
         for ids in runs:
@@ -383,7 +383,7 @@ class DistributedMuonOrthogonalizer:
                 out, inp, output_split_sizes=recv, input_split_sizes=send, group=ex.group
             )
         rank = self.plan.rank  # counted from the split sizes used, self-copies excluded
-        self.bytes_moved += (sum(send) + sum(recv) - send[rank] - recv[rank]) * _itemsize(dtype)
+        self.bytes_moved += (sum(send) + sum(recv) - send[rank] - recv[rank]) * itemsize(dtype)
         return out
 
 
@@ -401,8 +401,8 @@ def exchange_dtypes(exchange_dtype: str, ns_dtype: torch.dtype, update_dtype: to
         (forward dtype, return dtype, scale at the holder).
     """
     named = DTYPES[exchange_dtype]
-    forward = min((named, ns_dtype), key=_itemsize)
-    if _itemsize(ns_dtype) < _itemsize(update_dtype):
+    forward = min((named, ns_dtype), key=itemsize)
+    if itemsize(ns_dtype) < itemsize(update_dtype):
         return forward, ns_dtype, True
     return forward, named, False
 
@@ -437,5 +437,6 @@ def _offsets_by_matrix(receives: list[Piece]) -> dict[int, list[tuple[Piece, int
     return out
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.finfo(dtype).bits // 8

@@ -17,13 +17,11 @@ from .exchange import (
     DistributedMuonOrthogonalizer,
     MatrixSlot,
     ShardInfo,
-    exchange_dtypes,
 )
 from .functional import MuonParamInfo, OrthoSpec
-from .newton_schulz import compute_dtype
 from .planner.cost_model import DEFAULT_LINKS, PlanLinks
 from .planner.gangs import GangRunner, gang_nodes
-from .planner.plan import MuonExchangePlan, ns_cost_model
+from .planner.plan import MuonExchangePlan, exchange_cost_model
 from .tp import owners_orthogonalizer
 
 
@@ -249,24 +247,9 @@ def attach_zero3(
     Returns:
         The orthogonalizer installed.
     """
-    specs = muon.ortho_specs()
-    if len(specs) > 1:
-        raise ValueError(
-            "under FSDP all Muon param groups must share the Newton-Schulz and scale settings "
-            f"(one owner runs each matrix); got {len(specs)} different ones"
-        )
-    steps = specs[0].steps if specs else 0
-    form = specs[0].form if specs else "standard"
-    ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
     dtype = exchange_dtype if exchange_dtype in DTYPES else "fp32"  # unknown: refused below
-    forward, back, _ = exchange_dtypes(dtype, ns_dtype, torch.float32)
-    sizes = (_itemsize(ns_dtype), _itemsize(forward) + _itemsize(back))
+    base, ns_dtype = exchange_cost_model(muon, dtype, links, "under FSDP")
     infos = [m.info for m in matrices]
-    base = dataclasses.replace(
-        ns_cost_model(muon.orthogonalizer, steps, *sizes, form=form),
-        **links.link_costs(),
-        min_efficiency=links.min_efficiency or 0.0,
-    )
 
     def model(group):
         nodes = gang_nodes(group, links.nvlink_domain, muon.orthogonalizer, infos)
@@ -312,10 +295,6 @@ def _set_infos(muon, by_param: dict) -> None:
         if hasattr(muon, "group_infos"):
             muon.group_infos[g] = infos
         muon.param_info.update(zip(group["params"], infos))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits // 8
 
 
 # ------------------------------------------------------------------ entry points

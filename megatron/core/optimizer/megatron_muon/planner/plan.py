@@ -9,11 +9,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece
+import torch
+
+from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece, exchange_dtypes, itemsize
 from ..functional import MuonParamInfo
-from ..newton_schulz import ns_flops, packed_size, splits_polynomial
+from ..newton_schulz import compute_dtype, ns_flops, packed_size, splits_polynomial
 from ..tp import TPOrthogonalizer, owner_cells
-from .cost_model import NSCostModel
+from .cost_model import NSCostModel, PlanLinks
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
 
@@ -295,3 +297,34 @@ def ns_cost_model(
 
     whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info), form)  # noqa: E731
     return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
+
+
+def exchange_cost_model(muon, exchange_dtype: str, links: PlanLinks, where: str) -> tuple:
+    """The cost model an exchange of ``muon``'s matrices plans with, and Newton-Schulz's dtype.
+
+    Args:
+        muon: the ``Muon`` whose orthogonalizer the exchange will wrap.
+        exchange_dtype: a name in ``exchange.DTYPES``.
+        links: the machine the planner assumes.
+        where: the setting, for the error (``"with use_distributed_optimizer"``).
+
+    Returns:
+        (``NSCostModel`` with the links' costs, NS's compute dtype).
+    """
+    specs = muon.ortho_specs()
+    if len(specs) > 1:
+        raise ValueError(
+            f"{where} all Muon param groups must share the Newton-Schulz and scale settings "
+            f"(one owner runs each matrix); got {len(specs)} different ones"
+        )
+    steps = specs[0].steps if specs else 0
+    form = specs[0].form if specs else "standard"
+    ns_dtype = compute_dtype(specs[0].precision) if specs else torch.float32
+    forward, back, _ = exchange_dtypes(exchange_dtype, ns_dtype, torch.float32)
+    sizes = (itemsize(ns_dtype), itemsize(forward) + itemsize(back))
+    model = dataclasses.replace(
+        ns_cost_model(muon.orthogonalizer, steps, *sizes, form=form),
+        **links.link_costs(),
+        min_efficiency=links.min_efficiency or 0.0,
+    )
+    return model, ns_dtype
