@@ -369,8 +369,8 @@ SERIES = [
         "training: --muon-tp-mode owner, our exact TP mode without duplicated NS",
         "megatron_muon/tp.py's 'owner' mode orthogonalizes each TP-sharded matrix whole on one\n"
         "rank of TP x DP (two TP all-to-alls per step; without DistOpt one all-gather over DP),\n"
-        "so NS runs once per matrix over the grid; upstream's parser admits the value, which\n"
-        "needs --muon-impl megatron_muon.",
+        "so NS runs once per matrix over the grid; upstream's --muon-tp-mode admits the value\n"
+        "(muon_args.admit_muon_tp_mode_owner), which needs --muon-impl megatron_muon.",
         [],
         ["0091-training-args-muon-tp-mode-owner.patch"],
     ),
@@ -378,8 +378,9 @@ SERIES = [
         "checkpointing: our Muon's DistOpt and ZeRO-3 checkpoints refused across",
         "A DistOpt (torch_dist) checkpoint of our Muon under Megatron-FSDP or FSDP2, or the\n"
         "reverse, failed after the load began (KeyError 'model', or an AttributeError inside\n"
-        "DCP). The checkpoint's args are read first for torch_dcp too, and the mismatch is\n"
-        "refused in one line naming the flags, on every rank, before any state is loaded.",
+        "DCP). For our Muon the checkpoint's args are read first for torch_dcp too\n"
+        "(muon_args.check_muon_impl_before_load), and the mismatch is refused in one line\n"
+        "naming the flags, on every rank, before any state is loaded.",
         [],
         ["0092-checkpoint-distopt-zero3-refused.patch"],
     ),
@@ -434,18 +435,12 @@ PRS = [
     ("local-mla", ["0018"], True),
     ("qk-clip-local-attention", ["0013", "0060"], True),
     ("muon-distributed-optimizer", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063"], True),
-    (
-        "muon-tp-owner",
-        [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0091"],
-        "main's --muon-tp-mode has another default (duplicated) and help text around the choices "
-        "line 0091 changes: a one-line rebase (0.19.2 only until then)",
-    ),
+    ("muon-tp-owner", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0091"], True),
     ("muon-zero3", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090"], True),
     (
         "muon-zero3-checkpoints-refused-across",
         [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090", "0092"],
-        "main wraps the load that 0092's condition guards in an OpenTelemetry span "
-        "(_otel_managed_span): the hunk needs a rebase (0.19.2 only until then)",
+        True,
     ),
     ("training-preprocess-preflight", [TRAIN + "preflight.py"], True),
 ]

@@ -1,7 +1,7 @@
 """Run Megatron-LM's own Muon unit tests against the installed fork (issue 27, item 10).
 
     .venv/bin/python tools/upstream_muon_tests.py CHECKOUT [--ranks 2]
-        [--ref core_v0.19.0] [--ours] [-- PYTEST_ARGS]
+        [--ref core_v0.19.0] [--ours] [--without PATCH] [-- PYTEST_ARGS]
 
 CHECKOUT is a Megatron-LM work tree or git directory (e.g. ``git clone --bare
 https://github.com/NVIDIA/Megatron-LM``); with a git directory the tests are read at ``--ref``.
@@ -16,7 +16,9 @@ their "LTS" marker), and prints pass/fail/skip counts per file, each skip reason
 and every failure. A test counts as failed when it failed on any rank. Exit status 1 when any
 failed. ``--ours`` runs instead this repository's tests in upstream's form
 (``tests/unit_tests/``, upstream's ``Utils``; they travel with ``make pr``), copied into the same
-tree.
+tree. ``--without PATCH`` (a file of ``patches/``, e.g. ``0022``) runs them on the fork's tree with
+that patch reversed, first on ``PYTHONPATH``: a fix's test must fail there (docs/pull_requests.md
+records how).
 """
 
 import argparse
@@ -85,7 +87,22 @@ def copy_ours(tree: Path) -> list:
     return names
 
 
-def run(tree: Path, ranks: int, extra: list) -> dict:
+def tree_without(patch: str, dest: Path) -> Path:
+    """The fork's assembled ``megatron/`` tree (build/fork, our files as its links) copied to
+    ``dest`` with the patch named ``patch`` (its number will do) reversed."""
+    sys.path.insert(0, str(HERE))
+    import fork
+
+    found = [p for p in fork.patches() if p.name == patch or p.name.startswith(patch + "-")]
+    if len(found) != 1:
+        raise SystemExit(f"--without {patch}: no single patch of that name under patches/")
+    shutil.copytree(fork.FORK_DIR / "megatron", dest / "megatron", symlinks=True)
+    cmd = ["git", "apply", "-R", "--whitespace=nowarn", "-p1", str(found[0])]
+    subprocess.run(cmd, cwd=dest, check=True)
+    return dest
+
+
+def run(tree: Path, ranks: int, extra: list, pythonpath=None) -> dict:
     """Run the files on ``ranks`` processes; each rank's {test id: [outcome, reason]}."""
     report = tree / "report"
     report.mkdir()
@@ -93,6 +110,8 @@ def run(tree: Path, ranks: int, extra: list) -> dict:
     env.setdefault("NVIDIA_PYTORCH_VERSION", NGC_VERSION)
     env["MEGATRON_UPSTREAM_TESTS_REPORT"] = str(report)
     env["MEGATRON_UPSTREAM_TESTS_TMP"] = str(tree / "tmp")
+    if pythonpath:  # a tree without one patch: its megatron before the installed fork's
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
     cmd += ["--standalone", "--log-dir", str(tree / "logs"), "--redirects", "3"]
     files = [a for a in extra if a.startswith("tests/")] or list(FILES)  # a subset if given
@@ -150,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     parser.add_argument("--ours", action="store_true", help="run our upstream-form tests instead")
+    parser.add_argument("--without", metavar="PATCH", help="on the fork with PATCH reversed")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:cut])  # what follows "--" goes to pytest
@@ -161,8 +181,9 @@ def main(argv=None) -> int:
         ours = copy_ours(tree)
         if args.ours and not any(a.startswith("tests/") for a in args.pytest_args):
             args.pytest_args = ours + args.pytest_args
+        without = tree_without(args.without, tree / "without") if args.without else None
         start = time.time()
-        merged = merge(run(tree, args.ranks, args.pytest_args))
+        merged = merge(run(tree, args.ranks, args.pytest_args, without))
         print(f"{args.ranks} ranks, {time.time() - start:.0f} s")
         return summarize(merged)
     finally:
