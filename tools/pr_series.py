@@ -143,7 +143,7 @@ SERIES = [
         "the hidden-state grads missed at TP > 1, with and without SP (Megatron-LM issue 1699).\n"
         "k_pos_emb now passes copy_to_tensor_model_parallel_region (backward: all-reduce). The\n"
         "duplicated linear (TE's default spec) takes the other branch, unchanged.",
-        [],
+        ["tests/unit_tests/transformer/test_mla_rope_key_grad_tp.py"],
         ["0019-mla-rope-key-grad-over-tp.patch"],
     ),
     (
@@ -153,7 +153,7 @@ SERIES = [
         "q_layernorm normalizes the whole q latent; without SP its grad is already whole on\n"
         "every rank and was multiplied by TP (with SP it is sequence-sharded and marked\n"
         "sequence_parallel, summed by that rule). The name rule now skips MLA configs.",
-        [],
+        ["tests/unit_tests/transformer/test_mla_q_layernorm_grad_tp.py"],
         ["0020-mla-q-layernorm-grad-once.patch"],
     ),
     (
@@ -163,7 +163,10 @@ SERIES = [
         "An inf only in expert grads backed off the expert scaler alone, and later expert grads\n"
         "were unscaled by the wrong factor. ChainedOptimizer.prepare_grads now updates every\n"
         "scaler with the chain's verdict (repairs/chained_grad_scaler.py).",
-        [OPT + "repairs/chained_grad_scaler.py"],
+        [
+            OPT + "repairs/chained_grad_scaler.py",
+            "tests/unit_tests/optimizer/test_chained_optimizer_loss_scale.py",
+        ],
         ["0021-chained-optimizer-one-loss-scale.patch"],
     ),
     (
@@ -199,7 +202,7 @@ SERIES = [
         "torch.cuda.set_device(rank % device_count()) (ZeroDivisionError without CUDA) and,\n"
         "preloading, torch.cuda.synchronize() (no driver): the worker died and every rank\n"
         "waited on it for ever. Both are skipped where CUDA is unavailable; GPUs as before.",
-        [],
+        ["tests/unit_tests/dist_checkpointing/test_async_worker_without_cuda.py"],
         ["0033-async-checkpoint-worker-without-cuda.patch"],
     ),
     (
@@ -229,7 +232,10 @@ SERIES = [
         "Without TE/Apex the states seeded for loading got no 'step', and 'if step:' dropped a\n"
         "step of 0 when saving: loading raised KeyError: 'step'. init_state_fn seeds it\n"
         "(repairs/torch_adam_step.py, torch's Adam only) and a step of 0 is saved.",
-        [OPT + "repairs/torch_adam_step.py"],
+        [
+            OPT + "repairs/torch_adam_step.py",
+            "tests/unit_tests/optimizer/test_torch_adam_step_on_load.py",
+        ],
         ["0042-torch-adam-step-kept.patch"],
     ),
     (
@@ -319,7 +325,7 @@ SERIES = [
         "failed or retried, online the hub's tokenizer.json won over the files given. The\n"
         "tokenizer is built from --vocab-file/--merge-file (tokenizers' own readers) and the\n"
         "hub's config; without files and wget every rank raises one line naming the flags.",
-        [],
+        ["tests/unit_tests/tokenizers/test_gpt2_bpe_local_files.py"],
         ["0070-tokenizers-gpt2-bpe-local-files.patch"],
     ),
     (
@@ -412,9 +418,8 @@ PRS = [
         [OPT + "repairs/distopt_layout.py", "0009"],
         "fixed on main by NVIDIA/Megatron-LM#5077 (0.19.2 only)",
     ),
-    ("fix-distopt-groups-in-order", ["0016"], True),
-    ("fix-mla-rope-key-grad-over-tp", ["0019"], True),
-    ("fix-mla-q-layernorm-grad-once", ["0020"], True),
+    ("fix-mla-rope-key-grad-over-tp", ["0018", "0019"], True),  # on local-mla
+    ("fix-mla-q-layernorm-grad-once", ["0018", "0020"], True),  # on local-mla
     ("fix-chained-optimizer-one-loss-scale", ["0021"], True),
     ("fix-moe-expert-bias-out-of-place", ["0022"], True),
     ("fix-writer-queue-survives-sigterm", ["0032"], True),
@@ -458,6 +463,9 @@ PR_FORM = {
         "0042-torch-adam-step-kept.patch",
     )
 }
+# Files of ours that only a patch's fork form calls (its PR form writes the repair in the file it
+# repairs): make_pr does not send them
+FORK_FORM_ONLY = {OPT + "repairs/torch_adam_step.py"}
 # The fork's tests that cover each commit (its patch, else its first file), named in the commit's
 # message beside the upstream-form tests (tests/unit_tests/) it carries
 FORK_TESTS = {

@@ -16,9 +16,9 @@ their "LTS" marker), and prints pass/fail/skip counts per file, each skip reason
 and every failure. A test counts as failed when it failed on any rank. Exit status 1 when any
 failed. ``--ours`` runs instead this repository's tests in upstream's form
 (``tests/unit_tests/``, upstream's ``Utils``; they travel with ``make pr``), copied into the same
-tree. ``--without PATCH`` (a file of ``patches/``, e.g. ``0022``) runs them on the fork's tree with
-that patch reversed, first on ``PYTHONPATH``: a fix's test must fail there (docs/pull_requests.md
-records how).
+tree. ``--without PATCH[,PATCH]`` (files of ``patches/``, e.g. ``0022``) runs them on the fork's
+tree with those patches reversed, first on ``PYTHONPATH``: a fix's test must fail there
+(docs/pull_requests.md records how).
 """
 
 import argparse
@@ -87,18 +87,20 @@ def copy_ours(tree: Path) -> list:
     return names
 
 
-def tree_without(patch: str, dest: Path) -> Path:
+def tree_without(patches: str, dest: Path) -> Path:
     """The fork's assembled ``megatron/`` tree (build/fork, our files as its links) copied to
-    ``dest`` with the patch named ``patch`` (its number will do) reversed."""
+    ``dest`` with the patches named in ``patches`` (numbers will do; comma-separated, reversed
+    in the order given: a later patch on the same lines first) reversed."""
     sys.path.insert(0, str(HERE))
     import fork
 
-    found = [p for p in fork.patches() if p.name == patch or p.name.startswith(patch + "-")]
-    if len(found) != 1:
-        raise SystemExit(f"--without {patch}: no single patch of that name under patches/")
     shutil.copytree(fork.FORK_DIR / "megatron", dest / "megatron", symlinks=True)
-    cmd = ["git", "apply", "-R", "--whitespace=nowarn", "-p1", str(found[0])]
-    subprocess.run(cmd, cwd=dest, check=True)
+    for patch in patches.split(","):
+        found = [p for p in fork.patches() if p.name == patch or p.name.startswith(patch + "-")]
+        if len(found) != 1:
+            raise SystemExit(f"--without {patch}: no single patch of that name under patches/")
+        cmd = ["git", "apply", "-R", "--whitespace=nowarn", "-p1", str(found[0])]
+        subprocess.run(cmd, cwd=dest, check=True)
     return dest
 
 
