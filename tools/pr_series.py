@@ -246,7 +246,7 @@ SERIES = [
         "different lengths' at load (bf16 without --use-distributed-optimizer). Keyed by group\n"
         "index, as LayerWise already keys its own (which now takes either form); the sharded\n"
         "tensors and their keys are unchanged.",
-        [],
+        ["tests/unit_tests/optimizer/test_float16_empty_group_torch_dist.py"],
         ["0043-float16-optimizer-empty-groups-torch-dist.patch"],
     ),
     (

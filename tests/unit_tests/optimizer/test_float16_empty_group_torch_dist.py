@@ -35,6 +35,7 @@ def _model_and_optimizer(seed):
         vocab_size=64,
         max_sequence_length=8,
     )
+    model.bfloat16()  # as Float16Module makes every param bf16
     if torch.cuda.is_available():
         model.cuda()
     params = list(model.parameters())
