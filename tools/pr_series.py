@@ -213,7 +213,10 @@ SERIES = [
         "does not take is refused by name when set away from its default\n"
         "(repairs/emerging_fields.py; "
         "--lion-beta1/2, which upstream silently ignored, among them).",
-        [OPT + "repairs/emerging_fields.py"],
+        [
+            OPT + "repairs/emerging_fields.py",
+            "tests/unit_tests/optimizer/test_emerging_optimizer_field_refused.py",
+        ],
         ["0040-emerging-optimizers-0.3.0-api.patch"],
     ),
     (
@@ -304,7 +307,7 @@ SERIES = [
         "evaluate_and_print_results built the tensor of eval iterations it broadcasts from\n"
         "args.eval_iters, an int with one validation set: a 0-d tensor whose tolist() is an int,\n"
         "so eval_iters[0] raised TypeError at the first evaluation. The list it made is used.",
-        [],
+        ["tests/unit_tests/training/test_full_validation_one_set.py"],
         ["0062-training-full-validation-one-set.patch"],
     ),
     (
