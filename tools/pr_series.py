@@ -104,6 +104,7 @@ SERIES = [
             OPT + "qk_clip.py",
             "megatron/core/transformer/max_attention_logit.py",
             "megatron/core/transformer/qk_clip_config.py",
+            "tests/unit_tests/transformer/test_local_attention_qk_clip.py",
         ],
         ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
     ),
@@ -122,7 +123,7 @@ SERIES = [
         "could not run without Transformer Engine or Apex. With sequence_parallel its norms'\n"
         "params are marked sequence_parallel as TE's and Apex's are, and finalize_model_grads\n"
         "all-reduces their grads over TP; without it nothing changes.",
-        [],
+        ["tests/unit_tests/transformer/test_local_norm_sequence_parallel.py"],
         ["0017-torch-norm-sequence-parallel.patch"],
     ),
     (
@@ -131,7 +132,7 @@ SERIES = [
         "v_channels (value head dim); the local DotProductAttention took neither, so MLA needed\n"
         "Transformer Engine. It now sizes its output by v_channels and its default softmax\n"
         "scale by k_channels; without them, kv_channels as before.",
-        [],
+        ["tests/unit_tests/transformer/test_local_attention_mla.py"],
         ["0018-local-attention-mla-head-dims.patch"],
     ),
     (
