@@ -79,6 +79,7 @@ SERIES = [
             OPT + "megatron_muon/distrib_optimizer.py",
             OPT + "megatron_muon/factory.py",
             OPT + "muon.py",
+            "tests/unit_tests/optimizer/test_megatron_muon_distributed_optimizer.py",
         ],
         [
             "0002-optimizer-factory-muon.patch",
