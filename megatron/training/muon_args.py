@@ -337,16 +337,16 @@ def check_checkpoint_muon_impl(checkpoint_args, args) -> None:
 ZERO3 = {"--use-megatron-fsdp", "--use-torch-fsdp2"}
 
 
-def check_muon_impl_before_load(load_dir, args, checkpointing_context=None) -> None:
+def check_muon_impl_before_load(args, read_checkpoint) -> None:
     """For our Muon with ``--ckpt-format torch_dcp`` (FSDP2), read the checkpoint's args before
     its state (upstream reads torch_dist's and fsdp_dtensor's first; patch 0092) and refuse a
     mismatch (``check_checkpoint_muon_impl``) on every rank before anything loads. Any other run:
     nothing is read.
 
     Args:
-        load_dir: the directory ``load_checkpoint`` loads from.
         args: this run's Megatron-LM args.
-        checkpointing_context: ``load_checkpoint``'s, passed on.
+        read_checkpoint: returns the checkpoint's rank-0 state dict (its ``args``), or None where
+            there is none (``load_checkpoint`` passes ``_load_base_checkpoint(rank0=True)``).
 
     Raises:
         RuntimeError: as ``check_checkpoint_muon_impl``.
@@ -354,11 +354,7 @@ def check_muon_impl_before_load(load_dir, args, checkpointing_context=None) -> N
     ours = args.optimizer == "muon" and getattr(args, "muon_impl", None) == "megatron_muon"
     if not ours or args.ckpt_format != "torch_dcp":
         return
-    from megatron.training.checkpointing import _load_base_checkpoint
-
-    state_dict, *_ = _load_base_checkpoint(
-        load_dir, args, rank0=True, checkpointing_context=checkpointing_context
-    )
+    state_dict = read_checkpoint()
     if state_dict is not None and state_dict.get("args"):
         check_checkpoint_muon_impl(state_dict["args"], args)
 

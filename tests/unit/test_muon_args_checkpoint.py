@@ -37,23 +37,32 @@ def load_dir(tmp_path_factory):
 FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp"]
 
 
+def _check(load_dir, args):
+    """As load_checkpoint calls it (patch 0092): the reader is upstream's rank-0 read."""
+
+    def read():
+        return checkpointing._load_base_checkpoint(str(load_dir), args, rank0=True)[0]
+
+    check_muon_impl_before_load(args, read)
+
+
 def test_a_megatron_fsdp_checkpoint_is_refused_under_fsdp2_naming_the_flags(load_dir):
     with pytest.raises(
         RuntimeError, match="saved with --use-megatron-fsdp.*uses --use-torch-fsdp2"
     ):
-        check_muon_impl_before_load(str(load_dir), _args(*OURS, *FSDP2))
+        _check(load_dir, _args(*OURS, *FSDP2))
 
 
 def test_an_fsdp2_checkpoint_of_ours_loads_and_other_runs_read_nothing(load_dir, tmp_path):
     _save(tmp_path, _args(*OURS, *FSDP2))
-    check_muon_impl_before_load(str(tmp_path), _args(*OURS, *FSDP2))  # the same flags: no error
+    _check(tmp_path, _args(*OURS, *FSDP2))  # the same flags: no error
     # negative control of the read: upstream's Muon, or --no-load-optim, is not refused
-    # (had it read the checkpoint, --muon-impl emerging against ours would raise)
-    check_muon_impl_before_load(str(load_dir), _args("--optimizer", "muon", *FSDP2))
-    check_muon_impl_before_load(str(load_dir), _args(*OURS, *FSDP2, "--no-load-optim"))
+    # upstream's Muon reads nothing (had it read the checkpoint, --muon-impl would differ)
+    check_muon_impl_before_load(_args("--optimizer", "muon", *FSDP2), lambda: pytest.fail("read"))
+    _check(load_dir, _args(*OURS, *FSDP2, "--no-load-optim"))  # the model only: not refused
 
 
 def test_load_checkpoint_checks_before_it_loads():
     source = inspect.getsource(checkpointing.load_checkpoint)
-    call = source.index("check_muon_impl_before_load(load_dir, args")
-    assert call < source.index("_load_base_checkpoint(")
+    call = source.index("check_muon_impl_before_load(")
+    assert call < source.index("if args.auto_detect_ckpt_format")
