@@ -28,7 +28,10 @@ SERIES = [
         "step and writes params outside no_grad, all params share one step tensor after\n"
         "load_state_dict, and fully_reshardable saves shifted state with several buckets\n"
         "(fixed on main by NVIDIA/Megatron-LM#5077, not in 0.19). The format is unchanged.",
-        [OPT + "repairs/distopt_adam_checkpoint.py"],
+        [
+            OPT + "repairs/distopt_adam_checkpoint.py",
+            "tests/unit_tests/dist_checkpointing/test_distopt_torch_adam_resume.py",
+        ],
         ["0009-distopt-torch-adam-checkpoint-repairs.patch"],
     ),
     (
