@@ -71,6 +71,7 @@ TOOL_FLAGS = {
     "--gram": "bench/bench_newton_schulz.py",
     "--ref": "tools/upstream_muon_recipes.py",  # tools/upstream_muon_tests.py has it too
     "--without": "tools/upstream_muon_tests.py",
+    "--pr": "tools/upstream_muon_tests.py",
     "--recipe": "tools/upstream_muon_recipes.py",
     "--impl": "tools/upstream_muon_recipes.py",
     "--case": "tools/upstream_recipes_sample.py",
