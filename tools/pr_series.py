@@ -92,11 +92,12 @@ SERIES = [
     ),
     (
         "distrib_optimizer: param groups of one identity are matched in order on load",
-        "--decoupled-lr's group has the default group's identity, so a map from identity to\n"
-        "group kept the last: a DistOpt resume gave the default group the decoupled lr bounds.\n"
-        "The k-th saved group of an identity now loads into the k-th current one\n"
-        "(group_matching.match_groups).",
-        ["tests/unit_tests/optimizer/test_decoupled_lr_groups_on_load.py"],
+        "A map from a group's identity (param_group_identifier_keys) to the saved group keeps\n"
+        "the last of two groups of one identity. The k-th saved group of an identity now loads\n"
+        "into the k-th current one (group_matching.match_groups). Upstream's own groups never\n"
+        "share an identity (the keys hold every key that forms a group, is_decoupled_lr too), so\n"
+        "this is no upstream fix: it travels with our Muon, whose checkpoints share the module.",
+        [],
         ["0016-distopt-param-groups-matched-in-order.patch"],
     ),
     (

@@ -4,7 +4,8 @@
 rank has params for: _get_param_groups makes every rank hold every group) did not resume from a
 torch_dist checkpoint: dist_checkpointing keeps the empty group's [] in the common state but
 drops the places of the sharded groups from the fp32_from_fp16_params list, so the load raised
-"Cannot merge two lists with different lengths". The groups are now keyed by index."""
+"Cannot merge two lists with different lengths". The groups are now keyed by index; a
+checkpoint in the list form (upstream's) still loads."""
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -19,7 +20,7 @@ from megatron.core.optimizer import OptimizerConfig
 from tests.unit_tests.dist_checkpointing import TempNamedDir
 
 
-def _model_and_optimizer(seed):
+def _model_and_optimizer(seed, empty_group=True):
     torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=1,
@@ -39,7 +40,14 @@ def _model_and_optimizer(seed):
     if torch.cuda.is_available():
         model.cuda()
     params = list(model.parameters())
-    groups = [{"params": params[:2]}, {"params": []}, {"params": params[2:]}]
+    # distinct identities, as _get_param_groups' groups have (param_group_identifier_keys)
+    groups = [
+        {"params": params[:2], "wd_mult": 1.0},
+        {"params": [], "wd_mult": 0.5},
+        {"params": params[2:], "wd_mult": 0.0},
+    ]
+    if not empty_group:
+        del groups[1]
     adam = torch.optim.AdamW(groups, lr=1e-3)
 
     def init_state_fn(opt, config=None):
@@ -78,3 +86,19 @@ class TestFloat16EmptyGroupTorchDist:
         assert [len(g) for g in optimizer2.fp32_from_float16_groups] == [2, 0, len(loaded) - 2]
         assert all(torch.equal(a, b) for a, b in zip(saved, loaded))
         assert not all(torch.equal(a, b) for a, b in zip(saved, before))  # seeds 1 and 2 differ
+
+    def test_a_checkpoint_in_the_list_form_still_loads(self, tmp_path_dist_ckpt):
+        model, optimizer = _model_and_optimizer(seed=1, empty_group=False)
+        optimizer.init_state_fn(optimizer.optimizer)
+        with TempNamedDir(tmp_path_dist_ckpt / "float16_list_form", sync=True) as ckpt_dir:
+            state = optimizer.sharded_state_dict(model.sharded_state_dict())
+            groups = state["fp32_from_fp16_params"]
+            if isinstance(groups, dict):  # the list that upstream saves
+                state["fp32_from_fp16_params"] = [groups[i] for i in range(len(groups))]
+            dist_checkpointing.save(state, ckpt_dir)
+            model2, optimizer2 = _model_and_optimizer(seed=2, empty_group=False)
+            to_load = optimizer2.sharded_state_dict(model2.sharded_state_dict(), is_loading=True)
+            optimizer2.load_state_dict(dist_checkpointing.load(to_load, ckpt_dir))
+        saved = [p for g in optimizer.fp32_from_float16_groups for p in g]
+        loaded = [p for g in optimizer2.fp32_from_float16_groups for p in g]
+        assert all(torch.equal(a, b) for a, b in zip(saved, loaded))
