@@ -212,18 +212,26 @@ SERIES = [
         ["0033-async-checkpoint-worker-without-cuda.patch"],
     ),
     (
-        "emerging_optimizers: adaptive_muon and soap on emerging-optimizers 0.3.0",
-        "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0:\n"
-        "TensorParallelAdaptiveMuon sets scale_mode/extra_scale_factor (as upstream main does),\n"
-        "SOAP no longer takes precondition_frequency, and a config field the installed class\n"
-        "does not take is refused by name when set away from its default\n"
-        "(repairs/emerging_fields.py; "
-        "--lion-beta1/2, which upstream silently ignored, among them).",
+        "emerging_optimizers: TensorParallelAdaptiveMuon on emerging-optimizers 0.3.0",
+        "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0, whose\n"
+        "AdaptiveMuon.step reads scale_mode and extra_scale_factor, which 0.19.2's\n"
+        "TensorParallelAdaptiveMuon never set (AttributeError at the first step). It sets them,\n"
+        "as upstream main does since it moved to 0.3.0 (2c8ac9b753).",
+        [],
+        ["0040-emerging-optimizers-0.3.0-api.patch"],
+    ),
+    (
+        "emerging_optimizers: a config field the optimizer would drop is refused, naming it",
+        "An emerging optimizer is built from the OptimizerConfig fields named\n"
+        "<optimizer>_<argument> that the installed class takes; the others were dropped without\n"
+        "a word (lion_beta1/2 with Lion as --optimizer, which takes --adam-beta1/2; SOAP's\n"
+        "precondition_frequency on emerging-optimizers 0.3.0). A field set away from its default\n"
+        "that the class takes no argument for now raises ValueError naming it.",
         [
             OPT + "repairs/emerging_fields.py",
             "tests/unit_tests/optimizer/test_emerging_optimizer_field_refused.py",
         ],
-        ["0040-emerging-optimizers-0.3.0-api.patch"],
+        ["0044-emerging-optimizer-fields-refused.patch"],
     ),
     (
         "layer_wise_optimizer: the uneven all-gather on gloo",
@@ -438,6 +446,7 @@ PRS = [
         ["0040"],
         "main moved to emerging-optimizers 0.3.0 itself (Megatron-LM 2c8ac9b753; 0.19.2 only)",
     ),
+    ("fix-emerging-optimizer-fields-refused", ["0044"], True),
     ("fix-layer-wise-all-gather-on-gloo", ["0041"], True),
     ("fix-float16-empty-groups-torch-dist", ["0043"], True),
     ("fix-help-percent", ["0050"], True),
@@ -470,11 +479,12 @@ PR_FORM = {
     for name in (
         "0016-distopt-param-groups-matched-in-order.patch",
         "0042-torch-adam-step-kept.patch",
+        "0044-emerging-optimizer-fields-refused.patch",
     )
 }
 # Files of ours that only a patch's fork form calls (its PR form writes the repair in the file it
 # repairs): make_pr does not send them
-FORK_FORM_ONLY = {OPT + "repairs/torch_adam_step.py"}
+FORK_FORM_ONLY = {OPT + "repairs/torch_adam_step.py", OPT + "repairs/emerging_fields.py"}
 # The fork's tests that cover each commit (its patch, else its first file), named in the commit's
 # message beside the upstream-form tests (tests/unit_tests/) it carries
 FORK_TESTS = {
@@ -493,6 +503,7 @@ FORK_TESTS = {
     "0032": "tests/e2e/test_upstream_signals.py",
     "0033": "tests/unit/test_async_ckpt_worker.py",
     "0040": "tests/e2e/test_upstream_optimizers.py",
+    "0044": "tests/e2e/test_upstream_optimizers.py",
     "0041": "tests/distributed/test_uneven_all_gather.py",
     "0042": "tests/e2e/test_upstream_optimizers.py",
     "0043": "tests/distributed/test_muon_checkpoint.py",
