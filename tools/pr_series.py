@@ -394,7 +394,7 @@ SERIES = [
         "rank of TP x DP (two TP all-to-alls per step; without DistOpt one all-gather over DP),\n"
         "so NS runs once per matrix over the grid; upstream's --muon-tp-mode admits the value\n"
         "(muon_args.admit_muon_tp_mode_owner), which needs --muon-impl megatron_muon.",
-        [],
+        ["tests/unit_tests/optimizer/test_megatron_muon_tp_owner.py"],
         ["0091-training-args-muon-tp-mode-owner.patch"],
     ),
     (
