@@ -27,6 +27,7 @@ from pathlib import Path
 
 import fork
 from pr_series import (  # noqa: F401  (FORK_ONLY, SERIES, UNSENT: tests/meta/test_make_pr.py)
+    FORK_FORM_ONLY,
     FORK_ONLY,
     FORK_TESTS,
     MAIN_CHECKOUT_ENV,
@@ -73,7 +74,8 @@ def _write_ours(repo: Path, rel: str) -> None:
 def _commit_all(repo: Path, commit: tuple) -> None:
     subject, body, files, patches = commit
     for rel in files:
-        _write_ours(repo, rel)
+        if rel not in FORK_FORM_ONLY:
+            _write_ours(repo, rel)
     for name in patches:
         _git(repo, "apply", "--whitespace=nowarn", str(fork.PATCH_DIR / PR_FORM.get(name, name)))
     _git(repo, "add", "-A")

@@ -28,7 +28,10 @@ SERIES = [
         "step and writes params outside no_grad, all params share one step tensor after\n"
         "load_state_dict, and fully_reshardable saves shifted state with several buckets\n"
         "(fixed on main by NVIDIA/Megatron-LM#5077, not in 0.19). The format is unchanged.",
-        [OPT + "repairs/distopt_adam_checkpoint.py"],
+        [
+            OPT + "repairs/distopt_adam_checkpoint.py",
+            "tests/unit_tests/dist_checkpointing/test_distopt_torch_adam_resume.py",
+        ],
         ["0009-distopt-torch-adam-checkpoint-repairs.patch"],
     ),
     (
@@ -79,6 +82,7 @@ SERIES = [
             OPT + "megatron_muon/distrib_optimizer.py",
             OPT + "megatron_muon/factory.py",
             OPT + "muon.py",
+            "tests/unit_tests/optimizer/test_megatron_muon_distributed_optimizer.py",
         ],
         [
             "0002-optimizer-factory-muon.patch",
@@ -88,11 +92,12 @@ SERIES = [
     ),
     (
         "distrib_optimizer: param groups of one identity are matched in order on load",
-        "--decoupled-lr's group has the default group's identity, so a map from identity to\n"
-        "group kept the last: a DistOpt resume gave the default group the decoupled lr bounds.\n"
-        "The k-th saved group of an identity now loads into the k-th current one\n"
-        "(group_matching.match_groups).",
-        ["tests/unit_tests/optimizer/test_decoupled_lr_groups_on_load.py"],
+        "A map from a group's identity (param_group_identifier_keys) to the saved group keeps\n"
+        "the last of two groups of one identity. The k-th saved group of an identity now loads\n"
+        "into the k-th current one (group_matching.match_groups). Upstream's own groups never\n"
+        "share an identity (the keys hold every key that forms a group, is_decoupled_lr too), so\n"
+        "this is no upstream fix: it travels with our Muon, whose checkpoints share the module.",
+        [],
         ["0016-distopt-param-groups-matched-in-order.patch"],
     ),
     (
@@ -104,6 +109,7 @@ SERIES = [
             OPT + "qk_clip.py",
             "megatron/core/transformer/max_attention_logit.py",
             "megatron/core/transformer/qk_clip_config.py",
+            "tests/unit_tests/transformer/test_local_attention_qk_clip.py",
         ],
         ["0013-transformer-config-qk-clip-checks.patch", "0014-local-attention-max-logit.patch"],
     ),
@@ -122,7 +128,7 @@ SERIES = [
         "could not run without Transformer Engine or Apex. With sequence_parallel its norms'\n"
         "params are marked sequence_parallel as TE's and Apex's are, and finalize_model_grads\n"
         "all-reduces their grads over TP; without it nothing changes.",
-        [],
+        ["tests/unit_tests/transformer/test_local_norm_sequence_parallel.py"],
         ["0017-torch-norm-sequence-parallel.patch"],
     ),
     (
@@ -131,7 +137,7 @@ SERIES = [
         "v_channels (value head dim); the local DotProductAttention took neither, so MLA needed\n"
         "Transformer Engine. It now sizes its output by v_channels and its default softmax\n"
         "scale by k_channels; without them, kv_channels as before.",
-        [],
+        ["tests/unit_tests/transformer/test_local_attention_mla.py"],
         ["0018-local-attention-mla-head-dims.patch"],
     ),
     (
@@ -143,7 +149,7 @@ SERIES = [
         "the hidden-state grads missed at TP > 1, with and without SP (Megatron-LM issue 1699).\n"
         "k_pos_emb now passes copy_to_tensor_model_parallel_region (backward: all-reduce). The\n"
         "duplicated linear (TE's default spec) takes the other branch, unchanged.",
-        [],
+        ["tests/unit_tests/transformer/test_mla_rope_key_grad_tp.py"],
         ["0019-mla-rope-key-grad-over-tp.patch"],
     ),
     (
@@ -153,7 +159,7 @@ SERIES = [
         "q_layernorm normalizes the whole q latent; without SP its grad is already whole on\n"
         "every rank and was multiplied by TP (with SP it is sequence-sharded and marked\n"
         "sequence_parallel, summed by that rule). The name rule now skips MLA configs.",
-        [],
+        ["tests/unit_tests/transformer/test_mla_q_layernorm_grad_tp.py"],
         ["0020-mla-q-layernorm-grad-once.patch"],
     ),
     (
@@ -163,7 +169,10 @@ SERIES = [
         "An inf only in expert grads backed off the expert scaler alone, and later expert grads\n"
         "were unscaled by the wrong factor. ChainedOptimizer.prepare_grads now updates every\n"
         "scaler with the chain's verdict (repairs/chained_grad_scaler.py).",
-        [OPT + "repairs/chained_grad_scaler.py"],
+        [
+            OPT + "repairs/chained_grad_scaler.py",
+            "tests/unit_tests/optimizer/test_chained_optimizer_loss_scale.py",
+        ],
         ["0021-chained-optimizer-one-loss-scale.patch"],
     ),
     (
@@ -199,19 +208,30 @@ SERIES = [
         "torch.cuda.set_device(rank % device_count()) (ZeroDivisionError without CUDA) and,\n"
         "preloading, torch.cuda.synchronize() (no driver): the worker died and every rank\n"
         "waited on it for ever. Both are skipped where CUDA is unavailable; GPUs as before.",
-        [],
+        ["tests/unit_tests/dist_checkpointing/test_async_worker_without_cuda.py"],
         ["0033-async-checkpoint-worker-without-cuda.patch"],
     ),
     (
-        "emerging_optimizers: adaptive_muon and soap on emerging-optimizers 0.3.0",
-        "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0:\n"
-        "TensorParallelAdaptiveMuon sets scale_mode/extra_scale_factor (as upstream main does),\n"
-        "SOAP no longer takes precondition_frequency, and a config field the installed class\n"
-        "does not take is refused by name when set away from its default\n"
-        "(repairs/emerging_fields.py; "
-        "--lion-beta1/2, which upstream silently ignored, among them).",
-        [OPT + "repairs/emerging_fields.py"],
+        "emerging_optimizers: TensorParallelAdaptiveMuon on emerging-optimizers 0.3.0",
+        "0.19 was written against emerging-optimizers 0.2.0; the package index has 0.3.0, whose\n"
+        "AdaptiveMuon.step reads scale_mode and extra_scale_factor, which 0.19.2's\n"
+        "TensorParallelAdaptiveMuon never set (AttributeError at the first step). It sets them,\n"
+        "as upstream main does since it moved to 0.3.0 (2c8ac9b753).",
+        [],
         ["0040-emerging-optimizers-0.3.0-api.patch"],
+    ),
+    (
+        "emerging_optimizers: a config field the optimizer would drop is refused, naming it",
+        "An emerging optimizer is built from the OptimizerConfig fields named\n"
+        "<optimizer>_<argument> that the installed class takes; the others were dropped without\n"
+        "a word (lion_beta1/2 with Lion as --optimizer, which takes --adam-beta1/2; SOAP's\n"
+        "precondition_frequency on emerging-optimizers 0.3.0). A field set away from its default\n"
+        "that the class takes no argument for now raises ValueError naming it.",
+        [
+            OPT + "repairs/emerging_fields.py",
+            "tests/unit_tests/optimizer/test_emerging_optimizer_field_refused.py",
+        ],
+        ["0044-emerging-optimizer-fields-refused.patch"],
     ),
     (
         "layer_wise_optimizer: the uneven all-gather on gloo",
@@ -229,7 +249,10 @@ SERIES = [
         "Without TE/Apex the states seeded for loading got no 'step', and 'if step:' dropped a\n"
         "step of 0 when saving: loading raised KeyError: 'step'. init_state_fn seeds it\n"
         "(repairs/torch_adam_step.py, torch's Adam only) and a step of 0 is saved.",
-        [OPT + "repairs/torch_adam_step.py"],
+        [
+            OPT + "repairs/torch_adam_step.py",
+            "tests/unit_tests/optimizer/test_torch_adam_step_on_load.py",
+        ],
         ["0042-torch-adam-step-kept.patch"],
     ),
     (
@@ -240,7 +263,7 @@ SERIES = [
         "different lengths' at load (bf16 without --use-distributed-optimizer). Keyed by group\n"
         "index, as LayerWise already keys its own (which now takes either form); the sharded\n"
         "tensors and their keys are unchanged.",
-        [],
+        ["tests/unit_tests/optimizer/test_float16_empty_group_torch_dist.py"],
         ["0043-float16-optimizer-empty-groups-torch-dist.patch"],
     ),
     (
@@ -298,7 +321,7 @@ SERIES = [
         "evaluate_and_print_results built the tensor of eval iterations it broadcasts from\n"
         "args.eval_iters, an int with one validation set: a 0-d tensor whose tolist() is an int,\n"
         "so eval_iters[0] raised TypeError at the first evaluation. The list it made is used.",
-        [],
+        ["tests/unit_tests/training/test_full_validation_one_set.py"],
         ["0062-training-full-validation-one-set.patch"],
     ),
     (
@@ -319,7 +342,7 @@ SERIES = [
         "failed or retried, online the hub's tokenizer.json won over the files given. The\n"
         "tokenizer is built from --vocab-file/--merge-file (tokenizers' own readers) and the\n"
         "hub's config; without files and wget every rank raises one line naming the flags.",
-        [],
+        ["tests/unit_tests/tokenizers/test_gpt2_bpe_local_files.py"],
         ["0070-tokenizers-gpt2-bpe-local-files.patch"],
     ),
     (
@@ -369,17 +392,18 @@ SERIES = [
         "training: --muon-tp-mode owner, our exact TP mode without duplicated NS",
         "megatron_muon/tp.py's 'owner' mode orthogonalizes each TP-sharded matrix whole on one\n"
         "rank of TP x DP (two TP all-to-alls per step; without DistOpt one all-gather over DP),\n"
-        "so NS runs once per matrix over the grid; upstream's parser admits the value, which\n"
-        "needs --muon-impl megatron_muon.",
-        [],
+        "so NS runs once per matrix over the grid; upstream's --muon-tp-mode admits the value\n"
+        "(muon_args.admit_muon_tp_mode_owner), which needs --muon-impl megatron_muon.",
+        ["tests/unit_tests/optimizer/test_megatron_muon_tp_owner.py"],
         ["0091-training-args-muon-tp-mode-owner.patch"],
     ),
     (
         "checkpointing: our Muon's DistOpt and ZeRO-3 checkpoints refused across",
         "A DistOpt (torch_dist) checkpoint of our Muon under Megatron-FSDP or FSDP2, or the\n"
         "reverse, failed after the load began (KeyError 'model', or an AttributeError inside\n"
-        "DCP). The checkpoint's args are read first for torch_dcp too, and the mismatch is\n"
-        "refused in one line naming the flags, on every rank, before any state is loaded.",
+        "DCP). For our Muon the checkpoint's args are read first for torch_dcp too\n"
+        "(muon_args.check_muon_impl_before_load), and the mismatch is refused in one line\n"
+        "naming the flags, on every rank, before any state is loaded.",
         [],
         ["0092-checkpoint-distopt-zero3-refused.patch"],
     ),
@@ -420,9 +444,8 @@ PRS = [
         [OPT + "repairs/distopt_layout.py", "0009"],
         "fixed on main by NVIDIA/Megatron-LM#5077 (0.19.2 only)",
     ),
-    ("fix-distopt-groups-in-order", ["0016"], True),
-    ("fix-mla-rope-key-grad-over-tp", ["0019"], True),
-    ("fix-mla-q-layernorm-grad-once", ["0020"], True),
+    ("fix-mla-rope-key-grad-over-tp", ["0018", "0019"], True),  # on local-mla
+    ("fix-mla-q-layernorm-grad-once", ["0018", "0020"], True),  # on local-mla
     ("fix-chained-optimizer-one-loss-scale", ["0021"], True),
     ("fix-moe-expert-bias-out-of-place", ["0022"], True),
     ("fix-writer-queue-survives-sigterm", ["0032"], True),
@@ -432,6 +455,7 @@ PRS = [
         ["0040"],
         "main moved to emerging-optimizers 0.3.0 itself (Megatron-LM 2c8ac9b753; 0.19.2 only)",
     ),
+    ("fix-emerging-optimizer-fields-refused", ["0044"], True),
     ("fix-layer-wise-all-gather-on-gloo", ["0041"], True),
     ("fix-float16-empty-groups-torch-dist", ["0043"], True),
     ("fix-help-percent", ["0050"], True),
@@ -449,18 +473,12 @@ PRS = [
     ("local-mla", ["0018"], True),
     ("qk-clip-local-attention", ["0013", "0060"], True),
     ("muon-distributed-optimizer", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063"], True),
-    (
-        "muon-tp-owner",
-        [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0091"],
-        "main's --muon-tp-mode has another default (duplicated) and help text around the choices "
-        "line 0091 changes: a one-line rebase (0.19.2 only until then)",
-    ),
+    ("muon-tp-owner", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0091"], True),
     ("muon-zero3", [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090"], True),
     (
         "muon-zero3-checkpoints-refused-across",
         [*_MUON_BASE, "0002", "0016", "0030", "0031", "0063", "0080", "0090", "0092"],
-        "main wraps the load that 0092's condition guards in an OpenTelemetry span "
-        "(_otel_managed_span): the hunk needs a rebase (0.19.2 only until then)",
+        True,
     ),
     ("training-preprocess-preflight", [TRAIN + "preflight.py"], True),
 ]
@@ -476,8 +494,12 @@ PR_FORM = {
     for name in (
         "0016-distopt-param-groups-matched-in-order.patch",
         "0042-torch-adam-step-kept.patch",
+        "0044-emerging-optimizer-fields-refused.patch",
     )
 }
+# Files of ours that only a patch's fork form calls (its PR form writes the repair in the file it
+# repairs): make_pr does not send them
+FORK_FORM_ONLY = {OPT + "repairs/torch_adam_step.py", OPT + "repairs/emerging_fields.py"}
 # The fork's tests that cover each commit (its patch, else its first file), named in the commit's
 # message beside the upstream-form tests (tests/unit_tests/) it carries
 FORK_TESTS = {
@@ -496,6 +518,7 @@ FORK_TESTS = {
     "0032": "tests/e2e/test_upstream_signals.py",
     "0033": "tests/unit/test_async_ckpt_worker.py",
     "0040": "tests/e2e/test_upstream_optimizers.py",
+    "0044": "tests/e2e/test_upstream_optimizers.py",
     "0041": "tests/distributed/test_uneven_all_gather.py",
     "0042": "tests/e2e/test_upstream_optimizers.py",
     "0043": "tests/distributed/test_muon_checkpoint.py",

@@ -1,7 +1,7 @@
 """Run Megatron-LM's own Muon unit tests against the installed fork (issue 27, item 10).
 
     .venv/bin/python tools/upstream_muon_tests.py CHECKOUT [--ranks 2]
-        [--ref core_v0.19.0] [--ours] [-- PYTEST_ARGS]
+        [--ref core_v0.19.0] [--ours] [--without PATCH] [--pr build/pr/NN-slug] [-- PYTEST_ARGS]
 
 CHECKOUT is a Megatron-LM work tree or git directory (e.g. ``git clone --bare
 https://github.com/NVIDIA/Megatron-LM``); with a git directory the tests are read at ``--ref``.
@@ -16,7 +16,12 @@ their "LTS" marker), and prints pass/fail/skip counts per file, each skip reason
 and every failure. A test counts as failed when it failed on any rank. Exit status 1 when any
 failed. ``--ours`` runs instead this repository's tests in upstream's form
 (``tests/unit_tests/``, upstream's ``Utils``; they travel with ``make pr``), copied into the same
-tree.
+tree. ``--without PATCH[,PATCH]`` (files of ``patches/``, e.g. ``0022``) runs them on the fork's
+tree with those patches reversed, first on ``PYTHONPATH``: a fix's test must fail there
+(docs/pull_requests.md records how). ``--pr build/pr/NN-slug`` (``make pr`` writes it) runs the
+tests that pull request carries on the pristine 0.19.2 tree with its patches ``git am``-ed, not on
+the fork: each PR's tests pass with that PR alone (our CPU stand-in ``cpu_mode.py`` linked in, and
+where triton is absent the fork's patch 0024, as the fork itself needs on CPU).
 """
 
 import argparse
@@ -71,12 +76,12 @@ def export_tests(checkout: Path, ref: str, dest: Path) -> None:
     archive.unlink()
 
 
-def copy_ours(tree: Path) -> list:
-    """Copy our upstream-form tests into ``tree`` (a package ``__init__.py`` where a folder has
-    none); their paths, as pytest arguments."""
+def copy_ours(tree: Path, ours: Path = OURS) -> list:
+    """Copy our upstream-form tests (``ours``: a tests/unit_tests folder) into ``tree`` (a package
+    ``__init__.py`` where a folder has none); their paths, as pytest arguments."""
     names = []
-    for src in sorted(OURS.rglob("test_*.py")):
-        rel = Path("tests/unit_tests") / src.relative_to(OURS)
+    for src in sorted(ours.rglob("test_*.py")):
+        rel = Path("tests/unit_tests") / src.relative_to(ours)
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, tree / rel)
         for folder in list(rel.parents)[:-2]:
@@ -85,7 +90,44 @@ def copy_ours(tree: Path) -> list:
     return names
 
 
-def run(tree: Path, ranks: int, extra: list) -> dict:
+def tree_without(patches: str, dest: Path) -> Path:
+    """The fork's assembled ``megatron/`` tree (build/fork, our files as its links) copied to
+    ``dest`` with the patches named in ``patches`` (numbers will do; comma-separated, reversed
+    in the order given: a later patch on the same lines first) reversed."""
+    sys.path.insert(0, str(HERE))
+    import fork
+
+    shutil.copytree(fork.FORK_DIR / "megatron", dest / "megatron", symlinks=True)
+    for patch in patches.split(","):
+        found = [p for p in fork.patches() if p.name == patch or p.name.startswith(patch + "-")]
+        if len(found) != 1:
+            raise SystemExit(f"--without {patch}: no single patch of that name under patches/")
+        cmd = ["git", "apply", "-R", "--whitespace=nowarn", "-p1", str(found[0])]
+        subprocess.run(cmd, cwd=dest, check=True)
+    return dest
+
+
+def tree_of_pr(folder: Path, dest: Path) -> tuple:
+    """The pristine archive's ``megatron/`` with the pull request in ``folder`` applied by
+    ``git am`` (and what CPU ranks need of the fork: ``cpu_mode.py``; 0024 without triton);
+    (the tree, its tests/unit_tests files as pytest paths)."""
+    sys.path.insert(0, str(HERE))
+    import importlib.util
+
+    import make_pr
+
+    make_pr.apply_series(dest, sorted(folder.glob("*.patch")))
+    link = dest / "megatron" / "training" / "cpu_mode.py"
+    if not link.exists():
+        link.symlink_to(HERE.parent / "megatron" / "training" / "cpu_mode.py")
+    if importlib.util.find_spec("triton") is None:
+        stand_in = next(make_pr.fork.PATCH_DIR.glob("0024-*.patch"))
+        make_pr._git(dest, "apply", "--whitespace=nowarn", str(stand_in))
+    tests = sorted((dest / "tests" / "unit_tests").rglob("test_*.py"))
+    return dest, [str(t.relative_to(dest)) for t in tests]
+
+
+def run(tree: Path, ranks: int, extra: list, pythonpath=None) -> dict:
     """Run the files on ``ranks`` processes; each rank's {test id: [outcome, reason]}."""
     report = tree / "report"
     report.mkdir()
@@ -93,6 +135,8 @@ def run(tree: Path, ranks: int, extra: list) -> dict:
     env.setdefault("NVIDIA_PYTORCH_VERSION", NGC_VERSION)
     env["MEGATRON_UPSTREAM_TESTS_REPORT"] = str(report)
     env["MEGATRON_UPSTREAM_TESTS_TMP"] = str(tree / "tmp")
+    if pythonpath:  # a tree without one patch: its megatron before the installed fork's
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
     cmd += ["--standalone", "--log-dir", str(tree / "logs"), "--redirects", "3"]
     files = [a for a in extra if a.startswith("tests/")] or list(FILES)  # a subset if given
@@ -150,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     parser.add_argument("--ours", action="store_true", help="run our upstream-form tests instead")
+    parser.add_argument("--without", metavar="PATCH", help="on the fork with PATCH reversed")
+    parser.add_argument("--pr", type=Path, help="a build/pr/NN-slug folder: its tests, on it")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:cut])  # what follows "--" goes to pytest
@@ -158,11 +204,17 @@ def main(argv=None) -> int:
     try:
         export_tests(args.checkout.resolve(), args.ref, tree)
         shutil.copy(HERE / "upstream_muon_conftest.py", tree / "tests/unit_tests/conftest.py")
-        ours = copy_ours(tree)
+        without, ours = None, copy_ours(tree)
+        if args.pr:  # the PR's own tests, on the pristine tree with the PR applied
+            without, _ = tree_of_pr(args.pr.resolve(), tree / "pr")
+            ours = copy_ours(tree, without / "tests" / "unit_tests")
+            args.ours = True
         if args.ours and not any(a.startswith("tests/") for a in args.pytest_args):
             args.pytest_args = ours + args.pytest_args
+        if args.without:
+            without = tree_without(args.without, tree / "without")
         start = time.time()
-        merged = merge(run(tree, args.ranks, args.pytest_args))
+        merged = merge(run(tree, args.ranks, args.pytest_args, without))
         print(f"{args.ranks} ranks, {time.time() - start:.0f} s")
         return summarize(merged)
     finally:

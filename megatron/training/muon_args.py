@@ -48,6 +48,7 @@ from megatron.core.optimizer.megatron_muon.distrib_optimizer import MuonDistribu
 
 __all__ = [
     "add_megatron_muon_args",
+    "admit_muon_tp_mode_owner",
     "check_checkpoint_muon_impl",
     "distributed_optimizer_class",
     "is_megatron_muon",
@@ -196,6 +197,21 @@ def add_megatron_muon_args(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
+def admit_muon_tp_mode_owner(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``owner`` (ours, needs ``--muon-impl megatron_muon``) to the choices of upstream's
+    ``--muon-tp-mode`` (patch 0091); its default and other values stay upstream's.
+
+    Args:
+        parser: upstream's parser, ``--muon-tp-mode`` registered.
+
+    Returns:
+        The parser.
+    """
+    action = next(a for a in parser._actions if a.dest == "muon_tp_mode")
+    action.choices = [*action.choices, "owner"]
+    return parser
+
+
 def validate_megatron_muon_args(args) -> None:
     """Check ``--muon-impl`` and our knobs in upstream's ``validate_args``, before its emerging
     optimizer check (which skips ``is_megatron_muon(args)``).
@@ -288,8 +304,9 @@ def check_checkpoint_muon_impl(checkpoint_args, args) -> None:
     can then train. Nor is our Muon's state converted between the DistributedOptimizer,
     Megatron-FSDP and FSDP2 (each such load failed unnamed once it began: docs/fsdp.md). Called
     from upstream's ``check_checkpoint_args`` (every format) and, for ``torch_dist``,
-    ``fsdp_dtensor`` and (patch 0092) ``torch_dcp``, as soon as the checkpoint's args are read on
-    every rank: before the state to load is built from this run's optimizer.
+    ``fsdp_dtensor`` and (``check_muon_impl_before_load``) ``torch_dcp``, as soon as the
+    checkpoint's args are read on every rank: before the state to load is built from this run's
+    optimizer.
 
     Raises:
         RuntimeError: one line naming the flags (``--muon-impl``, or the wrappers' and
@@ -320,19 +337,26 @@ def check_checkpoint_muon_impl(checkpoint_args, args) -> None:
 ZERO3 = {"--use-megatron-fsdp", "--use-torch-fsdp2"}
 
 
-def reads_checkpoint_args_first(args) -> bool:
-    """Whether ``load_checkpoint`` reads a torch_dcp checkpoint's args before its state, as
-    upstream does for torch_dist and fsdp_dtensor (patch 0092): for our Muon under FSDP2, so
-    ``check_checkpoint_muon_impl`` sees them in time.
+def check_muon_impl_before_load(args, read_checkpoint) -> None:
+    """For our Muon with ``--ckpt-format torch_dcp`` (FSDP2), read the checkpoint's args before
+    its state (upstream reads torch_dist's and fsdp_dtensor's first; patch 0092) and refuse a
+    mismatch (``check_checkpoint_muon_impl``) on every rank before anything loads. Any other run:
+    nothing is read.
 
     Args:
         args: this run's Megatron-LM args.
+        read_checkpoint: returns the checkpoint's rank-0 state dict (its ``args``), or None where
+            there is none (``load_checkpoint`` passes ``_load_base_checkpoint(rank0=True)``).
 
-    Returns:
-        True for ``--optimizer muon --muon-impl megatron_muon --ckpt-format torch_dcp``.
+    Raises:
+        RuntimeError: as ``check_checkpoint_muon_impl``.
     """
     ours = args.optimizer == "muon" and getattr(args, "muon_impl", None) == "megatron_muon"
-    return ours and args.ckpt_format == "torch_dcp"
+    if not ours or args.ckpt_format != "torch_dcp":
+        return
+    state_dict = read_checkpoint()
+    if state_dict is not None and state_dict.get("args"):
+        check_checkpoint_muon_impl(state_dict["args"], args)
 
 
 def _wrapper(args) -> Optional[tuple]:

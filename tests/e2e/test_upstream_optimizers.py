@@ -7,9 +7,9 @@ CPU ranks where CUDA is absent).
 
 What each test holds up (negative controls: run without the patch, the test fails):
 * 0040-emerging-optimizers-0.3.0-api: ``adaptive_muon`` trains (without it: ``AttributeError:
-  'TensorParallelAdaptiveMuon' object has no attribute 'scale_mode'`` at the first step); a
-  config field 0.3.0's class no longer takes is refused (without it ``--lion-beta1`` is dropped
-  and the run trains).
+  'TensorParallelAdaptiveMuon' object has no attribute 'scale_mode'`` at the first step).
+* 0044-emerging-optimizer-fields-refused: a config field the installed class does not take is
+  refused (without it ``--lion-beta1`` is dropped and the run trains).
 * 0042-torch-adam-step-kept: a torch AdamW state seeded for checkpoint loading steps, and its
   step 0 is checkpointed (without it: ``KeyError: 'step'`` at torch's step; no ``common_step``).
 * 0041-layer-wise-all-gather-on-gloo: LayerWise without the precomputed layout

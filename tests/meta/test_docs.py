@@ -70,6 +70,8 @@ TOOL_FLAGS = {
     "--repeats": "bench/step_cost.py",  # bench_newton_schulz.py has it too
     "--gram": "bench/bench_newton_schulz.py",
     "--ref": "tools/upstream_muon_recipes.py",  # tools/upstream_muon_tests.py has it too
+    "--without": "tools/upstream_muon_tests.py",
+    "--pr": "tools/upstream_muon_tests.py",
     "--recipe": "tools/upstream_muon_recipes.py",
     "--impl": "tools/upstream_muon_recipes.py",
     "--case": "tools/upstream_recipes_sample.py",
@@ -176,6 +178,8 @@ def classify(words: list):
         name = Path(script).name
         path = next((d + "/" + name for d in ("bench", "tools") if (ROOT / d / name).exists()), "")
         argv = [PLACEHOLDERS.get(w, w) for w in words[index + 1 :]]
+        if "--" in argv:  # what follows goes to pytest (tools/upstream_muon_tests.py)
+            argv = argv[: argv.index("--")]
         return "tool", (path or script, argv)
     if words[0].startswith("--") and " ".join(words) in RETIRED_USES:
         return "retired", words

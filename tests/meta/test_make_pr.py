@@ -80,6 +80,7 @@ def test_only_what_is_ours_to_send_travels(built):
     assert {"megatron/training/cpu_mode.py", "megatron/training/cpu_loop.py"} <= fork_only
     assert not added & fork_only
     assert "MagicMock" not in text
+    assert "megatron-muon:" not in text  # our marker comments stay out of the hunks sent
     assert "megatron/training/muon_args.py" in added
 
 
@@ -149,3 +150,16 @@ def test_a_patch_in_no_commit_is_found():
     tracked = _tracked() + ["patches/0099-nowhere.patch"]
     assert f"patches/{first}" in _unplaced(tracked, dropped)
     assert _unplaced(tracked, commits) == ["patches/0099-nowhere.patch"]
+
+
+def test_every_patch_has_a_header():
+    """Each patch (and each PR form, patches/pr/) opens with its subject, why, and the test that
+    covers it, before its first hunk."""
+    for path in sorted((ROOT / "patches").glob("*.patch")) + sorted(
+        (ROOT / "patches" / "pr").glob("*.patch")
+    ):
+        head = re.split(r"^(?:--- a/|diff --git )", path.read_text(), maxsplit=1, flags=re.M)[0]
+        lines = head.splitlines()
+        assert lines and lines[0].strip() and not lines[0].startswith("Why"), path.name
+        assert any(x.startswith("Why:") for x in lines), f"{path.name}: no 'Why:' line"
+        assert any(x.startswith("Test") for x in lines), f"{path.name}: no 'Test:' line"

@@ -1,4 +1,4 @@
-"""Config fields an emerging optimizer's constructor no longer takes: refused (patch 0040), not
+"""Config fields an emerging optimizer's constructor no longer takes: refused (patch 0044), not
 dropped as upstream's registry does. Why: docs/upstream_repairs.md.
 """
 
