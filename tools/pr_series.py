@@ -463,12 +463,7 @@ PRS = [
     ("fix-tokenizers-local-files", ["0070"], True),
     ("tokenizers-transformers-on-use", ["0070", "0071"], True),
     ("fix-fsdp-checkpoints", ["0080"], True),
-    (
-        "fix-megatron-fsdp-hsdp-no-sync",
-        ["0093"],
-        "main names the FSDP wrappers (FullyShardedDataParallelV1/V2) on the line 0093 changes: "
-        "a one-line rebase (0.19.2 only until then)",
-    ),
+    ("fix-megatron-fsdp-hsdp-no-sync", ["0093"], True),
     ("local-sequence-parallel-norms", ["0015", "0017"], True),
     ("local-mla", ["0018"], True),
     ("qk-clip-local-attention", ["0013", "0060"], True),
