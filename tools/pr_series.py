@@ -385,7 +385,10 @@ SERIES = [
         "FSDP2's Shard(0) row blocks as such ranges, so the DistOpt plan and exchange\n"
         "orthogonalize each matrix whole once per step on a balanced owner. Megatron-FSDP's\n"
         "argument check admits --muon-impl megatron_muon; upstream's Muon keeps its refusal.",
-        [OPT + "megatron_muon/fsdp.py"],
+        [
+            OPT + "megatron_muon/fsdp.py",
+            "tests/unit_tests/optimizer/test_megatron_muon_zero3.py",
+        ],
         ["0090-training-megatron-fsdp-admits-megatron-muon.patch"],
     ),
     (
@@ -412,7 +415,8 @@ SERIES = [
         "Megatron-FSDP turns overlap_grad_reduce on itself when it shards gradients and, under\n"
         "HSDP, all-reduces across the replicas only on a micro-batch that no_sync marks last;\n"
         "train() hooked no_sync only for --overlap-grad-reduce, so without the flag the replicas\n"
-        "never summed their gradients. train() follows the wrapper's own setting.",
+        "never summed their gradients. train() now also hooks no_sync where Megatron-FSDP\n"
+        "overlaps on its own.",
         [],
         ["0093-training-megatron-fsdp-hsdp-no-sync.patch"],
     ),
