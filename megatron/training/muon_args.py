@@ -267,7 +267,21 @@ def validate_megatron_muon_args(args) -> None:
             f"{', '.join(distopt)} {verb} the DistributedOptimizer's Muon exchange and plan: "
             "add --use-distributed-optimizer (or --use-torch-fsdp2) or drop them"
         )
+    _check_fsdp2_format(args)
     _check_values(args)
+
+
+def _check_fsdp2_format(args) -> None:
+    """FSDP2 checkpoints save as torch_dcp; upstream's default torch_dist fails at the first
+    save, after the run has trained (measured: "Param id 8 does not match any model sharded
+    param"), so a run that would save is refused before it starts."""
+    fsdp2 = getattr(args, "use_torch_fsdp2", False)
+    if fsdp2 and getattr(args, "save", None) and args.ckpt_format == "torch_dist":
+        raise ValueError(
+            "--use-torch-fsdp2 with --save and --ckpt-format torch_dist (upstream's default): "
+            "FSDP2 checkpoints of our Muon save with --ckpt-format torch_dcp; torch_dist fails "
+            "at the first save"
+        )
 
 
 def _check_values(args) -> None:

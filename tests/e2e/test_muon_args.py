@@ -89,6 +89,9 @@ CASES = {
         "--muon-distopt-exchange-dtype",
         "bf16",
     ],  # FSDP2 runs the same exchange
+    "ours-torch-fsdp2-saves-torch-dist": OURS
+    + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+    + ["--no-gradient-accumulation-fusion", "--save", "ck", "--save-interval", "2"],
     "ours-tp-owner": OURS + DISTOPT + ["--muon-tp-mode", "owner"],  # patch 0091
     "emerging-tp-owner": MUON + ["--muon-tp-mode", "owner"],
     "emerging-megatron-fsdp": MUON + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
@@ -421,4 +424,5 @@ def test_ours_runs_under_fsdp_and_upstreams_muon_keeps_its_refusal(outcome):
     args, config = _ok(outcome, "ours-torch-fsdp2")
     assert args["use_torch_fsdp2"] and config["muon_distopt_exchange_dtype"] == "bf16"
     _error(outcome, "emerging-megatron-fsdp", "Megatron-FSDP does not support the muon optimizer")
+    _error(outcome, "ours-torch-fsdp2-saves-torch-dist", "--ckpt-format torch_dcp", "--save")
     _error(outcome, "emerging-torch-fsdp2", "Emerging optimizer does not support Torch-FSDP2")
