@@ -371,7 +371,10 @@ SERIES = [
         "the holder's step). torch_dcp: the load asked state_dict(is_loading=True) of a\n"
         "ChainedOptimizer, which takes no such argument. fsdp_dtensor resumes restore\n"
         "num_floating_point_operations_so_far.",
-        [TRAIN + "fsdp_checkpoint.py"],
+        [
+            TRAIN + "fsdp_checkpoint.py",
+            "tests/unit_tests/dist_checkpointing/test_torch_dcp_chained_optimizer_load.py",
+        ],
         [
             "0080-fsdp-dtensor-empty-shard-state.patch",
             "0081-torch-dcp-load-optimizer-state.patch",
