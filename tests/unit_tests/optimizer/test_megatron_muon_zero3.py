@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.megatron_muon.fsdp import Zero3Orthogonalizer
+from tests.unit_tests.optimizer import test_megatron_muon_distributed_optimizer as distopt_test
 
 # fp32: the exchange moves each matrix's pieces as they are and Newton-Schulz runs on the same
 # whole matrix; only the DP reduction orders differ (FSDP2 reduce-scatters, DDP all-reduces)
@@ -62,17 +63,9 @@ def _model_and_optimizer(weights, fsdp2):
 
 
 def _step(model, optimizer):
-    device = next(model.parameters()).device
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
-    position_ids = torch.arange(16, device=device).expand(2, 16)
-    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool, device=device).tril().logical_not()
-    optimizer.zero_grad()
-    model.zero_grad_buffer()
-    model(tokens, position_ids, mask, labels=tokens).float().mean().backward()
-    model.finish_grad_sync()
-    assert optimizer.step()[0]
-    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
-    return {n: full(p).detach().clone() for n, p in model.module.named_parameters()}
+    """The distributed optimizer test's step (this PR carries it); params whole, not sharded."""
+    params = distopt_test._step(model, optimizer)
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in params.items()}
 
 
 def _muon(optimizer):
