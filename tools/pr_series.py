@@ -423,6 +423,17 @@ SERIES = [
         [],
         ["0093-training-megatron-fsdp-hsdp-no-sync.patch"],
     ),
+    (
+        "dist_checkpointing: an async save copies the host tensors the trainer shares",
+        "The persistent async checkpoint worker receives each request through a queue, which\n"
+        "moves a host tensor's storage into shared memory; its preload copied GPU tensors only,\n"
+        "and the trainer updated the shared ones in place at the next step (the DistOpt's fp32\n"
+        "main params and Adam moments): files got the next step's values where the writer was\n"
+        "late (CPU training, --optimizer-cpu-offload). A shared host tensor is now copied as a\n"
+        "GPU tensor is; a synchronous save's private host memory is not.",
+        ["tests/unit_tests/dist_checkpointing/test_async_save_host_tensors.py"],
+        ["0094-async-save-copies-shared-host-tensors.patch"],
+    ),
 ]
 # Files of ours linked into the tree that the series does not send: the built-in corpora of the
 # demo and the benchmarks (this project's, not upstream material)
@@ -471,6 +482,7 @@ PRS = [
     ("tokenizers-transformers-on-use", ["0070", "0071"], True),
     ("fix-fsdp-checkpoints", ["0080"], True),
     ("fix-megatron-fsdp-hsdp-no-sync", ["0093"], True),
+    ("fix-async-save-host-tensors", ["0094"], True),
     ("local-sequence-parallel-norms", ["0015", "0017"], True),
     ("local-mla", ["0018"], True),
     ("qk-clip-local-attention", ["0013", "0060"], True),
@@ -537,6 +549,7 @@ FORK_TESTS = {
     "0091": "tests/distributed/test_muon_tp_owner.py, tests/e2e/test_muon_args.py",
     "0092": "tests/e2e/test_muon_args.py, tests/distributed/test_fsdp_checkpoint.py",
     "0093": "tests/distributed/test_fsdp_muon.py (hsdp cases, test_hsdp_before_0093_misses)",
+    "0094": "tests/e2e/test_offline_recipe.py, tests/unit/test_async_ckpt_worker.py",
     TRAIN + "preflight.py": "tests/unit/test_offline_preprocess.py",
     OPT + "repairs/distopt_layout.py": "tests/distributed/test_adam_checkpoint.py",
 }

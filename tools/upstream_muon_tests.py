@@ -21,7 +21,8 @@ tree with those patches reversed, first on ``PYTHONPATH``: a fix's test must fai
 (docs/pull_requests.md records how). ``--pr build/pr/NN-slug`` (``make pr`` writes it) runs the
 tests that pull request carries on the pristine 0.19.2 tree with its patches ``git am``-ed, not on
 the fork: each PR's tests pass with that PR alone (our CPU stand-in ``cpu_mode.py`` linked in, and
-where triton is absent the fork's patch 0024, as the fork itself needs on CPU).
+where triton is absent the fork's patch 0024 and where CUDA is absent 0033, as the fork itself
+needs on CPU).
 """
 
 import argparse
@@ -109,20 +110,26 @@ def tree_without(patches: str, dest: Path) -> Path:
 
 def tree_of_pr(folder: Path, dest: Path) -> tuple:
     """The pristine archive's ``megatron/`` with the pull request in ``folder`` applied by
-    ``git am`` (and what CPU ranks need of the fork: ``cpu_mode.py``; 0024 without triton);
+    ``git am`` (and what CPU ranks need of the fork: ``cpu_mode.py``; 0024 without triton; 0033
+    without CUDA, where the PR does not carry it);
     (the tree, its tests/unit_tests files as pytest paths)."""
     sys.path.insert(0, str(HERE))
     import importlib.util
 
     import make_pr
+    import torch
 
     make_pr.apply_series(dest, sorted(folder.glob("*.patch")))
     link = dest / "megatron" / "training" / "cpu_mode.py"
     if not link.exists():
         link.symlink_to(HERE.parent / "megatron" / "training" / "cpu_mode.py")
-    if importlib.util.find_spec("triton") is None:
-        stand_in = next(make_pr.fork.PATCH_DIR.glob("0024-*.patch"))
-        make_pr._git(dest, "apply", "--whitespace=nowarn", str(stand_in))
+    needed = {"0024": importlib.util.find_spec("triton") is None}
+    needed["0033"] = not torch.cuda.is_available()  # the persistent checkpoint worker
+    for number in (n for n, missing in needed.items() if missing):
+        stand_in = str(next(make_pr.fork.PATCH_DIR.glob(f"{number}-*.patch")))
+        check = ["git", "apply", "--check", "--whitespace=nowarn", stand_in]
+        if subprocess.run(check, cwd=dest, capture_output=True).returncode == 0:  # not in the PR
+            make_pr._git(dest, "apply", "--whitespace=nowarn", stand_in)
     tests = sorted((dest / "tests" / "unit_tests").rglob("test_*.py"))
     return dest, [str(t.relative_to(dest)) for t in tests]
 
