@@ -217,7 +217,7 @@ SERIES = [
         "AdaptiveMuon.step reads scale_mode and extra_scale_factor, which 0.19.2's\n"
         "TensorParallelAdaptiveMuon never set (AttributeError at the first step). It sets them,\n"
         "as upstream main does since it moved to 0.3.0 (2c8ac9b753).",
-        [],
+        ["tests/unit_tests/optimizer/test_adaptive_muon_emerging_0_3.py"],
         ["0040-emerging-optimizers-0.3.0-api.patch"],
     ),
     (
@@ -360,7 +360,11 @@ SERIES = [
         "tools/preprocess_data.py (which the package does not ship), the tokenizer built once\n"
         "before the workers fork. preflight.py names, in one line before any rank or worker\n"
         "starts, a missing tokenizer file, flag or package (and einops for Megatron-FSDP).",
-        [TRAIN + "preflight.py", TRAIN + "preprocess_data.py"],
+        [
+            TRAIN + "preflight.py",
+            TRAIN + "preprocess_data.py",
+            "tests/unit_tests/data/test_preprocess_data_package.py",
+        ],
         [],
     ),
     (
