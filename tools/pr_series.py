@@ -553,7 +553,7 @@ FORK_TESTS = {
     "0091": "tests/distributed/test_muon_tp_owner.py, tests/e2e/test_muon_args.py",
     "0092": "tests/e2e/test_muon_args.py, tests/distributed/test_fsdp_checkpoint.py",
     "0093": "tests/distributed/test_fsdp_muon.py (hsdp cases, test_hsdp_before_0093_misses)",
-    "0094": "tests/e2e/test_offline_recipe.py, tests/unit/test_async_ckpt_worker.py",
+    "0094": "tests/unit/test_async_save_host_tensors.py, tests/e2e/test_offline_recipe.py",
     TRAIN + "preflight.py": "tests/unit/test_offline_preprocess.py",
     OPT + "repairs/distopt_layout.py": "tests/distributed/test_adam_checkpoint.py",
 }
