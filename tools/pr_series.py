@@ -378,6 +378,7 @@ SERIES = [
         [
             TRAIN + "fsdp_checkpoint.py",
             "tests/unit_tests/dist_checkpointing/test_torch_dcp_chained_optimizer_load.py",
+            "tests/unit_tests/dist_checkpointing/test_fsdp_dtensor_resume.py",
         ],
         [
             "0080-fsdp-dtensor-empty-shard-state.patch",
