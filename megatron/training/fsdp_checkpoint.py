@@ -103,8 +103,28 @@ def _empty_like(param: DTensor, dtype: str) -> DTensor:
 def optimizer_state_for_loading(optimizer) -> dict:
     """``optimizer.state_dict()`` with every state tensor allocated, for DCP to load into (patch
     0081: upstream's torch_dcp load asks ``state_dict(is_loading=True)``, which only
-    Float16Optimizer takes). Each chained optimizer's ``init_state_fn`` first, as that one does."""
+    Float16Optimizer takes). Each chained optimizer's ``init_state_fn`` first, as that one does;
+    torch's SGD, which has none, gets its momentum buffers (``sgd_momentum_for_loading``)."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         if chained.optimizer is not None and callable(chained.init_state_fn):
             chained.init_state_fn(chained.optimizer, chained.config)
+        elif isinstance(chained.optimizer, torch.optim.SGD):
+            sgd_momentum_for_loading(chained.optimizer)
     return optimizer.state_dict()
+
+
+def sgd_momentum_for_loading(optimizer: torch.optim.SGD) -> None:
+    """A zero ``momentum_buffer`` for each param of a group with momentum that has none: torch
+    creates it at the first step, so a fresh optimizer offered DCP no key and the checkpoint's
+    momentum was not loaded. DCP overwrites the zeros; where the checkpoint has no buffer, a zero
+    one steps as none does (``buf * momentum + grad``, Megatron's dampening 0), so only groups
+    without dampening get one."""
+    for group in optimizer.param_groups:
+        if not group.get("momentum") or group.get("dampening"):
+            continue
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(
+                    param, memory_format=torch.preserve_format
+                )

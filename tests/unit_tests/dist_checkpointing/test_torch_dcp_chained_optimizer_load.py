@@ -2,8 +2,10 @@
 
 """load_checkpoint with --ckpt-format torch_dcp (what --use-torch-fsdp2 saves) asked the optimizer
 for state_dict(is_loading=True); ChainedOptimizer, which get_megatron_optimizer returns, takes no
-such argument, so every torch_dcp resume raised TypeError. Here: save with torch_dcp, then load
-into a fresh model and optimizer: the iteration, the scheduler and the weights come back."""
+such argument, so every torch_dcp resume raised TypeError; and torch's SGD, whose momentum is made
+at the first step, offered DCP no key for it, so a resume lost it. Here: save with torch_dcp,
+then load into a fresh model and optimizer: the iteration, the scheduler, the weights and SGD's
+momentum come back."""
 
 import sys
 from unittest import mock
@@ -70,6 +72,14 @@ def _full(tensor):
     return full.detach().clone()
 
 
+def _momentum(optimizer) -> dict:
+    """{param index: its whole momentum buffer} of the chained SGD's params that have one."""
+    sgd = optimizer.chained_optimizers[0].optimizer
+    params = [p for group in sgd.param_groups for p in group["params"]]
+    state = [sgd.state[p].get("momentum_buffer") for p in params]
+    return {i: _full(buf) for i, buf in enumerate(state) if buf is not None}
+
+
 class _Scheduler:
     """The learning-rate scheduler's checkpoint interface."""
 
@@ -122,5 +132,12 @@ class TestTorchDcpChainedOptimizerLoad:
             for name, param in fresh.named_parameters():
                 assert torch.equal(_full(param), saved[name]), name
             # SGD, not Adam: torch's Adam (no TE/Apex) hits another 0.19 defect on this load,
-            # KeyError 'step' (fix-torch-adam-step). Not asserted: SGD's momentum, which this load
-            # leaves empty (no init_state_fn creates it for DCP to load into): an open defect
+            # KeyError 'step' (fix-torch-adam-step). SGD's momentum: torch creates it at the
+            # first step, so a fresh optimizer offered DCP nothing to load it into (before the
+            # fix: no momentum_buffer after the load)
+            momentum = _momentum(optimizer)
+            assert len(momentum) == len(list(fresh.parameters()))
+            loaded = _momentum(fresh_optimizer)
+            assert loaded.keys() == momentum.keys()
+            for index, value in momentum.items():
+                assert torch.equal(loaded[index], value), index
