@@ -32,7 +32,10 @@ from megatron.training import arguments
 from tests.unit_tests.dist_checkpointing import TempNamedDir
 
 
-def _model_and_optimizer():
+def tiny_gpt(**kwargs):
+    """(config, a one-layer GPT on this rank's device); ``kwargs`` go to GPTModel. The
+    fsdp_dtensor resume test (the same PR) builds on it, with ``step``, ``Scheduler``,
+    ``checkpoint_args`` and ``ResumeTestSetup``."""
     config = TransformerConfig(
         num_layers=1,
         hidden_size=16,
@@ -47,15 +50,20 @@ def _model_and_optimizer():
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=32,
         max_sequence_length=8,
-        share_embeddings_and_output_weights=False,  # FSDP2 requires it
+        **kwargs,
     )
     if torch.cuda.is_available():
         model.cuda()
+    return config, model
+
+
+def _model_and_optimizer():
+    config, model = tiny_gpt(share_embeddings_and_output_weights=False)  # FSDP2 requires it
     model = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model)
     return model, get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=1e-2), [model])
 
 
-def _step(model, optimizer):
+def step(model, optimizer):
     device = next(model.parameters()).device
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
     position_ids = torch.arange(8, device=device).expand(2, 8)
@@ -80,7 +88,7 @@ def _momentum(optimizer) -> dict:
     return {i: _full(buf) for i, buf in enumerate(state) if buf is not None}
 
 
-class _Scheduler:
+class Scheduler:
     """The learning-rate scheduler's checkpoint interface."""
 
     def __init__(self, steps):
@@ -93,11 +101,12 @@ class _Scheduler:
         self.steps = state_dict["num_steps"]
 
 
-def _args(folder):
+def checkpoint_args(folder, ckpt_format="torch_dcp"):
+    """Megatron-LM's args for save_checkpoint/load_checkpoint in ``folder``."""
     with mock.patch.object(sys, "argv", ["test"]):
         args = arguments.parse_args(ignore_unknown_args=True)
     args.save = args.load = str(folder)
-    args.ckpt_format, args.use_dist_ckpt = "torch_dcp", True  # as validate_args sets them
+    args.ckpt_format, args.use_dist_ckpt = ckpt_format, True  # as validate_args sets them
     args.save_interval = 1
     args.exit_on_missing_checkpoint = True
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
@@ -106,7 +115,9 @@ def _args(folder):
     return args
 
 
-class TestTorchDcpChainedOptimizerLoad:
+class ResumeTestSetup:
+    """One rank per DP rank, one micro-batch per step."""
+
     def setup_method(self, method):
         Utils.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(123)
@@ -116,17 +127,19 @@ class TestTorchDcpChainedOptimizerLoad:
         unset_num_microbatches_calculator()
         Utils.destroy_model_parallel()
 
+
+class TestTorchDcpChainedOptimizerLoad(ResumeTestSetup):
     def test_torch_dcp_resume_loads_a_chained_optimizer(self, tmp_path_dist_ckpt):
         with TempNamedDir(tmp_path_dist_ckpt / "torch_dcp_chained", sync=True) as folder:
-            set_args(_args(folder))
+            set_args(checkpoint_args(folder))
             model, optimizer = _model_and_optimizer()
             assert isinstance(optimizer, ChainedOptimizer)
-            _step(model, optimizer)
-            save_checkpoint(7, [model], optimizer, _Scheduler(7), 0)
+            step(model, optimizer)
+            save_checkpoint(7, [model], optimizer, Scheduler(7), 0)
             saved = {n: _full(p) for n, p in model.named_parameters()}
 
             fresh, fresh_optimizer = _model_and_optimizer()
-            scheduler = _Scheduler(0)
+            scheduler = Scheduler(0)
             iteration, _ = load_checkpoint([fresh], fresh_optimizer, scheduler, strict=True)
             assert iteration == 7 and scheduler.steps == 7
             for name, param in fresh.named_parameters():
