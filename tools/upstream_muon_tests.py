@@ -123,9 +123,12 @@ def tree_of_pr(folder: Path, dest: Path) -> tuple:
     link = dest / "megatron" / "training" / "cpu_mode.py"
     if not link.exists():
         link.symlink_to(HERE.parent / "megatron" / "training" / "cpu_mode.py")
-    needed = {"0024": importlib.util.find_spec("triton") is None}
-    needed["0033"] = not torch.cuda.is_available()  # the persistent checkpoint worker
-    for number in (n for n, missing in needed.items() if missing):
+    stand_ins = []
+    if importlib.util.find_spec("triton") is None:
+        stand_ins.append("0024")
+    if not torch.cuda.is_available():
+        stand_ins.append("0033")  # the persistent checkpoint worker
+    for number in stand_ins:
         stand_in = str(next(make_pr.fork.PATCH_DIR.glob(f"{number}-*.patch")))
         check = ["git", "apply", "--check", "--whitespace=nowarn", stand_in]
         if subprocess.run(check, cwd=dest, capture_output=True).returncode == 0:  # not in the PR
