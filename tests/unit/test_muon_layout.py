@@ -29,6 +29,25 @@ def test_holder_owners(costs, holders, world, floor, expected):
     assert holder_owners(costs, holders, world, floor) == expected
 
 
+# (costs, holders, world, cells: TP ranks per owner in the ``owner`` TP mode, owners expected)
+CELL_CASES = [
+    # rank 0's three 3s over its two TP ranks: one has 6. A 3 moves to rank 1 and two 1s come
+    # back: the busiest TP rank of the grid goes from 6 to 5.
+    ([3, 3, 3] + [1] * 9, [0, 0, 0] + [1] * 9, 2, 2, [0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1]),
+    ([3, 3, 1, 1], [0, 0, 0, 1], 2, 2, [0, 0, 1, 1]),  # whole-rank balance would move a 3
+    ([4, 4, 4, 4], [0, 0, 1, 1], 2, 2, None),  # one matrix per TP rank already: no move
+    ([6, 1, 1, 1, 1], [0, 0, 1, 1, 1], 2, 2, None),  # the 6 bounds every placement
+    ([], [], 2, 2, []),
+]
+
+
+@pytest.mark.parametrize("costs,holders,world,cells,expected", CELL_CASES)
+def test_holder_owners_balance_the_tp_ranks_of_the_owner_mode(
+    costs, holders, world, cells, expected
+):
+    assert holder_owners(costs, holders, world, 0.0, cells) == expected
+
+
 def _params(shapes):
     return [torch.nn.Parameter(torch.empty(shape)) for shape in shapes]
 

@@ -62,7 +62,7 @@ def assign_units(
     Returns:
         (units, gangs): per matrix its ``Unit`` list, and the split matrices' indices in order.
     """
-    held = _holder_units(works, world, model.min_efficiency if model is not None else 0.0)
+    held = _holder_units(works, world, model)
     if held is not None:
         return held
     if model is None:
@@ -83,19 +83,34 @@ def assign_units(
     return near[flops.index(min(flops))]  # the first of the best balanced
 
 
-def _holder_units(works: list[Work], world: int, min_efficiency: float = 0.0):
+def _holder_units(works: list[Work], world: int, model: Optional[NSCostModel]):
     """``assign_units``' answer with every matrix whole on its holder (``holder_owners``), or
     None where a matrix lies on several ranks or moves cannot balance."""
     if any(len(w.held) != 1 for w in works):
         return None
     holders = [next(iter(w.held)) for w in works]
-    owners = holder_owners([w.cost for w in works], holders, world, min_efficiency)
+    floor = model.min_efficiency if model is not None else 0.0
+    costs = [w.cost for w in works]
+    owners = None
+    for cells in dict.fromkeys((_cells_per_owner(works, model), 1)):
+        owners = owners or holder_owners(costs, holders, world, floor, cells)
     if owners is None:
         return None
     return [[whole_unit(w, owner)] for w, owner in zip(works, owners)], []
 
 
-def holder_owners(costs: list[float], holders: list[int], world: int, min_efficiency=0.0):
+def _cells_per_owner(works: list[Work], model: Optional[NSCostModel]) -> int:
+    """The TP ranks a DP owner spreads its matrices over, each whole on one (the ``owner`` TP
+    mode, tp.py's ``owner_cells``), where every matrix is sharded over one TP size; else 1."""
+    if model is None or model.mode != "owner":
+        return 1
+    sizes = {model.tp_of(w.info) for w in works}
+    return sizes.pop() if len(sizes) == 1 else 1
+
+
+def holder_owners(
+    costs: list[float], holders: list[int], world: int, min_efficiency=0.0, cells: int = 1
+):
     """Owners of whole matrices: their holders, with few moves to balance the NS load within
     ``HOLDER_SLACK`` (docs/distopt_exchange.md).
 
@@ -104,23 +119,76 @@ def holder_owners(costs: list[float], holders: list[int], world: int, min_effici
         holders: the DP rank holding each matrix whole.
         world: the DP group's size.
         min_efficiency: the planner's efficiency floor (0: none).
+        cells: the ranks (``owner`` TP mode: TP ranks) over which an owner spreads its
+            matrices, each whole on one; the loads balanced are theirs.
 
     Returns:
         The owner of each matrix, or None where no move helps before the loads balance.
     """
-    owners, loads = list(holders), [0.0] * world
+    if cells > 1 and costs:
+        return _cell_owners(costs, holders, world, cells)
+    owners, loads = list(holders), _loads(costs, holders, world)
+    limit = sum(loads) / max(world, 1) * min(1 + HOLDER_SLACK, 1 / max(min_efficiency, 1e-9))
+    return owners if _move(costs, owners, loads, limit) else None
+
+
+def _loads(costs: list[float], owners: list[int], world: int) -> list[float]:
+    loads = [0.0] * world
     for cost, owner in zip(costs, owners):
         loads[owner] += cost
-    limit = sum(loads) / max(world, 1) * min(1 + HOLDER_SLACK, 1 / max(min_efficiency, 1e-9))
+    return loads
+
+
+def _move(costs: list[float], owners: list[int], loads: list[float], limit: float) -> bool:
+    """Move matrices (in place) from the busiest rank to the idlest until every load is within
+    ``limit``; False where no move helps before that."""
     while max(loads, default=0.0) > limit:  # each move lowers the sum of squared loads: it ends
         busy, idle = loads.index(max(loads)), loads.index(min(loads))
         gap = loads[busy] - loads[idle]
         movable = [i for i, o in enumerate(owners) if o == busy and 0 < costs[i] < gap]
         if not movable:
-            return None
+            return False
         i = min(movable, key=lambda i: (abs(costs[i] - gap / 2), i))
         owners[i], loads[busy], loads[idle] = idle, loads[busy] - costs[i], loads[idle] + costs[i]
-    return owners
+    return True
+
+
+def _cell_owners(costs: list[float], holders: list[int], world: int, cells: int):
+    """``holder_owners`` where each owner spreads its matrices over ``cells`` ranks (``owner``
+    TP mode): longest-processing-time over all ``world * cells`` ranks, a matrix kept on its
+    holder where that costs at most ``HOLDER_SLACK``; None where the busiest cell
+    (``_busiest_cell``) is not shorter by more than that (the moves cost exchange traffic)."""
+    load = [0.0] * (world * cells)
+    owners = list(holders)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        best = min(range(len(load)), key=lambda c: (load[c], c))
+        home = min(range(holders[i] * cells, (holders[i] + 1) * cells), key=lambda c: (load[c], c))
+        if load[home] + costs[i] <= (load[best] + costs[i]) * (1 + HOLDER_SLACK):
+            best = home
+        load[best] += costs[i]
+        owners[i] = best // cells
+    if _busiest_cell(costs, owners, cells) * (1 + HOLDER_SLACK) < _busiest_cell(
+        costs, holders, cells
+    ):
+        return owners
+    return None
+
+
+def _busiest_cell(costs: list[float], owners: list[int], cells: int) -> float:
+    """The busiest cell's load where each owner spreads its matrices as tp.py does."""
+    return max(_loads(costs, _holder_cells(costs, owners, cells), (max(owners) + 1) * cells))
+
+
+def _holder_cells(costs: list[float], holders: list[int], cells: int) -> list[int]:
+    """Each matrix's cell ``holder * cells + c``, its holder's matrices spread over the cells
+    largest first onto the least loaded (tp.py's ``owner_cells``)."""
+    load: dict[int, float] = {}
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        first = holders[i] * cells
+        out[i] = min(range(first, first + cells), key=lambda c: (load.get(c, 0.0), c))
+        load[out[i]] = load.get(out[i], 0.0) + costs[i]
+    return out
 
 
 def _balanced_enough(timed: list, works: list[Work], world: int, model, ideal: float) -> list:
