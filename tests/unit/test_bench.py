@@ -17,6 +17,7 @@ from tiny_gpt import TinyGPT, train
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import projection  # noqa: E402
+import projection_floor  # noqa: E402
 import step_cost  # noqa: E402
 from gather_everything import distopts, use_gather_everything  # noqa: E402
 
@@ -193,6 +194,24 @@ def test_projection_owner_mode_balances_the_tp_ranks_of_the_grid():
     )
     assert r["ns_flops"] * (1 + HOLDER_SLACK) < r["unsplit_ns"]
     assert r["comm"] > 0 == r["unsplit_comm"]  # the moves cost exchange traffic
+
+
+# DP 1024 in the mode closest to the floor there only: planning duplicated's gangs takes ~17 s
+@pytest.mark.parametrize(
+    "dp,modes", [(8, ("owner", "distributed", "duplicated")), (1024, ("distributed",))]
+)
+def test_projection_floor_is_below_every_exact_schedule(dp, modes):
+    """bench/projection_floor.py's floor bounds what the optimizer's schedules take: at 70B TP 8
+    each exact TP mode's projected NS plus TP time (projection.py) is at or above it. A split
+    over one GPU is the matrix's whole NS, no collective."""
+    a = projection.parse_args(["--min-efficiency", "0", "--dps", str(dp), "--models", "70B"])
+    floor = projection_floor.floor_row("70B", dp, a)
+    for mode in modes:
+        a.tp_mode = mode
+        assert projection.project("70B", dp, a)["ns"] >= floor["floor"] > 0
+    info = MuonParamInfo((512, 128))
+    rate = a.peak_tflops * 1e12 * a.mfu
+    assert projection_floor.split_seconds(info, 1, a) == ns_cost(info, projection.NS_STEPS) / rate
 
 
 LAYOUT_BUCKET = 9000  # small DDP buckets: matrices straddle shards and buckets end padded

@@ -1,0 +1,115 @@
+"""PROJECTION (not a measurement): the least Newton-Schulz time any exact Muon could take per
+step, in bench/projection.py's machine model, against the model step.
+
+    .venv/bin/python bench/projection_floor.py
+
+Two bounds, the larger is the floor:
+
+* work: every matrix's NS FLOPs once (``plan.ns_cost``, what one process runs), spread evenly
+  over all GPUs at peak * mfu;
+* the slowest matrix: split over ``k`` GPUs (any ``k`` up to the GPU count), each runs ``1 / k``
+  of its FLOPs, and every NS step sums the matrix's Gram (``g x g``, ``g`` its short side) over
+  the ``k``: at least one all-reduce of its packed upper triangle in fp32 (the sum every exact
+  split here runs: ``functional.orthogonalize_sharded_steps``; no split avoids it, since each
+  member's block contributes to every Gram element). The all-reduce is hierarchical at its
+  cheapest: a ring inside the node over NVLink (``2 (m - 1) / m`` of the bytes, ``m`` members per
+  node), then across the ``n`` nodes a ring of each GPU's ``1 / m`` slice over its own link
+  (``2 (n - 1) / n`` of that). Latency, the norm, the polynomial's gather, the exchange and
+  padding are left out, so the floor is below what any schedule of ours (or LayerWise's) takes.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import projection  # noqa: E402
+from projection import MODELS, NS_STEPS, model_params  # noqa: E402
+
+from megatron.core.optimizer.megatron_muon.newton_schulz import packed_size  # noqa: E402
+from megatron.core.optimizer.megatron_muon.planner.plan import _blocks, ns_cost  # noqa: E402
+
+
+def split_seconds(info, k: int, a) -> float:
+    """The least time of ``info``'s NS split over ``k`` GPUs: its FLOPs / k and one fp32 Gram
+    all-reduce per step, hierarchical over nodes (module docstring).
+
+    Args:
+        info: the matrix's TP-global info.
+        k: GPUs sharing it.
+        a: ``projection.parse_args``' namespace (rates, links, GPUs per node).
+
+    Returns:
+        Seconds.
+    """
+    rate = a.peak_tflops * 1e12 * a.mfu
+    gram = sum(packed_size(min(block)) for block in _blocks(info)) * 4
+    m, n = min(k, a.gpus_per_node), -(-k // a.gpus_per_node)
+    per_step = 2 * (m - 1) / m * gram / (a.tp_link_gbps / 8 * 1e9)
+    per_step += 2 * (n - 1) / n * gram / m / (a.link_gbps / 8 * 1e9)
+    return ns_cost(info, NS_STEPS) / k / rate + NS_STEPS * per_step
+
+
+def floor_row(model: str, dp: int, a) -> dict:
+    """One row: the work bound, the slowest matrix's best split, the floor and its share of the
+    model step (projection.py's ``6 N tokens / (gpus * peak * mfu)``).
+
+    Args:
+        model: a key of ``projection.MODELS``.
+        dp: the data-parallel size.
+        a: ``projection.parse_args``' namespace.
+
+    Returns:
+        The row's figures, seconds and a fraction.
+    """
+    cfg = MODELS[model]
+    tp = cfg[-1]
+    params = model_params(*cfg)
+    infos = {info.shape: info for _, _, info in params if info is not None}  # one per shape
+    every = [info for _, _, info in params if info is not None]
+    gpus, rate = dp * tp, a.peak_tflops * 1e12 * a.mfu
+    work = sum(ns_cost(info, NS_STEPS) for info in every) / gpus / rate
+    splits = {
+        s: min((split_seconds(i, k, a), k) for k in range(1, gpus + 1)) for s, i in infos.items()
+    }
+    shape, (slowest, k) = max(splits.items(), key=lambda item: item[1][0])
+    total = sum(math.prod(s) * (tp if len(s) == 2 else 1) for _, s, _ in params)
+    step = 6 * total * a.tokens / (gpus * rate)
+    floor = max(work, slowest)
+    return dict(
+        model=model, tp=tp, dp=dp, work=work, shape=shape, k=k, slowest=slowest, floor=floor,
+        step=step, share=floor / step,
+    )  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """projection.py's flags (the machine, the models, the DP sizes); its TP mode is not read."""
+    return projection.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    a = parse_args(argv)
+    rows = [floor_row(m, dp, a) for m in a.models for dp in a.dps]
+    print(
+        f"PROJECTION (a lower bound): {a.peak_tflops:g} TFLOP/s x {a.mfu:g}, NVLink "
+        f"{a.tp_link_gbps:g} Gb/s inside {a.gpus_per_node}-GPU nodes, {a.link_gbps:g} Gb/s "
+        f"between, {a.tokens:,} tokens/step, {NS_STEPS} NS steps, fp32 Gram sums"
+    )
+    print(
+        "| model | TP x DP (GPUs) | model step | work bound | slowest matrix: best split "
+        "| floor | floor / step |\n|---|---|---|---|---|---|---|"
+    )
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['tp']} x {r['dp']} ({r['tp'] * r['dp']}) "
+            f"| {r['step'] * 1e3:.0f} ms | {r['work'] * 1e3:.1f} ms "
+            f"| {r['shape'][0]} x {r['shape'][1]} over {r['k']} GPUs: {r['slowest'] * 1e3:.1f} ms "
+            f"| {r['floor'] * 1e3:.1f} ms | {100 * r['share']:.2f}% |"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
