@@ -74,34 +74,6 @@ def check_packed_gram(device: str) -> str:
     return f"pack + unpack {g}^2: {packing * 1e3:.2f} ms; its Gram matmul {matmul * 1e3:.2f} ms"
 
 
-def check_comm_streams(device: str) -> str:
-    """The gang communication thread's stream protocol (planner/gangs.py, ``CommStreams``) on the
-    device: a tensor produced by a long matmul chain on the compute stream is changed in place on
-    the communication thread's own stream, and the compute stream reads it after the wait. A
-    missing event would read a stale or half-written tensor (the chain is long enough to still
-    be running when the thread starts)."""
-    from megatron.core.optimizer.megatron_muon.planner.gangs import CommStreams, CommThread
-
-    streams = CommStreams.of(torch.device(device))
-    x = torch.randn(2048, 2048, device=device) / 2048**0.5
-    want = x.clone()
-    for _ in range(20):
-        want = want @ x
-    want = (want * 3).cpu()
-    pool = CommThread(streams.enter)  # the thread ``_interleave`` runs
-    for _ in range(5):
-        t = x.clone()
-        for _ in range(20):
-            t = t @ x
-        posted = pool.submit(streams.serve, lambda y: y.mul_(3), t, streams.ready())
-        streams.done(posted.result())
-        got = t.cpu()
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), "stream order broken"
-    pool.close(wait=True)
-    own = streams.comm is not None and streams.comm != streams.compute
-    return f"communication thread on {'its own stream' if own else 'no stream (CPU)'}: ordered"
-
-
 def _time(fn, device: str, repeats: int = 10) -> float:
     fn()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -185,7 +157,6 @@ def main() -> int:
         check_newton_schulz,
         check_ns_speed,
         check_packed_gram,
-        check_comm_streams,
         check_training_resume,
     )
     for check in checks:

@@ -67,6 +67,7 @@ def _gangs(optimizer) -> None:
         plan = ortho.plan.rebuilt(model=model, targets=(0.1,), bundles=())
         assert any(len(m.units) > 1 for m in plan.matrices), "no matrix split"
         ortho.plan = distopt.muon_plan = plan
+        ortho.gangs.make_groups(plan)
 
 
 def _step_files(gangs: bool, precision: str) -> list[str]:

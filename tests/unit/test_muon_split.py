@@ -18,7 +18,6 @@ from megatron.core.optimizer.megatron_muon.exchange import Block, block_views
 from megatron.core.optimizer.megatron_muon.planner import cost_model, placement
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
-from megatron.core.optimizer.megatron_muon.planner.gangs import CommStreams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import projection  # noqa: E402
@@ -252,21 +251,6 @@ def test_stacked_gangs_stay_on_one_node():
     assert plan_figures.efficiency(plan) >= 0.9
 
 
-class _FakeStream:
-    """Stands for an accelerator stream: logs what is recorded on it and what it waits for."""
-
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
-
-    def record_event(self):
-        event = f"{self.name}-event-{len(self.log)}"
-        self.log.append(("record", self.name, event))
-        return event
-
-    def wait_event(self, event):
-        self.log.append(("wait", self.name, event))
-
-
 def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
     """1B at DP 1024, 8 ranks per node, disjoint gangs shaped at the link cost
     (``bundle_units``): fc1's gang collectives set the time bound, under which the runs need
@@ -299,30 +283,6 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
     assert (
         plan_figures.efficiency(plan) >= 0.55
     )  # the plan chosen (one exchange: these are its matrices)
-
-
-def test_comm_streams_order_a_collective_between_its_producer_and_its_consumer():
-    """On an accelerator the communication thread works on a stream of its own: it waits for an
-    event recorded on the compute stream at the post, and the compute stream waits for an event
-    recorded after the collective (planner/gangs.py, ``CommStreams``; no GPU here, so fake streams
-    check the protocol). On CPU every step is a no-op."""
-    log: list = []
-    streams = CommStreams(_FakeStream("compute", log), _FakeStream("comm", log))
-    ready = streams.ready()
-    done = streams.serve(lambda t: log.append(("serve", t)), "gram", ready)
-    streams.done(done)
-    assert log == [
-        ("record", "compute", ready),
-        ("wait", "comm", ready),
-        ("serve", "gram"),
-        ("record", "comm", done),
-        ("wait", "compute", done),
-    ]
-    cpu = CommStreams.of(torch.device("cpu"))
-    served = []
-    assert cpu.serve(served.append, "gram", cpu.ready()) is None and served == ["gram"]
-    cpu.enter()
-    cpu.done(None)
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "distributed", "duplicated", "owner"])

@@ -23,7 +23,7 @@ from .exchange import (
 )
 from .planner import figures as plan_figures
 from .planner.cost_model import DEFAULT_LINKS, NSCostModel, PlanLinks
-from .planner.gangs import GangRunner, gang_nodes
+from .planner.gangs import gang_nodes, gang_runner
 from .planner.plan import MuonExchangePlan, exchange_cost_model
 from .tp import owners_orthogonalizer
 
@@ -239,7 +239,7 @@ def attach(
         exchange_dtype,
         ns_dtype,
         device=device,
-        gangs=GangRunner(muon.orthogonalizer, device),  # the TP one: gang blocks share TP
+        gangs=gang_runner(muon.orthogonalizer, device, plan),  # the TP one: gang blocks share TP
     )
     # A per-rank raise on a non-finite grad would leave the other DP ranks waiting in the
     # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.

@@ -20,7 +20,7 @@ from .exchange import (
 )
 from .functional import MuonParamInfo, OrthoSpec
 from .planner.cost_model import DEFAULT_LINKS, PlanLinks
-from .planner.gangs import GangRunner, gang_nodes
+from .planner.gangs import gang_nodes, gang_runner
 from .planner.plan import MuonExchangePlan, exchange_cost_model
 from .tp import owners_orthogonalizer
 
@@ -263,7 +263,7 @@ def attach_zero3(
         exchanges.append(
             DistributedMuonOrthogonalizer(
                 plan, owners, exchange_dtype, ns_dtype, update_dtype, device=device,
-                gangs=GangRunner(muon.orthogonalizer, device),
+                gangs=gang_runner(muon.orthogonalizer, device, plan),
             )
         )  # fmt: skip
         rank = plan.rank

@@ -202,14 +202,35 @@ def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group
         p: this rank's index in ``group``.
         group: the process group.
     """
+    work, fill = post_gather_ranges(flat, bounds, p, group)
+    work.wait()
+    fill()
+
+
+def post_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> tuple:
+    """``all_gather_ranges`` posted async.
+
+    Args:
+        flat: as ``all_gather_ranges``.
+        bounds: as ``all_gather_ranges``.
+        p: as ``all_gather_ranges``.
+        group: as ``all_gather_ranges``.
+
+    Returns:
+        (the work, a call that copies the other ranks' ranges into ``flat`` after its wait).
+    """
     chunk = max(hi - lo for lo, hi in bounds)
     own = flat.new_zeros(chunk)
     own[: bounds[p][1] - bounds[p][0]] = flat[bounds[p][0] : bounds[p][1]]
     chunks = flat.new_empty(len(bounds) * chunk)
-    dist.all_gather_into_tensor(chunks, own, group=group)
-    for q, (lo, hi) in enumerate(bounds):
-        if q != p:
-            flat[lo:hi] = chunks[q * chunk : q * chunk + hi - lo]
+    work = dist.all_gather_into_tensor(chunks, own, group=group, async_op=True)
+
+    def fill() -> None:
+        for q, (lo, hi) in enumerate(bounds):
+            if q != p:
+                flat[lo:hi] = chunks[q * chunk : q * chunk + hi - lo]
+
+    return work, fill
 
 
 def owners_orthogonalizer(inner: Orthogonalizer, infos: list) -> Orthogonalizer:
