@@ -20,7 +20,7 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   ``tp_ns_cost`` for the TP mode (owners, exchanges, pieces as on a real run; a test ties this
   layout to a real DDP buffer and the plan to the optimizer's);
 * Newton-Schulz time = every rank's trace (planner/figures.py's ``trace``: its gang blocks
-  interleaved, their collectives posted to a communication thread, then its whole matrices) run by
+  interleaved, their collectives posted async, then its whole matrices) run by
   ``cost_model.critical_path`` (``ns_seconds``): matmuls at peak * mfu, gang collectives at the
   links' bandwidth (plus ``--step-latency-us`` per ring step); exchange time = per exchange and
   direction, the busiest rank's max(sent, received) bytes / link (full duplex), forward in the NS

@@ -210,8 +210,8 @@ def _record_results(runner) -> dict:
 
 def _same_sum(counted: float, planned: float) -> bool:
     """Gang bytes counted by the executor equal the plan's, > 0. The same fractional ring terms
-    (``(k - 1) / k`` of a tensor) are added in another order (the communication thread serves
-    the units interleaved), so equal up to fp64 rounding of the sum: 1e-12 relative."""
+    (``(k - 1) / k`` of a tensor) are added in another order (the units' posts
+    interleave), so equal up to fp64 rounding of the sum: 1e-12 relative."""
     return planned > 0 and math.isclose(counted, planned, rel_tol=1e-12)
 
 
@@ -276,7 +276,7 @@ def test_counted_step_with_tp_sliced_gangs_is_the_plans_schedule():
 
 def test_counted_step_with_gangs_is_the_plans_schedule():
     """Per rank, the real step's matmul FLOPs between the points where its main thread posts a
-    gang collective to the communication thread, waits for one, or runs an all-to-all, and who
+    gang collective (async), waits for one, or runs an all-to-all, and who
     takes part in each collective with how many elements, are the plan's trace (gang units
     interleaved, ``cost_model.pipelined``); so the critical path run on the counted traces is
     the plan's, and the sync points are the collectives counted."""

@@ -514,7 +514,8 @@ def _reversed_on(plan, rank: int) -> None:
 
 def _circle(plan) -> None:
     """Gangs (0, 1), (1, 2), (0, 2) (stacked, by hand), rank 0 running them in reverse: each
-    rank's communication thread waits first for a collective its neighbour posts later."""
+    rank's gang link (modeled one post at a time) waits first for a collective its neighbour
+    posts later."""
     ex = plan.exchanges[0]
     model, works = plan.model, works_of(plan, ex)
     for j, members in enumerate([[0, 1], [1, 2], [0, 2]]):

@@ -60,8 +60,8 @@ def test_critical_path_overlaps_a_posted_collective_with_the_main_threads_work()
 
 def test_critical_path_serves_a_ranks_posts_one_at_a_time_in_order():
     # Rank 0 posts to (0, 1), then (0, 2); rank 1 posts late (6): its sum runs 6 -> 8, and only
-    # then does rank 0's communication thread start the sum with rank 2 (8 -> 10), although
-    # rank 2 posted at 0.
+    # then does rank 0's gang link (one post at a time, in the model) start the sum with rank 2
+    # (8 -> 10), although rank 2 posted at 0.
     traces = [
         [(1, POST, (0, 1), 2), (0, POST, (0, 2), 2), (0, WAIT, (0, 1), 2), (0, WAIT, (0, 2), 2)],
         [(6, POST, (0, 1), 2), (0, WAIT, (0, 1), 2)],

@@ -23,7 +23,7 @@ from .exchange import (
 )
 from .planner import figures as plan_figures
 from .planner.cost_model import DEFAULT_LINKS, NSCostModel, PlanLinks
-from .planner.gangs import gang_nodes, gang_runner
+from .planner.gangs import GangRunner, gang_nodes
 from .planner.plan import MuonExchangePlan, exchange_cost_model
 from .tp import owners_orthogonalizer
 
@@ -233,13 +233,15 @@ def attach(
     plan = build_plan(distopt, muon.param_info.get, model, window)
     muon.param_info = _shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
+    gangs = GangRunner(muon.orthogonalizer, device)  # the TP one: gang blocks share TP
+    gangs.make_groups(plan)
     muon.orthogonalizer = DistributedMuonOrthogonalizer(
         plan,
         owners_orthogonalizer(muon.orthogonalizer, infos),
         exchange_dtype,
         ns_dtype,
         device=device,
-        gangs=gang_runner(muon.orthogonalizer, device, plan),  # the TP one: gang blocks share TP
+        gangs=gangs,
     )
     # A per-rank raise on a non-finite grad would leave the other DP ranks waiting in the
     # exchange; Megatron's own checks (grad scaler found_inf, DDP's NaN check) are collective.

@@ -20,7 +20,7 @@ from .exchange import (
 )
 from .functional import MuonParamInfo, OrthoSpec
 from .planner.cost_model import DEFAULT_LINKS, PlanLinks
-from .planner.gangs import gang_nodes, gang_runner
+from .planner.gangs import GangRunner, gang_nodes
 from .planner.plan import MuonExchangePlan, exchange_cost_model
 from .tp import owners_orthogonalizer
 
@@ -260,10 +260,12 @@ def attach_zero3(
     device = local(matrices[0].param).device if matrices else None
     exchanges, by_param = [], {}
     for j, (plan, order) in enumerate(build_plans(matrices, model)):
+        gangs = GangRunner(muon.orthogonalizer, device)
+        gangs.make_groups(plan)
         exchanges.append(
             DistributedMuonOrthogonalizer(
                 plan, owners, exchange_dtype, ns_dtype, update_dtype, device=device,
-                gangs=gang_runner(muon.orthogonalizer, device, plan),
+                gangs=gangs,
             )
         )  # fmt: skip
         rank = plan.rank

@@ -355,7 +355,7 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
 
 
 # What a rank's main thread does at a point of its trace (``exchange_schedule``): hand a gang
-# collective to the communication thread, wait for one it handed over earlier, or run a
+# collective (async, on the gang's links), wait for one it posted earlier, or run a
 # collective of its own (an all-to-all over the whole DP group).
 POST, WAIT, ALL = "post", "wait", "all"
 
@@ -496,7 +496,7 @@ class _Schedule:
         n = len(traces)
         self.traces, self.work, self.sync = traces, work, sync
         self.clock, self.at, self.charged = [0.0] * n, [0] * n, [False] * n
-        self.free = [0.0] * n  # when each communication thread is free
+        self.free = [0.0] * n  # when each rank's gang link is free (one post at a time)
         self.line = [deque() for _ in range(n)]  # posted, unresolved keys, in order
         self.ends: list[list] = [[] for _ in range(n)]  # end of each post (None: unresolved)
         self.waited, self.seen = [0] * n, [dict() for _ in range(n)]

@@ -165,26 +165,9 @@ class GangRunner:
         return node_layout(members, self.plan.model.nodes)
 
 
-def gang_runner(inner, device, plan) -> GangRunner:
-    """A ``GangRunner`` with ``plan``'s groups made (every rank of the DP group calls it).
-
-    Args:
-        inner: the TP orthogonalizer, or Muon's where TP shards nothing.
-        device: where the exchange runs.
-        plan: the ``MuonExchangePlan``.
-
-    Returns:
-        The runner.
-    """
-    runner = GangRunner(inner, device)
-    runner.make_groups(plan)
-    return runner
-
-
 @dataclass(frozen=True)
 class Posted:
-    """A posted gang collective: its work, what completes it after the wait (None: nothing),
-    its in-place tensor, the gang's members."""
+    """A posted gang collective: its work, what completes it after the wait, its tensor, gang."""
 
     work: object
     fill: Optional[Callable[[], None]]
