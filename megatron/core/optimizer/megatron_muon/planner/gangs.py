@@ -43,17 +43,7 @@ class GangRunner:
                 key = tuple(ranks[m] for m in members)
                 if key in self.groups:
                     continue
-                if plan.rank in members:  # only the members enter: no collective over DP
-                    self.groups[key] = torch.distributed.new_group(
-                        list(key), use_local_synchronization=True, sort_ranks=False
-                    )
-                else:
-                    # torch names such a group by its ranks and how many groups this process
-                    # made: a non-member makes one too, so all keep the same count (else the
-                    # members of a later gang would name it differently and wait for ever)
-                    me = [ranks[plan.rank]]
-                    torch.distributed.new_group(me, backend="gloo", use_local_synchronization=True)
-                    self.groups[key] = None
+                self.groups[key] = _new_group(ex.group, members, key, plan.rank in members)
 
     def run(self, plan, ex: Exchange, gangs: list[int], blocks: list[Tensor], spec: OrthoSpec):
         """``s * NS`` of this rank's gang blocks, their collectives overlapping the others'
@@ -186,6 +176,28 @@ def _then_tp(fill, flat: Tensor, slices, p: int, tp) -> Optional[Callable[[], No
         all_gather_ranges(flat, slices, p, tp)
 
     return both
+
+
+def _new_group(dp_group, members: tuple[int, ...], ranks: tuple[int, ...], member: bool):
+    """The gang's group (None on a non-member): ``new_group`` on its members only, or where the
+    world is bound to a device (NCCL then splits the world's communicator, which every rank of the
+    parent must enter) ``split_group`` of the DP group on all its ranks, as ``DeviceMesh`` does."""
+    world = torch.distributed.group.WORLD
+    if getattr(world, "bound_device_id", None) is not None and torch.accelerator.is_available():
+        group = torch.distributed.split_group(dp_group, [list(members)])
+    elif member:
+        group = torch.distributed.new_group(
+            list(ranks), use_local_synchronization=True, sort_ranks=False
+        )
+    else:
+        group = None
+    if group is None:
+        # torch names a group by its ranks and how many groups this process holds: a non-member
+        # makes one too, so all keep one count (else the members of a later gang name it apart
+        # and wait for ever; docs/gangs.md)
+        me = [torch.distributed.get_rank()]
+        torch.distributed.new_group(me, backend="gloo", use_local_synchronization=True)
+    return group
 
 
 def _tp_slice(n: int, group) -> tuple[int, int, Optional[list], int]:
