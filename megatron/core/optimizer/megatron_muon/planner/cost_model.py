@@ -122,7 +122,7 @@ class NSCostModel:
         return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte + latency
 
     def ring_steps(self, members: tuple, elements: int) -> int:
-        """Dependent ring steps of one gang collective (planner/gangs.py's rings), latency's count.
+        """Dependent ring steps of one gang collective (modeled as a ring), latency's count.
 
         Args:
             members: the gang's ranks.
@@ -283,8 +283,8 @@ def _itemsize(elements: int, ns_itemsize: int) -> int:
 
 
 def ring_traffic(n: float, itemsize: int, passes: int, layout: tuple[int, int]) -> tuple:
-    """(slow-link, fast-link) bytes each way per member of a gang collective (also the
-    executor's count): one ring per layout, or two passes in a node and over the nodes.
+    """(slow-link, fast-link) bytes each way per member of a gang collective modeled as rings
+    (also gangs.py's count): one ring per layout, or two passes in a node and over the nodes.
 
     Args:
         n: elements of the (TP slice of the) tensor.
