@@ -38,7 +38,7 @@ def _posting(name: str, log: list, members=(0, 1), error=None):
 
 
 def _runner() -> GangRunner:
-    return GangRunner(None, device=torch.device("cpu"))
+    return GangRunner(None)
 
 
 def test_units_run_in_rounds_and_requests_are_posted_in_one_order():

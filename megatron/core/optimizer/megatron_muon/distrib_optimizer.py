@@ -233,7 +233,7 @@ def attach(
     plan = build_plan(distopt, muon.param_info.get, model, window)
     muon.param_info = _shard_infos(distopt, plan, muon_params)
     device = distopt.buffers[0].grad_data.device if distopt.buffers else None
-    gangs = GangRunner(muon.orthogonalizer, device)  # the TP one: gang blocks share TP
+    gangs = GangRunner(muon.orthogonalizer)  # the TP one: gang blocks share TP
     gangs.make_groups(plan)
     muon.orthogonalizer = DistributedMuonOrthogonalizer(
         plan,

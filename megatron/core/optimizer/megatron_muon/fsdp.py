@@ -260,7 +260,7 @@ def attach_zero3(
     device = local(matrices[0].param).device if matrices else None
     exchanges, by_param = [], {}
     for j, (plan, order) in enumerate(build_plans(matrices, model)):
-        gangs = GangRunner(muon.orthogonalizer, device)
+        gangs = GangRunner(muon.orthogonalizer)
         gangs.make_groups(plan)
         exchanges.append(
             DistributedMuonOrthogonalizer(

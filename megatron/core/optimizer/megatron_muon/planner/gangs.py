@@ -22,9 +22,8 @@ class GangRunner:
     """Runs this rank's gang blocks of one exchange, all in flight together; ``sum_bytes``:
     the bytes its gang collectives moved (ring model, ``cost_model.ring_traffic``)."""
 
-    def __init__(self, inner, device=None):
+    def __init__(self, inner):
         self.inner = inner  # the TP orthogonalizer (``duplicated``: TP ranks share a block)
-        self.device = device
         self.plan = None  # of the exchange being run
         self.sum_bytes = 0.0  # of the last ``run``
         self.groups: dict[tuple[int, ...], object] = {}  # global ranks -> group (None: not in)
@@ -211,7 +210,7 @@ def _tp_slice(n: int, group) -> tuple[int, int, Optional[list], int]:
     return (*slices[p], slices, p)
 
 
-# ------------------------------------------------------------------- where gangs ring
+# ----------------------------------------------------- the nodes the planner weighs gangs on
 
 
 def gang_nodes(group, nvlink_domain: Optional[int], inner, infos: list) -> tuple[int, ...]:
