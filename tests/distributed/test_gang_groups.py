@@ -1,12 +1,14 @@
 """The gangs' process groups and a failing rank on real gloo ranks (planner/gangs.py): groups of
 overlapping gangs made once, each summing over its members only; an error on a rank's main
-thread raised at once while its posted collective still waits for a slower peer. Reproduce by
+thread raised while its posted collective still waits for its peer. Reproduce by
 hand:
 
     .venv/bin/python -m pytest tests/distributed/test_gang_groups.py -q
 """
 
+import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -61,10 +63,9 @@ def test_groups_of_overlapping_gangs_sum_over_their_members():
         assert got == want
 
 
-LATE = 2.0  # seconds rank 1 takes to reach the collective rank 0 posted before failing
-
-
-def _fail_while_posted():
+def _fail_while_posted(flag: str):
+    """Rank 0 posts a gang sum and fails; rank 1 joins the sum only once rank 0 has raised
+    (``flag`` written), so a rank 0 that waited in Python for the sum would never raise."""
     plan = _plan([(0, 1)])
     runner = GangRunner(None)
     runner.make_groups(plan)
@@ -72,9 +73,12 @@ def _fail_while_posted():
     group = runner._group([0, 1], (0, 1))
     t = torch.ones(4)
     if plan.rank == 1:
-        time.sleep(LATE)
-        torch.distributed.all_reduce(t, group=group)
-        return t.tolist()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raised = os.path.exists(flag)
+        torch.distributed.all_reduce(t, group=group)  # completes rank 0's posted sum either way
+        return raised, t.tolist()
 
     def unit():
         yield SUM, t
@@ -84,18 +88,20 @@ def _fail_while_posted():
         yield  # a generator function
 
     serve = [{SUM: lambda x: runner._gang_sum(group, (0, 1), None, x)}, {}]
-    start = time.perf_counter()
     try:
         runner._interleave([unit(), failing()], serve, [(0, 1), (0, 1)])
     except RuntimeError as err:
-        return str(err), time.perf_counter() - start
+        Path(flag).write_text(str(err))
+        return str(err)
     return None
 
 
-def test_an_error_is_raised_at_once_while_a_posted_collective_waits_for_a_late_peer():
-    """Rank 0 posts a gang sum, then fails: the error comes before the late peer arrives
-    (nothing in Python waits); the peer still completes the sum with rank 0's part, and both
-    processes end (gloo's group waits for the posted work at exit: the peer delivers it)."""
-    failed, summed = run_distributed(_fail_while_posted, 2, timeout=60)
-    assert failed[0] == "out of memory" and failed[1] < LATE / 2, failed
+def test_an_error_is_raised_while_a_posted_collective_waits_for_its_peer(tmp_path):
+    """Rank 0 posts a gang sum, then fails: it raises before its peer joins the sum (nothing in
+    Python waits: the peer joins only after the error); the peer then completes the sum with
+    rank 0's part, and both processes end (gloo's group waits for the posted work at exit)."""
+    failed, (raised, summed) = run_distributed(
+        _fail_while_posted, 2, args=(str(tmp_path / "raised"),), timeout=120
+    )
+    assert failed == "out of memory" and raised
     assert summed == [2.0] * 4
