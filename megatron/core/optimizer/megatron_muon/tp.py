@@ -259,9 +259,22 @@ def owner_cells(infos: list, cells: int) -> list[int]:
     Returns:
         One cell per matrix.
     """
-    load, out = [0.0] * cells, [0] * len(infos)
-    weights = [_ns_weight(info) for info in infos]
-    for i in sorted(range(len(infos)), key=lambda i: (-weights[i], i)):
+    return lpt([_ns_weight(info) for info in infos], cells)
+
+
+def lpt(weights: list[float], cells: int) -> list[int]:
+    """Longest processing time first: each weight, largest first (ties: lower index), onto the
+    least-loaded cell (ties: lower cell).
+
+    Args:
+        weights: the items' weights.
+        cells: the number of cells.
+
+    Returns:
+        One cell per item.
+    """
+    load, out = [0.0] * cells, [0] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
         out[i] = min(range(cells), key=lambda c: (load[c], c))
         load[out[i]] += weights[i]
     return out

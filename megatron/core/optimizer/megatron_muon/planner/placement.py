@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..exchange import Block, Unit
+from ..tp import lpt
 from .cost_model import (
     NSCostModel,
     critical_path,
@@ -129,7 +130,15 @@ def holder_owners(
         return _cell_owners(costs, holders, world, cells)
     owners, loads = list(holders), _loads(costs, holders, world)
     limit = sum(loads) / max(world, 1) * min(1 + HOLDER_SLACK, 1 / max(min_efficiency, 1e-9))
-    return owners if _move(costs, owners, loads, limit) else None
+    while max(loads, default=0.0) > limit:  # each move lowers the sum of squared loads: it ends
+        busy, idle = loads.index(max(loads)), loads.index(min(loads))
+        gap = loads[busy] - loads[idle]
+        movable = [i for i, o in enumerate(owners) if o == busy and 0 < costs[i] < gap]
+        if not movable:
+            return None  # no move helps before the loads balance
+        i = min(movable, key=lambda i: (abs(costs[i] - gap / 2), i))
+        owners[i], loads[busy], loads[idle] = idle, loads[busy] - costs[i], loads[idle] + costs[i]
+    return owners
 
 
 def _loads(costs: list[float], owners: list[int], world: int) -> list[float]:
@@ -137,20 +146,6 @@ def _loads(costs: list[float], owners: list[int], world: int) -> list[float]:
     for cost, owner in zip(costs, owners):
         loads[owner] += cost
     return loads
-
-
-def _move(costs: list[float], owners: list[int], loads: list[float], limit: float) -> bool:
-    """Move matrices (in place) from the busiest rank to the idlest until every load is within
-    ``limit``; False where no move helps before that."""
-    while max(loads, default=0.0) > limit:  # each move lowers the sum of squared loads: it ends
-        busy, idle = loads.index(max(loads)), loads.index(min(loads))
-        gap = loads[busy] - loads[idle]
-        movable = [i for i, o in enumerate(owners) if o == busy and 0 < costs[i] < gap]
-        if not movable:
-            return False
-        i = min(movable, key=lambda i: (abs(costs[i] - gap / 2), i))
-        owners[i], loads[busy], loads[idle] = idle, loads[busy] - costs[i], loads[idle] + costs[i]
-    return True
 
 
 def _cell_owners(costs: list[float], holders: list[int], world: int, cells: int):
@@ -180,14 +175,13 @@ def _busiest_cell(costs: list[float], owners: list[int], cells: int) -> float:
 
 
 def _holder_cells(costs: list[float], holders: list[int], cells: int) -> list[int]:
-    """Each matrix's cell ``holder * cells + c``, its holder's matrices spread over the cells
-    largest first onto the least loaded (tp.py's ``owner_cells``)."""
-    load: dict[int, float] = {}
+    """Each matrix's cell ``holder * cells + c``, its holder's matrices spread as tp.py's
+    ``owner_cells`` spreads them (``lpt``)."""
     out = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        first = holders[i] * cells
-        out[i] = min(range(first, first + cells), key=lambda c: (load.get(c, 0.0), c))
-        load[out[i]] = load.get(out[i], 0.0) + costs[i]
+    for holder in set(holders):
+        mine = [i for i, h in enumerate(holders) if h == holder]
+        for i, c in zip(mine, lpt([costs[i] for i in mine], cells)):
+            out[i] = holder * cells + c
     return out
 
 
