@@ -63,6 +63,7 @@ from megatron.core.optimizer.megatron_muon.planner.cost_model import (
 )
 from megatron.core.optimizer.megatron_muon.planner.plan import (
     MuonExchangePlan,
+    TPCollective,
     owner_collectives,
     tp_collectives,
     tp_ns_cost,
@@ -179,14 +180,20 @@ def layer_wise_layout(numels: list[int], dp: int, bucket_size) -> dict:
 
 
 def layer_wise(
-    params: list[tuple], dp: int, bucket_size, model: NSCostModel, tp_link: float = math.inf
+    params: list[tuple],
+    dp: int,
+    bucket_size,
+    model: NSCostModel,
+    tp_link: float = math.inf,
+    gather: bool = False,
 ) -> dict:
     """Upstream's LayerWise Muon on this model, from its layout: the matrices (``info`` set; the
     params ``is_managed_by_layer_wise_optimizer`` marks: 2-D, not embedding or output) in a
     buffer of their own (``layer_wise_layout``), everything else in a DistOpt-style buffer
     (``ddp_layout``). Each DP rank runs Newton-Schulz on the whole matrices of its shards
     (``model.whole``: the TP mode's FLOPs per TP rank) and the TP mode's collectives
-    (``matrix_tp_bytes`` at ``tp_link`` bytes/s). Returns per-rank NS FLOPs and TP seconds, the
+    (``matrix_tp_bytes`` at ``tp_link`` bytes/s; upstream's ``distributed`` mode gathers no block:
+    ``gather``, and ``model.whole`` must agree). Returns per-rank NS FLOPs and TP seconds, the
     owner of each matrix, and both buffers' padded sizes (elements per TP rank)."""
     muon = [i for i, (_, _, info) in enumerate(params) if info is not None]
     rest = [i for i, (_, _, info) in enumerate(params) if info is None]
@@ -198,7 +205,7 @@ def layer_wise(
         rank = lw["index"][k][3]
         owner[params[i][0]] = rank
         flops[rank] += model.whole(params[i][2])
-        tp_seconds[rank] += matrix_tp_bytes(model, params[i][2]) / tp_link
+        tp_seconds[rank] += matrix_tp_bytes(model, params[i][2], gather) / tp_link
     other = ddp_layout([numel(i) for i in rest], dp, bucket_size)
     return {
         "flops": flops,
@@ -295,7 +302,9 @@ def ns_seconds(
     if tp:
         traces = with_tp(plan, traces, rate / tp_link, tp_model or plan.model)
 
-    def ring(members: tuple, elements: int) -> float:
+    def ring(members: tuple, elements) -> float:
+        if isinstance(elements, TPCollective):  # a TP collective of the distributed mode
+            return elements.link_bytes() / tp_link
         if not elements:
             return 0.0
         slow, fast = plan.model.ring_bytes(members, elements)
@@ -305,30 +314,50 @@ def ns_seconds(
     return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
 
 
-def matrix_tp_bytes(model: NSCostModel, info) -> float:
+def matrix_tp_bytes(model: NSCostModel, info, gather: bool = True) -> float:
     """Bytes each way one TP rank moves over the TP link to orthogonalize ``info`` whole in the
-    model's TP mode (``plan.tp_collectives``)."""
+    model's TP mode (``plan.tp_collectives``; ``gather``: as there)."""
     ns_dtype = plan_figures.NS_DTYPES[model.ns_itemsize]
-    found = tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
+    tp = model.tp_of(info)
+    found = tp_collectives(info, model.steps, model.mode, tp, ns_dtype, gather=gather)
     return sum(c.link_bytes() for c in found)
 
 
 def with_tp(plan: MuonExchangePlan, traces: list, flops_per_byte: float, model) -> list:
-    """``traces`` with each rank's TP collectives (``figures.tp_schedule`` with ``model``) as
-    main-thread time (bytes each way x ``flops_per_byte``, FLOP units) where the step runs them:
-    the gang blocks' TP all-gathers before the first gang work after the forward all-to-all, the
-    whole matrices' before the return all-to-all."""
+    """``traces`` with each rank's TP collectives (``figures.tp_schedule`` with ``model``) where
+    the step runs them: the gang blocks' TP all-gathers as main-thread time (bytes each way x
+    ``flops_per_byte``, FLOP units) before the first gang work after the forward all-to-all;
+    the whole matrices' before the return all-to-all, as main-thread time too, or (the
+    ``distributed`` mode, tp.py's ``stream``) as the collectives it posts and waits for
+    (``figures.stream_trace``), each one TP rank's ``link_bytes`` on a link of its own."""
     out = []
     for rank, trace in enumerate(traces):
         trace = list(trace)
         alls = [i for i, e in enumerate(trace) if e[1] == ALL]
-        for ex, fwd, back in zip(plan.exchanges, alls[::2], alls[1::2]):
+        for ex, fwd, back in reversed(list(zip(plan.exchanges, alls[::2], alls[1::2]))):
             gathered, _, whole = plan_figures.tp_schedule(plan, ex, rank, model=model)
-            for at, run in ((fwd + 1, gathered), (back, whole)):
-                f, *rest = trace[at]
-                trace[at] = (f + flops_per_byte * sum(c.link_bytes() for c in run), *rest)
+            f, *rest = trace[back]
+            if model.mode == "distributed":
+                trace[back : back + 1] = _streamed(plan, ex, rank, model, f, rest)
+            else:
+                trace[back] = (f + flops_per_byte * sum(c.link_bytes() for c in whole), *rest)
+            f, *rest = trace[fwd + 1]
+            trace[fwd + 1] = (f + flops_per_byte * sum(c.link_bytes() for c in gathered), *rest)
         out.append(trace)
     return out
+
+
+def _streamed(plan: MuonExchangePlan, ex, rank: int, model, flops: float, rest: list) -> list:
+    """The return all-to-all's trace entry (``flops`` before it) with the owner's whole matrices
+    run as ``stream_trace``: their FLOPs out of ``flops``, their collectives posted and waited."""
+    owned = plan_figures.owned_whole(plan, ex, rank)
+    whole = sum(plan.matrices[i].units[0].cost for i in owned)
+    ns_dtype = plan_figures.NS_DTYPES[model.ns_itemsize]
+    events, tail = plan_figures.stream_trace(
+        [plan.matrices[i].info for i in owned], model, ns_dtype
+    )
+    run = [(f, op, (rank,), c) for f, op, c in events]
+    return run + [(flops - whole + tail, *rest)]
 
 
 def owner_ns(plan: MuonExchangePlan, rate: float, tp_link: float, tp: int) -> dict:
@@ -401,7 +430,11 @@ def project(model: str, dp: int, a) -> dict:
     if a.tp_mode == "owner":
         whole = lambda info: tp_ns_cost(info, NS_STEPS, "duplicated", tp)  # noqa: E731
         ref = dataclasses.replace(link_model, mode="duplicated", whole=whole)
-    lw = layer_wise(params, dp, bucket, ref, tp_link)
+    lw_ref = ref
+    if a.tp_mode == "distributed":  # upstream's distributed mode splits every block
+        split = lambda info: tp_ns_cost(info, NS_STEPS, "distributed", tp, gather=False)  # noqa: E731
+        lw_ref = dataclasses.replace(link_model, whole=split)
+    lw = layer_wise(params, dp, bucket, lw_ref, tp_link)
     lw_busiest = max(f / rate + t for f, t in zip(lw["flops"], lw["tp_seconds"]))
     ns = lambda p, **kw: ns_seconds(p, rate, link, tp_link, latency, **kw)  # noqa: E731
     distopt_numel = ddp_layout([math.prod(shape) for _, shape, _ in params], dp, bucket)[-1][1]

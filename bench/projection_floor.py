@@ -7,15 +7,17 @@ Two bounds, the larger is the floor:
 
 * work: every matrix's NS FLOPs once (``plan.ns_cost``, what one process runs), spread evenly
   over all GPUs at peak * mfu;
-* the slowest matrix: split over ``k`` GPUs (any ``k`` up to the GPU count), each runs ``1 / k``
-  of its FLOPs, and every NS step sums the matrix's Gram (``g x g``, ``g`` its short side) over
-  the ``k``: at least one all-reduce of its packed upper triangle in fp32 (the sum every exact
-  split here runs: ``functional.orthogonalize_sharded_steps``; no split avoids it, since each
-  member's block contributes to every Gram element). The all-reduce is hierarchical at its
-  cheapest: a ring inside the node over NVLink (``2 (m - 1) / m`` of the bytes, ``m`` members per
-  node), then across the ``n`` nodes a ring of each GPU's ``1 / m`` slice over its own link
-  (``2 (n - 1) / n`` of that). Latency, the norm, the polynomial's gather, the exchange and
-  padding are left out, so the floor is below what any schedule of ours (or LayerWise's) takes.
+* the slowest NS block (a matrix, or one Q, K or V block of a fused QKV weight: each is
+  orthogonalized alone): split over ``k`` GPUs (any ``k`` up to the GPU count), each runs ``1 / k``
+  of its FLOPs, and every NS step sums the block's Gram (``g x g``, ``g`` its short side) over the
+  ``k``: at least one all-reduce of its packed upper triangle in fp32 (the sum every exact split
+  here runs: ``functional.orthogonalize_sharded_steps``; no split avoids it, since each member's
+  block contributes to every Gram element). The all-reduce is hierarchical at its cheapest: a ring
+  inside the node over NVLink (``2 (m - 1) / m`` of the bytes, ``m`` members per node), then across
+  the ``n`` nodes a ring of each GPU's ``1 / m`` slice over its own link (``2 (n - 1) / n`` of
+  that). A gathered block (``newton_schulz.gathers``) is the split over one GPU. Latency, the norm,
+  the polynomial's gather, the exchange and padding are left out, so the floor is below what any
+  schedule of ours (or LayerWise's) takes.
 """
 
 import argparse
@@ -28,16 +30,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import projection  # noqa: E402
 from projection import MODELS, NS_STEPS, model_params  # noqa: E402
 
-from megatron.core.optimizer.megatron_muon.newton_schulz import packed_size  # noqa: E402
+from megatron.core.optimizer.megatron_muon.newton_schulz import ns_flops, packed_size  # noqa: E402
 from megatron.core.optimizer.megatron_muon.planner.plan import _blocks, ns_cost  # noqa: E402
 
 
-def split_seconds(info, k: int, a) -> float:
-    """The least time of ``info``'s NS split over ``k`` GPUs: its FLOPs / k and one fp32 Gram
-    all-reduce per step, hierarchical over nodes (module docstring).
+def split_seconds(block: tuple[int, int], k: int, a) -> float:
+    """The least time of one NS block's NS split over ``k`` GPUs: its FLOPs / k and, where
+    ``k > 1``, one fp32 Gram all-reduce per step, hierarchical over nodes (module docstring).
 
     Args:
-        info: the matrix's TP-global info.
+        block: the block's (rows, cols): a matrix, or one Q, K or V block of a fused QKV weight.
         k: GPUs sharing it.
         a: ``projection.parse_args``' namespace (rates, links, GPUs per node).
 
@@ -45,11 +47,11 @@ def split_seconds(info, k: int, a) -> float:
         Seconds.
     """
     rate = a.peak_tflops * 1e12 * a.mfu
-    gram = sum(packed_size(min(block)) for block in _blocks(info)) * 4
+    gram = packed_size(min(block)) * 4
     m, n = min(k, a.gpus_per_node), -(-k // a.gpus_per_node)
     per_step = 2 * (m - 1) / m * gram / (a.tp_link_gbps / 8 * 1e9)
     per_step += 2 * (n - 1) / n * gram / m / (a.link_gbps / 8 * 1e9)
-    return ns_cost(info, NS_STEPS) / k / rate + NS_STEPS * per_step
+    return ns_flops(*block, NS_STEPS, "standard") / k / rate + NS_STEPS * per_step
 
 
 def floor_row(model: str, dp: int, a) -> dict:
@@ -67,13 +69,11 @@ def floor_row(model: str, dp: int, a) -> dict:
     cfg = MODELS[model]
     tp = cfg[-1]
     params = model_params(*cfg)
-    infos = {info.shape: info for _, _, info in params if info is not None}  # one per shape
     every = [info for _, _, info in params if info is not None]
+    blocks = {b for info in every for b in _blocks(info)}  # Q, K and V apart: NS runs each alone
     gpus, rate = dp * tp, a.peak_tflops * 1e12 * a.mfu
     work = sum(ns_cost(info, NS_STEPS) for info in every) / gpus / rate
-    splits = {
-        s: min((split_seconds(i, k, a), k) for k in range(1, gpus + 1)) for s, i in infos.items()
-    }
+    splits = {b: min((split_seconds(b, k, a), k) for k in range(1, gpus + 1)) for b in blocks}
     shape, (slowest, k) = max(splits.items(), key=lambda item: item[1][0])
     total = sum(math.prod(s) * (tp if len(s) == 2 else 1) for _, s, _ in params)
     step = 6 * total * a.tokens / (gpus * rate)
@@ -98,7 +98,7 @@ def main(argv=None) -> list[dict]:
         f"between, {a.tokens:,} tokens/step, {NS_STEPS} NS steps, fp32 Gram sums"
     )
     print(
-        "| model | TP x DP (GPUs) | model step | work bound | slowest matrix: best split "
+        "| model | TP x DP (GPUs) | model step | work bound | slowest NS block: best split "
         "| floor | floor / step |\n|---|---|---|---|---|---|---|"
     )
     for r in rows:

@@ -57,6 +57,7 @@ def _step(mode: str, gangs: bool) -> dict:
     inner, outer = CollectiveRecorder(), CollectiveRecorder()
     _recorded(distopt.optimizer, "step", inner)
     _recorded(optimizer, "step", outer)
+    trace, counter = _streamed(optimizer) if mode == "distributed" else ([], None)
     train_step(spec, model, optimizer, global_batches(spec, 1)[0])
     tp = tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
 
@@ -72,7 +73,48 @@ def _step(mode: str, gangs: bool) -> dict:
         "other_mode": _counted(_with_model(plan, mode=other), t),
         "fewer_steps": _counted(_with_model(plan, steps=plan.model.steps - 1), t),
         "gangs": sum(len(ex.gangs) for ex in plan.exchanges),
+        "trace": trace,
+        "after": counter and counter.flops,
+        "plan_trace": _plan_stream(plan) if mode == "distributed" else ([], None),
     }
+
+
+def _streamed(optimizer) -> tuple[list, object]:
+    """Record tp.py's ``stream``: (matmul FLOPs of the step since the previous entry, post or
+    wait, the collective's input elements), and the counter (its FLOPs after the last entry)."""
+    from test_muon_distopt import MatmulFlops, count_optimizer_step
+
+    from megatron.core.optimizer.megatron_muon import tp
+    from megatron.core.optimizer.megatron_muon.newton_schulz import SUM
+    from megatron.core.optimizer.megatron_muon.planner.cost_model import POST, WAIT
+
+    trace, counter = [], MatmulFlops()
+    post, wait = tp._post, tp._wait
+
+    def posted(i, kind, t, group):
+        # a gather's input: this rank's (padded) rows of ``t``
+        n = t.numel() if kind == SUM else -(-t.shape[0] // group.size()) * t.shape[1]
+        trace.append((counter.flops, POST, n))
+        counter.flops = 0.0
+        return post(i, kind, t, group), n
+
+    def waited(handle):
+        trace.append((counter.flops, WAIT, handle[1]))
+        counter.flops = 0.0
+        wait(handle[0])
+
+    tp._post, tp._wait = posted, waited
+    count_optimizer_step(optimizer, counter)
+    return trace, counter
+
+
+def _plan_stream(plan) -> tuple[list, float]:
+    """The plan's ``stream_trace`` of this rank's whole matrices (one exchange, no gangs), as
+    ``_streamed`` records it; the FLOPs after the last entry."""
+    (ex,) = plan.exchanges
+    infos = [plan.matrices[i].info for i in plan_figures.owned_whole(plan, ex, plan.rank)]
+    events, after = plan_figures.stream_trace(infos, plan.model, "bfloat16")
+    return [(f, op, c.elements) for f, op, c in events], after
 
 
 def _counted(plan, tp_rank: int) -> list[tuple]:
@@ -123,3 +165,15 @@ def test_tp_collectives_of_a_step_are_the_counted_ones(mode, gangs):
             assert [c[0] for c in r["counted"]] == ["all_to_all_single"] * 2
         if mode == "distributed" or gangs:
             assert r["fewer_steps"] != r["counted"]
+
+
+def test_distributed_mode_runs_the_planned_stream():
+    """``distributed`` mode: each TP rank's posts and waits, and the matmul FLOPs between them,
+    are ``figures.stream_trace``'s (the projection's trace): two matrices in flight at once,
+    one's collectives posted before the other's are waited for."""
+    for rank, r in enumerate(_runs("distributed")):
+        planned, after = r["plan_trace"]
+        assert r["trace"] == planned, rank
+        assert r["after"] == after > 0
+        ops = [op for _, op, _ in r["trace"]]
+        assert ops[:2] == ["post", "post"], ops[:4]  # the second matrix posts before a wait

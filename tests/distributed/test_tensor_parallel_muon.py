@@ -20,24 +20,24 @@ def _whole(seed: int, rows: int, cols: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
 
 
-def _run(mode: str) -> list:
+def _run(mode: str, matrices=MATRICES) -> list:
     """Each rank steps its TP shard of every matrix; returns the gathered whole matrices."""
     from megatron.core import parallel_state as ps
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     params = []
-    for i, (rows, cols, dim) in enumerate(MATRICES):
+    for i, (rows, cols, dim) in enumerate(matrices):
         p = torch.nn.Parameter(_whole(i, rows, cols).chunk(tp, dim)[rank].clone())
         p.tensor_model_parallel, p.partition_dim = True, dim
         params.append(p)
     opt = TensorParallelMuon(params, lr=0.1, fp32_matmul_prec="highest", tp_mode=mode)
     for step in range(STEPS):
-        for i, (p, (rows, cols, dim)) in enumerate(zip(params, MATRICES)):
+        for i, (p, (rows, cols, dim)) in enumerate(zip(params, matrices)):
             p.grad = _whole(100 * step + i + 10, rows, cols).chunk(tp, dim)[rank].clone()
         opt.step()
     return [
         _gather(p.detach(), dim, ps.get_tensor_model_parallel_group())
-        for p, (_, _, dim) in zip(params, MATRICES)
+        for p, (_, _, dim) in zip(params, matrices)
     ]
 
 
@@ -68,7 +68,12 @@ def test_blockwise_is_not_the_exact_result():
     assert max((a - b).abs().max().item() for a, b in zip(got, ref)) > 100 * TOL
 
 
-def _counted(broken_gather: bool = False) -> float:
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _counted(broken_gather: bool = False, matrices=MATRICES) -> float:
     """Matmul FLOPs of one ``distributed``-mode step on this rank (``broken_gather``: the
     negative control below, the other rank's polynomial rows never arrive)."""
     from test_muon_distopt import MatmulFlops
@@ -76,15 +81,15 @@ def _counted(broken_gather: bool = False) -> float:
     from megatron.core.optimizer.megatron_muon import tp
 
     if broken_gather:
-        tp.gather_rows = lambda poly, p, k, group: None
+        tp.post_rows = lambda poly, group: (_Done(), None)
     counter = MatmulFlops()
     with counter:
-        result = _run("distributed")
+        result = _run("distributed", matrices)
     return counter.flops / STEPS, result
 
 
 def test_distributed_mode_splits_the_polynomial_and_runs_the_counted_flops():
-    """Each TP rank computes half of every polynomial ``p(G)`` (``tp.gather_rows``): the
+    """Each TP rank computes half of every polynomial ``p(G)`` (``tp.post_rows``): the
     matmul FLOPs a rank runs per step are ``tp_ns_cost``'s (``4 r n^2 + 2 n^2 ceil(n / tp)``),
     below the ``2 n^3`` of the whole polynomial; without the gather the result is wrong."""
     from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
@@ -99,4 +104,32 @@ def test_distributed_mode_splits_the_polynomial_and_runs_the_counted_flops():
         assert flops == want
     (ref,) = run_distributed(_run, 1, args=("distributed",))
     got = run_distributed(_counted, 2, tp=2, args=(True,))[0][1]
+    assert not any(torch.allclose(a, b, rtol=0, atol=100 * TOL) for a, b in zip(got, ref))
+
+
+# 8 lines per TP rank of a 64-side Gram: cheaper whole on each rank than split (``gathers``), as
+# a GQA K or V block under TP; by rows and by columns.
+GATHERED = [(16, 64, 0), (64, 16, 1)]
+
+
+def test_distributed_mode_gathers_a_block_cheaper_whole():
+    """A block cheaper whole is gathered (``tp.post_rows``) and orthogonalized whole on each TP
+    rank: the one-process result, the whole Newton-Schulz's FLOPs (``tp_ns_cost``), and no
+    Gram sum; without the gather the result is wrong."""
+    from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
+    from megatron.core.optimizer.megatron_muon.newton_schulz import gathers, ns_flops
+    from megatron.core.optimizer.megatron_muon.planner.plan import tp_collectives, tp_ns_cost
+
+    infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in GATHERED]
+    assert gathers(64, 16, 2) and not gathers(32, 64, 2)  # GATHERED, MATRICES[0]
+    want = sum(ns_flops(r, c, 5, "standard") for r, c, _ in GATHERED)
+    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want
+    ops = [c.op for info in infos for c in tp_collectives(info, 5, "distributed", 2)]
+    assert ops == ["all_gather_into_tensor"] * 2
+    (ref,) = run_distributed(_run, 1, args=("distributed", GATHERED))
+    for flops, got in run_distributed(_counted, 2, tp=2, args=(False, GATHERED)):
+        assert flops == want
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+    got = run_distributed(_counted, 2, tp=2, args=(True, GATHERED))[0][1]
     assert not any(torch.allclose(a, b, rtol=0, atol=100 * TOL) for a, b in zip(got, ref))

@@ -25,6 +25,8 @@ from .newton_schulz import (
     CoefficientSet,
     Request,
     Triple,
+    gathered_newton_schulz_steps,
+    gathers,
     newton_schulz,
     newton_schulz_stack,
     sharded_newton_schulz_steps,
@@ -350,6 +352,7 @@ def orthogonalize_sharded_steps(
     dim: int,
     reassociate: bool = False,
     part: Optional[tuple[int, int]] = None,
+    gather: bool = False,
 ) -> Generator[Request, None, Tensor]:
     """This shard (along ``dim``) of ``s * NS_k(U)`` as a generator of ``SUM``/``GATHER`` requests
     (served by the TP ``distributed`` mode and gangs); a QKV shard holds whole query groups or
@@ -362,6 +365,7 @@ def orthogonalize_sharded_steps(
         dim: 0 for row shards, 1 for column shards.
         reassociate: use the reassociated step where it is cheaper.
         part: ``(p, k)``: split polynomials by rows where ``splits_polynomial``.
+        gather: (with ``part``, equal shards) gather a block where ``gathers``.
 
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.
@@ -371,18 +375,22 @@ def orthogonalize_sharded_steps(
         ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
         out = []
         for b in blocks:
-            out.append((yield from sharded_newton_schulz_steps(b, dim, *ns, part=_part(b))))
+            g, lines, k = b.shape[1 - dim], _lines(b), part[1] if part is not None else 1
+            if gather and gathers(g, lines, k):
+                out.append((yield from gathered_newton_schulz_steps(b, dim, part, *spec.ns)))
+                continue
+            split = part is not None and splits_polynomial(g, lines, k, reassociate)
+            out.append(
+                (yield from sharded_newton_schulz_steps(b, dim, *ns, part=part if split else None))
+            )
         return out
 
-    def _part(block: Tensor):
+    def _lines(block: Tensor) -> int:
         # The matrix's (Q/K/V block's) global lines along ``dim``: row shards of QKV hold
         # equal numbers of query groups, so the block's rows scale as the shard's.
-        lines = info.shape[dim]
         if info.qkv_split is not None and dim == 0:
-            lines = block.shape[0] * info.shape[0] // u.shape[0]
-        g, k = block.shape[1 - dim], part[1] if part is not None else 1
-        split = part is not None and splits_polynomial(g, lines, k, reassociate)
-        return part if split else None
+            return block.shape[0] * info.shape[0] // u.shape[0]
+        return info.shape[dim]
 
     return (yield from _orthogonalize_steps(u, info, spec, ns_blocks))
 

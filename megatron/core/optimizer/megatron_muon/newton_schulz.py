@@ -6,6 +6,7 @@ and gathers to the caller. Algebra, costs, numerics: docs/newton_schulz.md.
 """
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -460,6 +461,44 @@ def serve(steps: Generator[Request, None, Tensor], handlers: dict) -> Tensor:
         return done.value
 
 
+def interleave(
+    steps: Sequence[Generator], post: Callable, wait: Callable, window: Optional[int] = None
+) -> list:
+    """Run request generators round-robin, at most ``window`` started and unfinished at once (a
+    finished one's place goes to the next, at once): each request is handed to ``post(i, kind,
+    t)``, and ``wait`` gets its handle before generator ``i`` resumes. The posts come in one
+    order, fixed by the generators' requests alone, so peers running the same list post alike
+    (docs/gangs.md).
+
+    Args:
+        steps: the generators.
+        post: starts serving request ``(kind, t)`` of generator ``i``; returns a handle.
+        wait: until a handle's request is served.
+        window: the most generators running together; None: all.
+
+    Returns:
+        The generators' return values, in order.
+    """
+    out: list = [None] * len(steps)
+    later = iter(range(window or len(steps), len(steps)))
+    live, pending = deque(range(min(window or len(steps), len(steps)))), {}
+    while live:
+        i = live.popleft()
+        if i in pending:
+            wait(pending.pop(i))
+        try:
+            kind, t = steps[i].send(None)
+        except StopIteration as done:
+            out[i] = done.value
+            nxt = next(later, None)
+            if nxt is not None:
+                live.appendleft(nxt)
+            continue
+        pending[i] = post(i, kind, t)
+        live.append(i)
+    return out
+
+
 def sharded_newton_schulz_steps(
     x: Tensor,
     dim: int,
@@ -517,6 +556,46 @@ def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
             torch.addmm(buf, buf, poly, beta=a) if dim == 0 else torch.addmm(buf, poly, buf, beta=a)
         )
     return buf.to(x.dtype)
+
+
+def gathered_newton_schulz_steps(x: Tensor, dim: int, part: tuple[int, int], *ns) -> Generator:
+    """This shard of ``NS_k(X)``, X whole on every place: one ``(GATHER, rows)`` request fills
+    X's rows (``dim`` 1: X^T's), then ``newton_schulz`` as on one place. Equal shards.
+
+    Args:
+        x: this place's shard of X, shard ``p`` of ``k`` along ``dim``.
+        dim: 0 for row shards, 1 for column shards.
+        part: ``(p, k)``.
+        *ns: ``newton_schulz``'s settings after ``x``.
+
+    Returns:
+        This shard of ``NS_k(X)``, same shape and dtype as ``x``.
+    """
+    (p, k), lines = part, x.shape[dim]
+    rows = x.new_empty((lines * k, x.shape[1 - dim]))
+    rows[p * lines : (p + 1) * lines] = x if dim == 0 else x.mT
+    yield GATHER, rows
+    return newton_schulz(rows if dim == 0 else rows.mT, *ns).narrow(dim, p * lines, lines)
+
+
+def gathers(gram_side: int, lines: int, parts: int) -> bool:
+    """Whether ``parts`` places sharing a matrix along its ``lines`` (Gram side g when split)
+    orthogonalize it with fewer matmul FLOPs each whole, after gathering it
+    (``gathered_newton_schulz_steps``), than split (``sharded_newton_schulz_steps``, the
+    polynomial split where ``splits_polynomial``): per step, ``ns_flops(lines, g)`` against
+    ``4 g^2 lines / k + 2 g^2 (g / k or g)``. A K or V block of a GQA weight under TP is.
+
+    Args:
+        gram_side: g.
+        lines: the whole matrix's size along the split dimension.
+        parts: k, the number of places.
+
+    Returns:
+        Whether it is gathered.
+    """
+    g = gram_side
+    poly = -(-g // parts) if splits_polynomial(g, lines, parts, False) else g
+    return ns_flops(lines, g, 1, "standard") <= 4 * g * g * (lines // parts) + 2 * g * g * poly
 
 
 def _under(steps: Generator, precision: str, device: torch.device) -> Generator:

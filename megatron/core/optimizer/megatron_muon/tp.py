@@ -22,7 +22,7 @@ from .functional import (
     orthogonalize_sharded_steps,
     timed,
 )
-from .newton_schulz import GATHER, SUM, ns_flops, serve
+from .newton_schulz import SUM, interleave, ns_flops
 
 
 class TPOrthogonalizer:
@@ -43,6 +43,11 @@ class TPOrthogonalizer:
         return self.mode == "owner"
 
     def __call__(self, updates: list[Tensor], infos: list, spec: OrthoSpec) -> list[Tensor]:
+        if self.streams:
+            out: list = [None] * len(updates)
+            loads = [functools.partial(_same, u) for u in updates]
+            self.stream(loads, infos, spec, out.__setitem__)
+            return out
         with timed(self.timers, NS_TIMER):
             if self.mode == "owner":
                 return self._owned(updates, infos, spec)
@@ -56,6 +61,36 @@ class TPOrthogonalizer:
             for i, orth in zip(here, orths):
                 out[i] = orth
             return out
+
+    @property
+    def streams(self) -> bool:
+        """Whether ``stream`` runs the calls (``distributed``: matrices interleaved)."""
+        return self.mode == "distributed"
+
+    def stream(self, loads: list, infos: list, spec: OrthoSpec, store) -> None:
+        """``distributed`` mode: ``store(i, s * NS(loads[i]()))``. TP-sharded matrices run
+        ``TP_WINDOW`` at a time, interleaved (``interleave``: one matrix's sums run under
+        another's matmuls, one order on every TP rank), each loaded when it starts; the rest
+        whole, in batches of at most ``spec.batch_bytes``.
+
+        Args:
+            loads: per matrix, a call giving this rank's shard (or whole matrix).
+            infos: their TP-global infos.
+            spec: Newton-Schulz and scale settings.
+            store: takes each index and its result, laid out like its shard.
+        """
+        with timed(self.timers, NS_TIMER):
+            for expert in (False, True):
+                idx = [i for i, info in enumerate(infos) if self._sharded(info, expert)]
+                if idx:
+                    group = self.groups[expert]
+                    jobs = [_job(loads[i], infos[i], spec, group, store, i) for i in idx]
+                    interleave(jobs, functools.partial(_post, group=group), _wait, TP_WINDOW)
+            local = [i for i, info in enumerate(infos) if self._group(info) is None]
+            _batched(local, loads, infos, spec, store)
+
+    def _sharded(self, info, expert: bool) -> bool:
+        return self._group(info) is not None and bool(getattr(info, "expert", False)) == expert
 
     def _local(self, info) -> bool:
         """Whether ``_one`` orthogonalizes ``info``'s matrix with no collective."""
@@ -144,12 +179,9 @@ class TPOrthogonalizer:
             return orthogonalize(u, info, spec)
         if self.mode == "blockwise":
             return orthogonalize(u, _local_info(info, u.shape), spec)
-        if self.mode == "duplicated":
-            orth = orthogonalize(_all_gather_dim(u, info.partition_dim, group), info, spec)
-            return orth.chunk(dist.get_world_size(group), dim=info.partition_dim)[
-                dist.get_rank(group)
-            ]
-        return _distributed_orthogonalize(u, info, spec, group)
+        assert self.mode == "duplicated", f"{self.mode!r} runs in stream()"
+        orth = orthogonalize(_all_gather_dim(u, info.partition_dim, group), info, spec)
+        return orth.chunk(dist.get_world_size(group), dim=info.partition_dim)[dist.get_rank(group)]
 
 
 def _local_info(info, local_shape) -> MuonParamInfo:
@@ -166,30 +198,67 @@ def _all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def _distributed_orthogonalize(u: Tensor, info, spec: OrthoSpec, group) -> Tensor:
-    """``s * NS(U)`` of this rank's shard in the ``distributed`` mode; the math gets a sum over
-    ``group``, never the group."""
-    dim = info.partition_dim
-    assert info.qkv_split is None or dim == 0, "a fused QKV weight is split by rows"
-    reduce = functools.partial(dist.all_reduce, group=group)
+# ``distributed`` mode: TP-sharded matrices in flight at once (``TPOrthogonalizer.stream``):
+# while one waits for a sum, the next computes. Two bound the NS working set to two matrices'.
+TP_WINDOW = 2
+
+
+def _batched(ids: list[int], loads: list, infos: list, spec: OrthoSpec, store) -> None:
+    """``store(i, s * NS(loads[i]()))`` for ``i`` in ``ids``, no collective, each run batched
+    (``orthogonalize_matrices``) once it holds ``spec.batch_bytes``."""
+    run: list = []
+    for n, i in enumerate(ids):
+        run.append((i, loads[i]()))
+        held = sum(u.numel() * u.element_size() for _, u in run)
+        if held >= spec.batch_bytes or n == len(ids) - 1:
+            got = orthogonalize_matrices([u for _, u in run], [infos[j] for j, _ in run], spec)
+            for (j, _), orth in zip(run, got):
+                store(j, orth)
+            run = []
+
+
+def _same(u: Tensor) -> Tensor:
+    return u
+
+
+def _job(load, info, spec: OrthoSpec, group, store, i: int):
+    """One matrix's ``distributed``-mode Newton-Schulz as a request generator: its shard loaded
+    when it starts, its result stored when it ends; the math gets sums, never the group."""
     k, p = dist.get_world_size(group), dist.get_rank(group)
-    gather = functools.partial(gather_rows, p=p, k=k, group=group)
-    steps = orthogonalize_sharded_steps(u, info, spec, dim, part=(p, k))
-    return serve(steps, {SUM: reduce, GATHER: gather})
+    steps = orthogonalize_sharded_steps(
+        load(), info, spec, info.partition_dim, part=(p, k), gather=True
+    )
+    store(i, (yield from steps))
 
 
-def gather_rows(poly: Tensor, p: int, k: int, group) -> None:
-    """Fill the rows of ``poly`` that other TP ranks computed (``cut(g, k)``) with one all-gather.
+def _post(i: int, kind: str, t: Tensor, group) -> tuple:
+    """Post request ``(kind, t)`` over ``group``: (work, the fill after its wait or None)."""
+    if kind == SUM:
+        return dist.all_reduce(t, group=group, async_op=True), None
+    return post_rows(t, group)
+
+
+def _wait(posted: tuple) -> None:
+    work, fill = posted
+    work.wait()
+    if fill is not None:
+        fill()
+
+
+def post_rows(poly: Tensor, group) -> tuple:
+    """Post the all-gather that fills the rows of ``poly`` other TP ranks computed (``cut(g,
+    k)``): ``post_gather_ranges`` of its rows.
 
     Args:
         poly: the ``g x g`` polynomial, this rank's rows filled; completed in place.
-        p: this rank's index in ``group``.
-        k: the size of ``group``.
         group: the tensor-parallel process group.
+
+    Returns:
+        As ``post_gather_ranges``.
     """
-    g, cols = poly.shape
+    (g, cols), k, p = poly.shape, dist.get_world_size(group), dist.get_rank(group)
     bounds = [(q * g // k * cols, (q + 1) * g // k * cols) for q in range(k)]
-    all_gather_ranges(poly.view(-1), bounds, p, group)
+    return post_gather_ranges(poly.view(-1), bounds, p, group)
 
 
 def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> None:

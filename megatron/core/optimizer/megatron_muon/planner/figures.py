@@ -5,8 +5,16 @@ from typing import Optional
 
 from ..config import DEFAULT_NS_BATCH_BYTES as NS_BATCH
 from ..exchange import Exchange, MatrixSlot, Unit, owned_runs
-from .cost_model import ALL, POST, Gather, critical_path, exchange_schedule, member_events
-from .plan import MuonExchangePlan, TPCollective, owner_collectives, tp_collectives
+from ..newton_schulz import interleave
+from ..tp import TP_WINDOW
+from .cost_model import ALL, POST, WAIT, Gather, critical_path, exchange_schedule, member_events
+from .plan import (
+    MuonExchangePlan,
+    TPCollective,
+    distributed_events,
+    owner_collectives,
+    tp_collectives,
+)
 
 NS_DTYPES = {2: "bfloat16", 4: "float32"}  # ``NSCostModel.ns_itemsize`` -> dtype name
 
@@ -136,13 +144,78 @@ def tp_schedule(
         infos = [plan.matrices[i].info for i in owned if i not in gangs]
         tp = max([model.tp_of(info) for info in infos] or [1])
         return gathered, sliced, owner_collectives(infos, tp, tp_rank, update_dtype)
-    itemsize = {v: k for k, v in NS_DTYPES.items()}[update_dtype]
-    rest = [i for i in owned if i not in gangs]
-    for run in owned_runs(plan, rest, rank, itemsize, NS_BATCH):  # the owner's order: by shape
-        for i in run:
-            info = plan.matrices[i].info
-            whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
+    infos = [plan.matrices[i].info for i in owned_whole(plan, ex, rank, update_dtype)]
+    if model.mode == "distributed":
+        trace, _ = stream_trace(infos, model, ns_dtype)
+        return gathered, sliced, [c for _, op, c in trace if op == POST]
+    for info in infos:
+        whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
     return gathered, sliced, whole
+
+
+def owned_whole(plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype="float32") -> list:
+    """The matrices ``rank`` owns whole in ``ex``, in the order it runs them (``owned_runs``).
+
+    Args:
+        plan: the plan.
+        ex: one of its exchanges.
+        rank: a DP rank.
+        update_dtype: the update's dtype (its batches' bytes).
+
+    Returns:
+        Matrix indices.
+    """
+    owned = _owned(plan, ex).get(rank, [])
+    rest = [i for i in owned if i not in set(ex.gangs)]
+    itemsize = {v: k for k, v in NS_DTYPES.items()}[update_dtype]
+    return [i for run in owned_runs(plan, rest, rank, itemsize, NS_BATCH) for i in run]
+
+
+def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, float]:
+    """The ``distributed`` mode's main-thread trace of an owner's whole matrices as tp.py's
+    ``stream`` runs them: TP-sharded ones ``TP_WINDOW`` at a time, interleaved by the same
+    ``interleave``, dense then expert; then the others.
+
+    Args:
+        infos: the matrices' TP-global infos, in the order the owner runs them.
+        model: the ``NSCostModel`` (``steps``, ``tp_of``, ``whole``).
+        ns_dtype: Newton-Schulz's compute dtype.
+
+    Returns:
+        ``(FLOPs before, POST or WAIT, TPCollective)`` entries, and the FLOPs after the last.
+    """
+    trace: list = []
+    after = [0.0]  # FLOPs run since the last entry
+
+    def job(events: list):
+        flops, posts = 0.0, [j for j, e in enumerate(events) if not isinstance(e, float)]
+        for j, e in enumerate(events[: posts[-1] + 1]):
+            if isinstance(e, float):
+                flops += e
+                continue
+            tail = sum(events[posts[-1] + 1 :]) if j == posts[-1] else 0.0
+            yield POST, (flops, e, tail)  # the tail runs after the last wait, before the next
+            flops = 0.0
+
+    def post(i: int, kind: str, request: tuple) -> tuple:
+        flops, collective, tail = request
+        trace.append((after[0] + flops, POST, collective))
+        after[0] = 0.0
+        return collective, tail
+
+    def wait(posted: tuple) -> None:
+        trace.append((after[0], WAIT, posted[0]))
+        after[0] = posted[1]
+
+    for expert in (False, True):
+        sharded = [
+            info
+            for info in infos
+            if model.tp_of(info) > 1 and bool(getattr(info, "expert", False)) == expert
+        ]
+        jobs = [job(distributed_events(i, model.steps, model.tp_of(i), ns_dtype)) for i in sharded]
+        interleave(jobs, post, wait, TP_WINDOW)
+    return trace, after[0] + sum(model.whole(i) for i in infos if model.tp_of(i) == 1)
 
 
 def _owned(plan: MuonExchangePlan, ex: Exchange) -> dict[int, list[int]]:
@@ -347,6 +420,11 @@ def transient_bytes(
         whole = [i for i in ex.matrices if (u := plan.matrices[i].unit_of(rank)) and not u.gang]
         runs = owned_runs(plan, whole, rank, 4, batch_bytes)  # DistOpt's fp32 main params
         ws = {i: working_set(plan.matrices[i], plan.matrices[i].unit_of(rank)) for i in whole}
+        if plan.model is not None and plan.model.mode == "distributed":  # tp.py's ``stream``
+            streamed = [i for i in whole if plan.model.tp_of(plan.matrices[i].info) > 1]
+            rest = [i for i in whole if i not in set(streamed)]
+            runs = owned_runs(plan, rest, rank, 4, batch_bytes)
+            runs.append(sorted(streamed, key=lambda i: -ws[i])[:TP_WINDOW])  # at most in flight
         # gang blocks are all in flight together, then whole matrices a batch at a time
         work = max(sum(b for gang, b in sets if gang), *(sum(ws[i] for i in r) for r in runs), 0)
         results = 0 if f == r else owned * r  # else written over the received pieces

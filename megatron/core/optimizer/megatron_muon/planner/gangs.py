@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..exchange import Exchange
 from ..functional import OrthoSpec, orthogonalize_sharded_steps
-from ..newton_schulz import GATHER, SUM
+from ..newton_schulz import GATHER, SUM, interleave
 from ..tp import TPOrthogonalizer, all_gather_ranges, post_gather_ranges
 from .cost_model import cut, node_layout, ring_traffic
 
@@ -93,21 +93,11 @@ class GangRunner:
         """Run the generators ``steps`` in rounds, posting each request as an async collective:
         one global order on every member, so no two gangs wait in a circle. A raise leaves the
         posted collectives to their peers (docs/gangs.md, "A failing rank")."""
-        out: list = [None] * len(steps)
-        pending: list = [None] * len(steps)
-        live = list(range(len(steps)))
-        while live:
-            for i in list(live):
-                if pending[i] is not None:
-                    self._wait(pending[i])
-                try:
-                    kind, t = next(steps[i]) if pending[i] is None else steps[i].send(None)
-                except StopIteration as done:
-                    out[i] = done.value
-                    live.remove(i)
-                    continue
-                pending[i] = self._post(serve[i][kind], t, members[i])
-        return out
+
+        def post(i: int, kind: str, t: Tensor) -> "Posted":
+            return self._post(serve[i][kind], t, members[i])
+
+        return interleave(steps, post, lambda posted: self._wait(posted))
 
     def _post(self, serve: Callable, t: Tensor, members: tuple) -> "Posted":
         """Post ``serve(t)``, a gang collective over ``members``, in place on ``t``."""

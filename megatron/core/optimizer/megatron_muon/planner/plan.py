@@ -13,7 +13,7 @@ import torch
 
 from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece, exchange_dtypes, itemsize
 from ..functional import MuonParamInfo
-from ..newton_schulz import compute_dtype, ns_flops, packed_size, splits_polynomial
+from ..newton_schulz import compute_dtype, gathers, ns_flops, packed_size, splits_polynomial
 from ..tp import TPOrthogonalizer, owner_cells
 from .cost_model import NSCostModel, PlanLinks
 from .placement import BUNDLES, TARGETS, Work, assign_units
@@ -42,7 +42,7 @@ def _blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
 
 
 def tp_ns_cost(
-    info: MuonParamInfo, steps: int, mode: str, tp: int, form: str = "standard"
+    info: MuonParamInfo, steps: int, mode: str, tp: int, form: str = "standard", gather=True
 ) -> float:
     """NS FLOPs each TP rank of the owner executes, per TP mode (tp.py, docs/tp_modes.md).
 
@@ -52,6 +52,7 @@ def tp_ns_cost(
         mode: "duplicated", "blockwise" or "distributed".
         tp: the tensor-parallel size.
         form: ``OrthoSpec.form`` for whole matrices (distributed runs the standard steps).
+        gather: ``distributed_events``' (False: upstream's distributed mode).
 
     Returns:
         Matmul FLOPs of all steps on one TP rank.
@@ -65,13 +66,9 @@ def tp_ns_cost(
         shape = list(info.shape)
         shape[dim] //= tp
         return ns_cost(MuonParamInfo(tuple(shape), info.qkv_split), steps, form)
-    total = 0.0
-    for rows, cols in _blocks(info):
-        split, whole = (rows // tp, cols) if dim == 0 else (cols // tp, rows)
-        # The polynomial split over TP (``tp``): the busiest rank's ceil(g / tp) rows.
-        poly = -(-whole // tp) if splits_polynomial(whole, split * tp, tp, False) else whole
-        total += steps * (4 * split * whole**2 + 2 * whole**2 * poly)
-    return total
+    return sum(
+        e for e in distributed_events(info, steps, tp, gather=gather) if isinstance(e, float)
+    )
 
 
 # Bytes per element of the dtypes Muon's TP collectives move (``TPCollective.dtype``).
@@ -109,6 +106,7 @@ def tp_collectives(
     tp: int,
     ns_dtype: str = "bfloat16",
     update_dtype: str = "float32",
+    gather: bool = True,
 ) -> list[TPCollective]:
     """The TP collectives one TP rank issues, in order, to orthogonalize one whole matrix
     (``TPOrthogonalizer.__call__``: tp.py; each mode's list: docs/tp_modes.md).
@@ -120,6 +118,7 @@ def tp_collectives(
         tp: the tensor-parallel size.
         ns_dtype: Newton-Schulz's compute dtype (the polynomial's rows move in it).
         update_dtype: the update's dtype (DistOpt's fp32 main params).
+        gather: ``distributed_events``'.
 
     Returns:
         The collectives, in the order the step issues them.
@@ -129,14 +128,48 @@ def tp_collectives(
         return []
     if mode == "duplicated":
         return [TPCollective("all_gather", math.prod(info.shape) // tp, update_dtype, tp)]
-    out = []
+    events = distributed_events(info, steps, tp, ns_dtype, update_dtype, gather)
+    return [e for e in events if not isinstance(e, float)]
+
+
+def distributed_events(
+    info: MuonParamInfo,
+    steps: int,
+    tp: int,
+    ns_dtype="bfloat16",
+    update_dtype="float32",
+    gather=True,
+) -> list:
+    """What one TP rank runs, in order, to orthogonalize one TP-sharded matrix in the
+    ``distributed`` mode (tp.py's ``_job``): matmul FLOPs (floats) and ``TPCollective``.
+
+    Args:
+        info: the matrix's TP-global info (``partition_dim`` set).
+        steps: Newton-Schulz iterations.
+        tp: the tensor-parallel size.
+        ns_dtype: Newton-Schulz's compute dtype (the polynomial's rows move in it).
+        update_dtype: the update's dtype (a gathered block moves in it).
+        gather: gather the blocks ``gathers`` (False: split every block, as upstream's mode).
+
+    Returns:
+        The events.
+    """
+    dim, out = info.partition_dim, []
     for rows, cols in _blocks(info):  # Q, K, V blocks all share the Gram side (dim 0)
         g, lines = (cols, rows) if dim == 0 else (rows, cols)
-        out.append(TPCollective("all_reduce", 1, "float32", tp))
+        local = lines // tp
+        if gather and gathers(g, lines, tp):  # whole on every TP rank
+            out.append(TPCollective("all_gather_into_tensor", local * g, update_dtype, tp))
+            out.append(float(ns_flops(rows, cols, steps, "standard")))
+            continue
+        split = splits_polynomial(g, lines, tp, False)  # the distributed mode never reassociates
+        out.append(TPCollective("all_reduce", 1, "float32", tp))  # the squared norm
         for _ in range(steps):
-            out.append(TPCollective("all_reduce", packed_size(g), "float32", tp))
-            if splits_polynomial(g, lines, tp, False):  # the distributed mode never reassociates
+            out += [2.0 * local * g * g, TPCollective("all_reduce", packed_size(g), "float32", tp)]
+            out.append(2.0 * g * g * (-(-g // tp) if split else g))  # its rows of b G + c G G
+            if split:
                 out.append(TPCollective("all_gather_into_tensor", -(-g // tp) * g, ns_dtype, tp))
+            out.append(2.0 * local * g * g)  # a X + X p(G)
     return out
 
 
