@@ -33,12 +33,15 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   step, the packed fp32 Gram all-reduce and the all-gather of the polynomial's rows,
   ``blockwise``'s none; at ``--tp-link-gbps`` (NVLink, 450 GB/s per direction as the planner's
   ``PlanLinks``), ring bytes each way, on the owner's main thread (no overlap), so it lies on the
-  critical path where it runs. The TP all-gathers of sliced gang collectives are in the gang
-  collectives' time (``NSCostModel.tp_bytes``), as before.
+  critical path where it runs; ``distributed``'s as its stream posts and waits for them
+  (``figures.stream_trace``: two matrices in flight, one's collectives under the other's
+  matmuls). The TP all-gathers of sliced gang collectives are in the gang collectives' time
+  (``NSCostModel.tp_bytes``), as before.
 
 Per GPU and step: model = 6 N tokens / (gpus * peak * mfu). Baseline (gather-everything): every
 rank orthogonalizes every matrix in the TP mode (its FLOPs and TP collectives) and all-gathers
-M (dp-1)/dp bytes. LayerWise: each rank's owned matrices in the same TP mode, counted alike. No
+M (dp-1)/dp bytes. LayerWise: each rank's owned matrices in the same TP mode, counted alike
+(``distributed``: upstream's, every block split, one matrix at a time). No
 overlap of Muon with the model's work (an upper bound on the visible overhead), no latency terms
 unless asked for.
 """
