@@ -1,7 +1,7 @@
-"""Optimizer-step time at TP 2 x DP 2 (4 gloo CPU ranks, bf16 model): the ``owner`` TP mode vs
-``duplicated``, ours inside the DistributedOptimizer beside upstream's LayerWise Muon (its TP mode
-``duplicated``), and both of ours under plain DDP (no DistOpt: ``duplicated`` runs every matrix
-on every rank, ``owner`` each once over the grid).
+"""Optimizer-step time at TP 2 x DP 2 (4 gloo CPU ranks, bf16 model): the ``owner`` and
+``distributed`` TP modes vs ``duplicated``, ours inside the DistributedOptimizer beside upstream's
+LayerWise Muon (its TP mode ``duplicated``), and ``owner`` and ``duplicated`` under plain DDP (no
+DistOpt: ``duplicated`` runs every matrix on every rank, ``owner`` each once over the grid).
 
     .venv/bin/python bench/tp_owner_step.py              # 4-layer GPT, hidden 256, 15 timed steps
     .venv/bin/python bench/tp_owner_step.py --repeats 6  # quicker, wider ranges
@@ -25,6 +25,7 @@ from step_cost import MUON, UPSTREAM_MUON, Variant, spec_for, time_variants  # n
 DISTOPT = {
     "owner": Variant({**MUON, "muon_tp_mode": "owner"}, dtype="bf16", muon_layout=True),
     "duplicated": Variant({**MUON, "muon_tp_mode": "duplicated"}, dtype="bf16", muon_layout=True),
+    "distributed": Variant({**MUON, "muon_tp_mode": "distributed"}, dtype="bf16", muon_layout=True),
     "layerwise": Variant(UPSTREAM_MUON, dtype="bf16", layer_wise=True),
 }
 DDP = {
@@ -35,6 +36,9 @@ PAIRS = [
     ("owner", "duplicated"),
     ("owner", "layerwise"),
     ("duplicated", "layerwise"),
+    ("distributed", "duplicated"),
+    ("distributed", "layerwise"),
+    ("distributed", "owner"),
     ("owner ddp", "duplicated ddp"),
 ]
 
