@@ -146,7 +146,7 @@ def test_hsdp_fsdp2_muon_matches_one_process():
     assert_every_rank_close(reference_fsdp2(), got)
 
 
-@pytest.mark.parametrize("tp_mode", ["duplicated", "owner"])
+@pytest.mark.parametrize("tp_mode", ["duplicated", "owner", "distributed"])
 def test_fsdp2_wrapper_muon_tp2_dp2_matches_one_process(tp_mode):
     """Megatron's own FSDP2 wrapper (``TorchFullyShardedDataParallel``, as ``--use-torch-fsdp2``
     builds it) at TP 2 x DP 2: the exchange over DP brings each TP shard's pieces to an owner,
@@ -319,6 +319,10 @@ MEGATRON_FSDP = {
     # --muon-tp-mode owner: the DP exchange's owners hand each TP-sharded matrix to one TP rank
     "tp2_owner_optim_grads_params": dict(
         world_size=4, tp=2, strategy="optim_grads_params", muon_tp_mode="owner"
+    ),
+    # --muon-tp-mode distributed: the owners' TP-sharded matrices streamed (tp.py's ``stream``)
+    "tp2_distributed_optim_grads_params": dict(
+        world_size=4, tp=2, strategy="optim_grads_params", muon_tp_mode="distributed"
     ),
     # experts over EP 2: their own (expert DP) buffers and exchange beside the dense one
     "ep2_moe_optim_grads_params": dict(world_size=4, ep=2, strategy="optim_grads_params"),
