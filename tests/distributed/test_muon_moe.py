@@ -36,6 +36,13 @@ LAYOUTS = {
     "ep2_expert_tp2_duplicated": dict(world_size=4, ep=2, etp=2, muon_tp_mode="duplicated"),
     # ours: each expert matrix whole on one expert-TP rank (tp.py's owner mode)
     "ep2_expert_tp2_owner": dict(world_size=4, ep=2, etp=2, muon_tp_mode="owner"),
+    # the expert matrices streamed over the expert-TP group (tp.py's stream, after the dense)
+    "ep2_expert_tp2_distributed": dict(world_size=4, ep=2, etp=2, muon_tp_mode="distributed"),
+    # the same under the DistributedOptimizer: the expert exchange hands its owners' matrices to
+    # one stream (exchange._stream)
+    "ep2_expert_tp2_distributed_distopt": dict(
+        world_size=4, ep=2, etp=2, muon_tp_mode="distributed", distopt=True
+    ),
 }
 
 
