@@ -1,5 +1,6 @@
-"""The gang blocks' interleaving (planner/gangs.py, ``GangRunner._interleave``) without ranks:
-the order requests are posted and waited in, and errors that surface at once."""
+"""The gang blocks' interleaving (planner/gangs.py, ``GangRunner._interleave``, and its window as
+tp.py's ``stream`` uses it: ``newton_schulz.interleave``) without ranks: the order requests are
+posted and waited in, and errors that surface at once."""
 
 import pytest
 import torch
@@ -79,3 +80,24 @@ def test_an_error_in_a_collective_surfaces_on_the_main_thread():
     serve = [{SUM: _posting("a", [], error=ConnectionError("peer gone"))}]
     with pytest.raises(ConnectionError, match="peer gone"):
         _runner()._interleave([_unit("a", 2, [])], serve, [(0, 1)])
+
+
+def test_a_window_keeps_that_many_running_and_the_next_takes_a_finished_ones_turn():
+    """``newton_schulz.interleave`` with a window of 2 (tp.py's ``stream``): a and b run; when b
+    ends, c starts at once in b's turn; a generator is not started before a place is free."""
+    from megatron.core.optimizer.megatron_muon.newton_schulz import interleave
+
+    log: list = []
+    steps = [_unit("a", 3, log), _unit("b", 1, log), _unit("c", 2, log)]
+
+    def post(i, kind, t):
+        name = "abc"[i]
+        log.append(("post", name, int(t.item())))
+        return _Work(log, name, int(t.item()))
+
+    out = interleave(steps, post, lambda work: work.wait(), window=2)
+    assert out == ["a", "b", "c"]
+    order = [(name, j) for kind, name, j in log if kind == "post"]
+    assert order == [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("a", 2), ("c", 1)]
+    assert log.index(("compute", "c", 0)) > log.index(("compute", "b", 1))  # b ended first
+    assert all(("wait", n, j) in log for kind, n, j in log if kind == "post")
