@@ -22,8 +22,8 @@ demo: install
 # suite (TESTS: unit tests of the math, distributed parity runs, end-to-end launches).
 # Two pytest workers, a test file each (module-scoped runs stay shared): ~2x on 2 cores; more
 # workers would run several multi-rank launches at once (memory). TEST_WORKERS=0: one process.
-# The long files first (e2e launches, then forked parity runs): workers take files in this order,
-# so the many short unit files fill the end instead of one worker idling through a long last file.
+# Workers take whole files in the order pytest-xdist's loadfile sets (3.x: most tests first, so
+# the one- and two-test e2e files come last); measured, the two workers end within ~15 s.
 TEST_WORKERS ?= 2
 TESTS ?= tests/e2e tests/distributed tests/unit
 test: check
