@@ -204,17 +204,27 @@ TP_WINDOW = 2
 
 
 def _batched(ids: list[int], loads: list, infos: list, spec: OrthoSpec, store) -> None:
-    """``store(i, s * NS(loads[i]()))`` for ``i`` in ``ids``, no collective, each run batched
-    (``orthogonalize_matrices``) once it holds ``spec.batch_bytes``."""
+    """``store(i, s * NS(loads[i]()))`` for ``i`` in ``ids``, no collective, batched
+    (``orthogonalize_matrices``) in runs of at most ``spec.batch_bytes``, as ``batches``."""
     run: list = []
-    for n, i in enumerate(ids):
-        run.append((i, loads[i]()))
-        held = sum(u.numel() * u.element_size() for _, u in run)
-        if held >= spec.batch_bytes or n == len(ids) - 1:
-            got = orthogonalize_matrices([u for _, u in run], [infos[j] for j, _ in run], spec)
-            for (j, _), orth in zip(run, got):
-                store(j, orth)
-            run = []
+    held = 0
+
+    def flush() -> None:
+        got = orthogonalize_matrices([u for _, u in run], [infos[j] for j, _ in run], spec)
+        for (j, _), orth in zip(run, got):
+            store(j, orth)
+        run.clear()
+
+    for i in ids:
+        u = loads[i]()
+        size = u.numel() * u.element_size()
+        if run and held + size > spec.batch_bytes:
+            flush()
+            held = 0
+        run.append((i, u))
+        held += size
+    if run:
+        flush()
 
 
 def _same(u: Tensor) -> Tensor:
