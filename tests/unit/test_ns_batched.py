@@ -80,25 +80,18 @@ def test_batches_caps_bytes_and_keeps_order():
     assert batches([], 8) == []
 
 
-def test_tp_stream_batches_unsharded_matrices_as_batches_does(monkeypatch):
-    """tp.py's ``distributed`` ``stream`` runs matrices no TP group shards (here: no TP group at
-    all) in the runs ``batches`` makes of their bytes, each loaded when its run fills, with the
-    batched results (bf16: bit-identical to the per-matrix ones)."""
+def test_tp_stream_leaves_unsharded_matrices_to_the_batched_call():
+    """tp.py's ``distributed`` ``stream`` runs only TP-sharded matrices: it loads and stores none
+    of those no TP group shards (here: no TP group at all) and returns them all; the call then
+    batches them (bf16: bit-identical to the per-matrix results)."""
     from megatron.core.optimizer.megatron_muon import tp
 
     us, infos = _mixed()
     spec = _spec("medium", batch_bytes=3 * 16 * 24 * 4)  # three 16 x 24 fp32 matrices
-    runs: list = []
-    call = tp.orthogonalize_matrices
-
-    def recorded(mats, run_infos, spec_):
-        runs.append([next(i for i, u in enumerate(us) if u is m) for m in mats])
-        return call(mats, run_infos, spec_)
-
-    monkeypatch.setattr(tp, "orthogonalize_matrices", recorded)
-    out: list = [None] * len(us)
     ortho = tp.TPOrthogonalizer("distributed", {False: None})
-    ortho.stream([lambda u=u: u for u in us], infos, spec, out.__setitem__)
-    assert runs == batches([u.numel() * u.element_size() for u in us], spec.batch_bytes)
-    for got, want in zip(out, orthogonalize_matrices(us, infos, spec)):
+    loaded, stored = [], []
+    loads = [lambda i=i: loaded.append(i) for i in range(len(us))]
+    left = ortho.stream(loads, infos, spec, lambda i, o: stored.append(i))
+    assert (left, loaded, stored) == (list(range(len(us))), [], [])
+    for got, want in zip(ortho(us, infos, spec), orthogonalize_matrices(us, infos, spec)):
         assert torch.equal(got, want)

@@ -341,9 +341,9 @@ class DistributedMuonOrthogonalizer:
         whole = [i for i in at if i not in set(gangs)]
         size = itemsize(self.update_dtype)
         runs = owned_runs(self.plan, whole, self.plan.rank, size, spec.batch_bytes)
-        if getattr(self.inner, "streams", False):  # tp.py's distributed mode: one stream
-            self._stream([i for run in runs for i in run], at, received, results, spec)
-            return results
+        if getattr(self.inner, "streams", False):  # tp.py's distributed mode: TP-sharded ones
+            whole = self._stream([i for run in runs for i in run], at, received, results, spec)
+            runs = owned_runs(self.plan, whole, self.plan.rank, size, spec.batch_bytes)
         if getattr(self.inner, "batches", False) and whole:  # one call: tp.py's owner mode
             runs = [whole]
         for ids in runs:
@@ -355,16 +355,16 @@ class DistributedMuonOrthogonalizer:
             del orths
         return results
 
-    def _stream(self, ids: list[int], at: dict, received: Tensor, results: Tensor, spec) -> None:
+    def _stream(self, ids: list[int], at: dict, received: Tensor, results: Tensor, spec):
         """Whole matrices ``ids`` through the inner ``stream``: each assembled when it starts,
-        scattered into ``results`` when it ends."""
+        scattered into ``results`` when it ends; returns those it left (TP does not shard)."""
 
         def store(k: int, orth: Tensor) -> None:
             self._scatter(at[ids[k]], orth.reshape(-1), results)
 
         loads = [functools.partial(self._assemble, i, at[i], received) for i in ids]
-        infos = [self.plan.matrices[i].info for i in ids]
-        self.inner.stream(loads, infos, spec, store)
+        left = self.inner.stream(loads, [self.plan.matrices[i].info for i in ids], spec, store)
+        return [ids[k] for k in left]
 
     def _assemble(self, i: int, pieces: list, received: Tensor) -> Tensor:
         """This rank's unit of matrix ``i`` from its received pieces, in the update dtype."""

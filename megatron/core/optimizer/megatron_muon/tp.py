@@ -43,18 +43,15 @@ class TPOrthogonalizer:
         return self.mode == "owner"
 
     def __call__(self, updates: list[Tensor], infos: list, spec: OrthoSpec) -> list[Tensor]:
+        out: list = [None] * len(updates)
         if self.streams:
-            out: list = [None] * len(updates)
-            loads = [functools.partial(_same, u) for u in updates]
-            self.stream(loads, infos, spec, out.__setitem__)
-            return out
+            self.stream([(lambda u=u: u) for u in updates], infos, spec, out.__setitem__)
         with timed(self.timers, NS_TIMER):
             if self.mode == "owner":
                 return self._owned(updates, infos, spec)
-            out = [
-                None if self._local(info) else self._one(u, info, spec)
-                for u, info in zip(updates, infos)
-            ]
+            for i, (u, info) in enumerate(zip(updates, infos)):
+                if out[i] is None and not self._local(info):
+                    out[i] = self._one(u, info, spec)
             here = [i for i, o in enumerate(out) if o is None]  # no collective: batched chains
             infos_here = [self.scale_info(infos[i], updates[i].shape) for i in here]
             orths = orthogonalize_matrices([updates[i] for i in here], infos_here, spec)
@@ -67,17 +64,19 @@ class TPOrthogonalizer:
         """Whether ``stream`` runs the calls (``distributed``: matrices interleaved)."""
         return self.mode == "distributed"
 
-    def stream(self, loads: list, infos: list, spec: OrthoSpec, store) -> None:
-        """``distributed`` mode: ``store(i, s * NS(loads[i]()))``. TP-sharded matrices run
+    def stream(self, loads: list, infos: list, spec: OrthoSpec, store) -> list[int]:
+        """``distributed`` mode: ``store(i, s * NS(loads[i]()))`` of the TP-sharded matrices,
         ``TP_WINDOW`` at a time, interleaved (``interleave``: one matrix's sums run under
-        another's matmuls, one order on every TP rank), each loaded when it starts; the rest
-        whole, in batches of at most ``spec.batch_bytes``.
+        another's matmuls, one order on every TP rank), each loaded when it starts.
 
         Args:
             loads: per matrix, a call giving this rank's shard (or whole matrix).
             infos: their TP-global infos.
             spec: Newton-Schulz and scale settings.
             store: takes each index and its result, laid out like its shard.
+
+        Returns:
+            The indices left, whole on this rank: the caller batches them.
         """
         with timed(self.timers, NS_TIMER):
             for expert in (False, True):
@@ -86,8 +85,7 @@ class TPOrthogonalizer:
                     group = self.groups[expert]
                     jobs = [_job(loads[i], infos[i], spec, group, store, i) for i in idx]
                     interleave(jobs, functools.partial(_post, group=group), _wait, TP_WINDOW)
-            local = [i for i, info in enumerate(infos) if self._group(info) is None]
-            _batched(local, loads, infos, spec, store)
+        return [i for i, info in enumerate(infos) if self._group(info) is None]
 
     def _sharded(self, info, expert: bool) -> bool:
         return self._group(info) is not None and bool(getattr(info, "expert", False)) == expert
@@ -201,34 +199,6 @@ def _all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
 # ``distributed`` mode: TP-sharded matrices in flight at once (``TPOrthogonalizer.stream``):
 # while one waits for a sum, the next computes. Two bound the NS working set to two matrices'.
 TP_WINDOW = 2
-
-
-def _batched(ids: list[int], loads: list, infos: list, spec: OrthoSpec, store) -> None:
-    """``store(i, s * NS(loads[i]()))`` for ``i`` in ``ids``, no collective, batched
-    (``orthogonalize_matrices``) in runs of at most ``spec.batch_bytes``, as ``batches``."""
-    run: list = []
-    held = 0
-
-    def flush() -> None:
-        got = orthogonalize_matrices([u for _, u in run], [infos[j] for j, _ in run], spec)
-        for (j, _), orth in zip(run, got):
-            store(j, orth)
-        run.clear()
-
-    for i in ids:
-        u = loads[i]()
-        size = u.numel() * u.element_size()
-        if run and held + size > spec.batch_bytes:
-            flush()
-            held = 0
-        run.append((i, u))
-        held += size
-    if run:
-        flush()
-
-
-def _same(u: Tensor) -> Tensor:
-    return u
 
 
 def _job(load, info, spec: OrthoSpec, group, store, i: int):

@@ -418,13 +418,13 @@ def transient_bytes(
         mine = [(plan.matrices[i], plan.matrices[i].unit_of(rank)) for i in ex.matrices]
         sets = [(bool(u.gang), working_set(m, u)) for m, u in mine if u is not None]
         whole = [i for i in ex.matrices if (u := plan.matrices[i].unit_of(rank)) and not u.gang]
-        runs = owned_runs(plan, whole, rank, 4, batch_bytes)  # DistOpt's fp32 main params
         ws = {i: working_set(plan.matrices[i], plan.matrices[i].unit_of(rank)) for i in whole}
+        streamed = []
         if plan.model is not None and plan.model.mode == "distributed":  # tp.py's ``stream``
             streamed = [i for i in whole if plan.model.tp_of(plan.matrices[i].info) > 1]
-            rest = [i for i in whole if i not in set(streamed)]
-            runs = owned_runs(plan, rest, rank, 4, batch_bytes)
-            runs.append(sorted(streamed, key=lambda i: -ws[i])[:TP_WINDOW])  # at most in flight
+            whole = [i for i in whole if i not in set(streamed)]
+        runs = owned_runs(plan, whole, rank, 4, batch_bytes)  # DistOpt's fp32 main params
+        runs.append(sorted(streamed, key=lambda i: -ws[i])[:TP_WINDOW])  # at most in flight
         # gang blocks are all in flight together, then whole matrices a batch at a time
         work = max(sum(b for gang, b in sets if gang), *(sum(ws[i] for i in r) for r in runs), 0)
         results = 0 if f == r else owned * r  # else written over the received pieces
