@@ -12,7 +12,8 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   padded to ``lcm(dp, 128)``; TP-local shapes (QKV, fc1 split by rows, proj, fc2 by columns);
 * our layout: the one the optimizer takes (``ours_layout``: ``MuonDistributedOptimizer.
   compute_full_param_layout``, layout.py's decision, on meta tensors): shard-aligned where
-  the holders' loads balance (upstream's LayerWise layout for the matrices: the exchange moves
+  the holders' loads balance and its padding is under the ``M / dp`` Muon elements a rank's
+  exchange would move (upstream's LayerWise layout for the matrices: the exchange moves
   the few matrices ``holder_owners`` moves, skipped all-to-alls are no sync point, and its
   padded buffers cost the same extra grad reduce-scatter and param all-gather as LayerWise's),
   else the byte-level buffer above; each row says which;

@@ -8,6 +8,7 @@ import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
 from megatron.core.optimizer.megatron_muon.distrib_optimizer import MuonDistributedOptimizer
 from megatron.core.optimizer.megatron_muon.layout import TAG, holder_costs
@@ -84,3 +85,33 @@ def test_unbalanced_or_single_rank_keeps_the_byte_level_layout(shapes, dp):
     assert layout.layouts.keys() == expected.layouts.keys()
     for key, per in layout.layouts.items():
         assert per.param_index_map == expected.layouts[key].param_index_map
+
+
+@pytest.mark.parametrize("dp,aligned", [(4, False), (2, True)])
+def test_padding_is_weighed_against_the_exchange_it_spares(dp, aligned):
+    """Twenty 64 x 64 matrices in buckets of five: shard-aligned, the holders balance at DP 4 and
+    2. At DP 4 a bucket's five whole matrices fill four shards of two, so the padding (12
+    matrices in all) outweighs the ``M / dp`` = 5 matrices a rank's exchange would move: the
+    layout stays DistOpt's byte-level one. At DP 2 (shards of three: 6 padded against 10) it
+    stays shard-aligned."""
+    shapes, bucket = [(64, 64)] * 20, 5 * 64 * 64
+    lw = LayerWiseDistributedOptimizer.compute_full_param_layout(_tagged(shapes), bucket, dp, DDP)
+    (per,) = lw.layouts.values()
+    assert holder_owners(*holder_costs(per, dp), dp) is not None  # balanced either way
+    padded = per.bucket_indices[-1][1] - 20 * 64 * 64
+    assert (padded * dp > 20 * 64 * 64) == (not aligned)  # the padding against M / dp
+    params = _params(shapes)
+    layout = MuonDistributedOptimizer.compute_full_param_layout(params, bucket, dp, DDP)
+    assert all(hasattr(p, TAG) for p in params) == aligned
+    expected = (lw if aligned else DistributedOptimizer.compute_full_param_layout(
+        _params(shapes), bucket, dp, DDP))  # fmt: skip
+    assert [per.bucket_indices for per in layout.layouts.values()] == [
+        per.bucket_indices for per in expected.layouts.values()
+    ]
+
+
+def _tagged(shapes):
+    params = _params(shapes)
+    for p in params:
+        setattr(p, TAG, True)
+    return params

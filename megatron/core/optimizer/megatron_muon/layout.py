@@ -1,5 +1,8 @@
 """DDP's buffer layout for our Muon: LayerWise's (each matrix whole in one DP shard) where the
-holders' Newton-Schulz loads balance, else DistOpt's byte-level one (docs/distopt_exchange.md)."""
+holders' Newton-Schulz loads balance at a padding under the exchange it spares, else DistOpt's
+byte-level one (docs/distopt_exchange.md)."""
+
+import dataclasses
 
 from ...distributed.param_and_grad_buffer import group_params_for_buffers
 from ..layer_wise_optimizer import LayerWiseDistributedOptimizer, is_managed_by_layer_wise_optimizer
@@ -37,22 +40,40 @@ def compute_full_param_layout(
     for p in candidates:
         setattr(p, TAG, True)
     aligned = layout()
-    apart = [key for key, per in aligned.layouts.items() if _apart(key, per, sizes)]
-    if not apart:
-        return aligned
     groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)  # DDP's buffers
-    for key in apart:  # those groups stay in (or go back to) DistOpt's byte-level buffers
+    for p in candidates:
+        delattr(p, TAG)
+    plain = layout()  # DistOpt's byte-level layout of every param
+    tagged = [key for key in aligned.layouts if key.is_managed_by_layer_wise_optimizer]
+    kept = [key for key in tagged if not _apart(key, aligned, plain, sizes)]
+    for key in kept:  # the others stay in DistOpt's byte-level buffers
         for p in groups[key][0]:
-            delattr(p, TAG)
-    return layout()
+            setattr(p, TAG, True)
+    if kept == tagged:
+        return aligned
+    return layout() if kept else plain
 
 
-def _apart(key, per_buffer, sizes) -> bool:
-    """A shard-aligned buffer to give up: one DP rank, or whole matrices that cannot balance."""
-    if not key.is_managed_by_layer_wise_optimizer:
-        return False
+def _apart(key, aligned, plain, sizes) -> bool:
+    """Whether a shard-aligned buffer goes back to byte-level: one DP rank, whole matrices that
+    cannot balance, or padding that moves more than the exchange it spares. Per rank and step
+    DDP's grad reduce-scatter and param all-gather each move ``(dp - 1) / dp`` of the padded
+    elements the aligned layout adds; DistOpt's byte-level exchange moves about ``(dp - 1) / dp``
+    of the rank's ``M / dp`` Muon elements each way (docs/distopt_exchange.md)."""
     dp = sizes[1] if key.is_expert_parallel and sizes[1] is not None else sizes[0]
-    return dp <= 1 or holder_owners(*holder_costs(per_buffer, dp), dp) is None
+    per_buffer = aligned.layouts[key]
+    if dp <= 1 or holder_owners(*holder_costs(per_buffer, dp), dp) is None:
+        return True
+    rest = dataclasses.replace(key, is_managed_by_layer_wise_optimizer=False)
+    extra = _numel(aligned, key) + _numel(aligned, rest) - _numel(plain, rest)
+    muon = sum(end - start for start, end, _ in per_buffer.param_index_map.values())
+    return extra * dp > muon
+
+
+def _numel(full, key) -> int:
+    """Padded elements of ``full``'s buffer ``key`` (0 where it has none)."""
+    per = full.layouts.get(key)
+    return per.bucket_indices[-1][1] if per is not None and per.bucket_indices else 0
 
 
 def holder_costs(per_buffer, dp: int) -> tuple[list[float], list[int]]:
