@@ -43,6 +43,61 @@ def check_newton_schulz(device: str) -> str:
     return f"NS on {device} vs CPU fp32: worst rel. error {worst}"
 
 
+def check_sharded_newton_schulz(device: str) -> str:
+    """The sharded NS that the ``distributed`` TP mode and gangs run, over ``k`` row or column
+    shards on the device (their sums and row gathers served in this process), matches the whole
+    matrix's NS there: fp32 within 1e-4, bf16 within bf16's rounding."""
+    from megatron.core.optimizer.megatron_muon.newton_schulz import (
+        newton_schulz,
+        sharded_newton_schulz_steps,
+    )
+
+    gen = torch.Generator().manual_seed(1)
+    worst = {}
+    for shape, dim, k in [((1024, 4096), 1, 4), ((4096, 1024), 0, 2), ((768, 768), 0, 3)]:
+        x = torch.randn(shape, generator=gen).to(device)
+        for precision, tol in (("highest", 1e-4), ("medium", 3e-2)):
+            shards = x.tensor_split(k, dim=dim)
+            steps = [
+                sharded_newton_schulz_steps(s, dim, precision=precision, part=(p, k))
+                for p, s in enumerate(shards)
+            ]
+            got = torch.cat(_lockstep(steps), dim=dim)
+            ref = newton_schulz(x, precision=precision)
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            worst[precision] = max(worst.get(precision, 0.0), err)
+            assert err < tol, f"sharded NS {precision} {shape} over {k}: rel. error {err:.2e}"
+    return f"sharded NS on {device} vs whole: worst rel. error {worst}"
+
+
+def _lockstep(steps: list, gather: bool = True) -> list:
+    """Run request generators together, one request each per round: a SUM adds the ``k``
+    tensors, a GATHER fills each one's rows ``cut(g, k)[q]`` from generator ``q`` (``gather``
+    False: left unfilled, a negative control's)."""
+    from megatron.core.optimizer.megatron_muon.newton_schulz import SUM
+    from megatron.core.optimizer.megatron_muon.planner.cost_model import cut
+
+    k, out = len(steps), [None] * len(steps)
+    requests = [next(s) for s in steps]
+    while True:
+        kind, tensors = requests[0][0], [t for _, t in requests]
+        if kind == SUM:
+            total = torch.stack(tensors).sum(0)
+            for t in tensors:
+                t.copy_(total)
+        elif gather:
+            for q, (lo, hi) in enumerate(cut(tensors[0].shape[0], k)):
+                for t in tensors:
+                    t[lo:hi] = tensors[q][lo:hi]
+        for i, s in enumerate(steps):
+            try:
+                requests[i] = s.send(None)
+            except StopIteration as done:
+                out[i] = done.value
+        if all(o is not None for o in out):
+            return out
+
+
 def check_ns_speed(device: str) -> str:
     """Our NS vs torch.optim.Muon's on the same bf16 input (timing; reported, not asserted)."""
     from torch.optim import _muon
@@ -155,6 +210,7 @@ def main() -> int:
     failed = 0
     checks = (
         check_newton_schulz,
+        check_sharded_newton_schulz,
         check_ns_speed,
         check_packed_gram,
         check_training_resume,
