@@ -150,16 +150,18 @@ def muon_momentum_(
     Returns:
         U per param, in the param's dtype.
     """
-    updates = []
-    for p, g, buf in zip(params, grads, bufs):
-        if l2_weight_decay:
-            g = g.add(p, alpha=l2_weight_decay)
-        b = buf.to(p.dtype)  # the buffer itself unless a narrower state dtype was asked for
-        b.mul_(momentum).add_(g)
+    if not params:
+        return []
+    if l2_weight_decay:
+        grads = torch._foreach_add(grads, params, alpha=l2_weight_decay)
+    # the buffers themselves unless a narrower state dtype was asked for
+    work = [b if b.dtype == p.dtype else b.to(p.dtype) for p, b in zip(params, bufs)]
+    _mul_all_(work, momentum)
+    torch._foreach_add_(work, grads)  # one kernel per list where all share device and dtype
+    for b, buf in zip(work, bufs):
         if b is not buf:
             buf.copy_(b)
-        updates.append(g.add(b, alpha=momentum) if nesterov else b)
-    return updates
+    return list(torch._foreach_add(grads, work, alpha=momentum)) if nesterov else work
 
 
 # ----------------------------------------------------------------------------- stage 2
@@ -447,10 +449,21 @@ def muon_apply_(
         lr: learning rate.
         weight_decay: decoupled weight decay coefficient (0: off).
     """
-    for p, o in zip(params, updates):
-        if weight_decay:
-            p.mul_(1 - lr * weight_decay)
-        p.add_(o, alpha=-lr)
+    if not params:
+        return
+    if weight_decay:
+        _mul_all_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, updates, alpha=-lr)
+
+
+def _mul_all_(tensors: list[Tensor], factor: float) -> None:
+    """``t *= factor`` for each, as one foreach op where all are fp32 (torch's CPU foreach rounds
+    the factor to a narrower dtype first: bf16 keeps the per-tensor ``mul_``)."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        torch._foreach_mul_(tensors, factor)
+        return
+    for t in tensors:
+        t.mul_(factor)
 
 
 # ----------------------------------------------------------------------------- AdamW
