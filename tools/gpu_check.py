@@ -71,16 +71,26 @@ def check_sharded_newton_schulz(device: str) -> str:
 
 
 def _lockstep(steps: list, gather: bool = True) -> list:
-    """Run request generators together, one request each per round: a SUM adds the ``k``
-    tensors, a GATHER fills each one's rows ``cut(g, k)[q]`` from generator ``q`` (``gather``
-    False: left unfilled, a negative control's)."""
-    from megatron.core.optimizer.megatron_muon.newton_schulz import SUM
+    """Run request generators through ``newton_schulz.interleave`` (the modes' own round-robin),
+    each round served in this process once all ``k`` posted it: a SUM adds the ``k`` tensors, a
+    GATHER fills each one's rows ``cut(g, k)[q]`` from generator ``q`` (``gather`` False: left
+    unfilled, a negative control's)."""
+    from megatron.core.optimizer.megatron_muon.newton_schulz import SUM, interleave
     from megatron.core.optimizer.megatron_muon.planner.cost_model import cut
 
-    k, out = len(steps), [None] * len(steps)
-    requests = [next(s) for s in steps]
-    while True:
-        kind, tensors = requests[0][0], [t for _, t in requests]
+    k, turns, rounds, served = len(steps), [0] * len(steps), {}, set()
+
+    def post(i: int, kind: str, t) -> int:
+        turns[i] += 1
+        rounds.setdefault(turns[i], {})[i] = (kind, t)
+        return turns[i]
+
+    def wait(r: int) -> None:
+        if r in served:
+            return
+        posted = rounds.pop(r)  # served once; the others' waits for it return at once
+        assert len(posted) == k, f"round {r}: {len(posted)} of {k} shards posted"
+        kind, tensors = posted[0][0], [posted[q][1] for q in range(k)]
         if kind == SUM:
             total = torch.stack(tensors).sum(0)
             for t in tensors:
@@ -89,13 +99,9 @@ def _lockstep(steps: list, gather: bool = True) -> list:
             for q, (lo, hi) in enumerate(cut(tensors[0].shape[0], k)):
                 for t in tensors:
                     t[lo:hi] = tensors[q][lo:hi]
-        for i, s in enumerate(steps):
-            try:
-                requests[i] = s.send(None)
-            except StopIteration as done:
-                out[i] = done.value
-        if all(o is not None for o in out):
-            return out
+        served.add(r)
+
+    return interleave(steps, post, wait)
 
 
 def check_ns_speed(device: str) -> str:
