@@ -68,14 +68,23 @@ def _flops_only(plan):
     return dataclasses.replace(plan.model, link_flops_per_byte=0.0, tp_link_flops_per_byte=0.0)
 
 
-def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False, nodes=(), **kw):
+def _split(
+    optimizer,
+    broken_sum=False,
+    broken_gather=False,
+    broken_tp=False,
+    broken_partial=False,
+    nodes=(),
+    **kw,
+):
     """Hook: plan with low targets (gangs of 2 to 4 at DP=4), by FLOPs alone (so gangs split
     their polynomials wherever that saves FLOPs); ``broken_sum`` / ``broken_gather``: negative
     controls, members skip the Gram sums (each iterates on its block's own Gram) or the gather
     of the split polynomial (the other members' rows stay zero), or (``broken_tp``) TP ranks
     sharing a block never all-gather the slices they summed over DP (the collectives still run,
-    on copies, so peers stay paired). ``nodes``: pretend the DP ranks sit on these nodes (the
-    plan's model says where)."""
+    on copies, so peers stay paired), or (``broken_partial``, ``distributed``) never add their
+    partial sums over TP before the gang sum (no rank runs it). ``nodes``: pretend the DP ranks
+    sit on these nodes (the plan's model says where)."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         model = _flops_only(ortho.plan)
@@ -93,6 +102,8 @@ def _split(optimizer, broken_sum=False, broken_gather=False, broken_tp=False, no
             ortho.gangs._gang_gather = functools.partial(_own_rows_only, gather, plan.rank)
         if broken_tp:
             gangs.all_gather_ranges = lambda flat, bounds, p, group: None
+        if broken_partial:
+            gangs.reduce_scatter_ranges = lambda flat, bounds, p, group: None
     assert not kw, kw
 
 
@@ -130,6 +141,23 @@ def test_gangs_over_tp_duplicated_match_one_process():
     assert misses(update_rel_error(initial, ref, broken[0][1]), 100 * TOL["fp32"])
 
 
+def test_gangs_over_tp_distributed_match_one_process():
+    """TP=2 x DP=2 (``distributed``): each matrix's NS runs once over the 4 GPUs of its gang, a
+    block per TP rank of each member: every Gram is reduce-scattered over TP, each half summed
+    over the gang, all-gathered over TP; a split polynomial's rows are cut over all 4 and
+    gathered over the gang, then over TP (planner/gangs.py). The sums reorder fp32 adds only,
+    so the DistOpt tolerance holds. Negative control: without the TP reduce-scatter (each TP
+    rank's half holds its own partials) the result misses."""
+    got = run_layout("fp32", 4, tp=2, hook=_split, muon_tp_mode="distributed")
+    assert_close_runs(reference("fp32"), got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+    initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
+    broken_partial = functools.partial(_split, broken_partial=True)
+    broken = run_layout(
+        "fp32", 4, tp=2, hook=broken_partial, steps=CONTROL_STEPS, muon_tp_mode="distributed"
+    )
+    assert misses(update_rel_error(initial, ref, broken[0][1]), 100 * TOL["fp32"])
+
+
 @pytest.mark.parametrize("broken", ["broken_sum", "broken_gather"])
 def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
     initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
@@ -142,13 +170,14 @@ def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
 # ------------------------------------------------------------------------- counted figures
 
 
-def _counted_split_step(nodes=(), disjoint=False):
+def _counted_split_step(nodes=(), disjoint=False, tp_mode=None):
     """One real DP=4 step with gangs (stacked, or ``disjoint`` on the wide one-layer model):
     matmul FLOPs between collectives, the collectives' members and sizes, bytes and the peak of
     the exchange's allocations, next to the plan's."""
     spec = TinyGPT(**WIDE) if disjoint else TinyGPT()
     model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
-    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **MUON)
+    muon = dict(MUON, muon_tp_mode=tp_mode) if tp_mode else MUON
+    optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **muon)
     if disjoint:
         _bundle(optimizer)
     else:
@@ -176,6 +205,7 @@ def _counted_split_step(nodes=(), disjoint=False):
         "bytes": (ortho.bytes_moved, plan_figures.bytes_per_step(plan, 4, 4)),
         "sum_bytes": (ortho.sum_bytes, plan_figures.sum_bytes_per_step(plan)),
         "sums": sums,
+        "dp_rank": plan.rank,
         "peak": max(peaks),
         "bound": plan_figures.transient_bytes(
             plan, 4, 4, lambda m, u: working_set_bytes(m, 4, 4, 1, u)
@@ -229,8 +259,8 @@ def _mark(ortho, name, describe, counter, trace):
 
 
 @functools.cache
-def counted_split_runs(tp: int = 1, nodes: tuple = (), disjoint: bool = False):
-    return run_distributed(_counted_split_step, 4, tp=tp, args=(nodes, disjoint))
+def counted_split_runs(tp: int = 1, nodes: tuple = (), disjoint: bool = False, tp_mode=None):
+    return run_distributed(_counted_split_step, 4, tp=tp, args=(nodes, disjoint, tp_mode))
 
 
 # DP ranks 0, 1 on one pretended node and 2, 3 on another: the plan weighs the gang of 4's
@@ -250,28 +280,42 @@ def test_gangs_over_nodes_match_one_process_and_the_plans_bytes():
         assert r["layouts"] >= {(2, 2)}, r["layouts"]  # the gang of 4: 2 ranks on each node
 
 
-@pytest.mark.parametrize("case", [{}, {"nodes": NODES}, {"disjoint": True}])
+TP2 = {"tp": 2, "tp_mode": "distributed"}
+
+
+@pytest.mark.parametrize("case", [{}, {"nodes": NODES}, {"disjoint": True}, TP2])
 def test_every_member_of_a_gang_holds_the_same_bits(case):
     """The members' blocks are rows (columns) of one result, so each gang sum (squared norm,
     packed Gram) and gathered polynomial must be bit-identical on every member: torch's
     collectives give no fixed summation order of ours (docs/gangs.md, "Exactness"). Every
-    rank's every gang result is compared with every other member's, in wait order."""
+    rank's every gang result is compared with every other member's, in wait order; at TP 2
+    (``distributed``) with every TP rank of every member (each ends with the whole sum)."""
     runs = counted_split_runs(**case)
+    tp = case.get("tp", 1)
     assert sum(len(v) for r in runs for v in r["sums"].values()) > 0
     for rank, r in enumerate(runs):
         for members, results in r["sums"].items():
-            assert rank in members
-            for peer in members:
+            assert r["dp_rank"] in members
+            holders = [q for q, run in enumerate(runs) if run["dp_rank"] in members]
+            assert len(holders) == tp * len(members)
+            for peer in holders:
                 assert runs[peer]["sums"][members] == results, (rank, peer, members)
 
 
-def test_counted_step_with_tp_sliced_gangs_is_the_plans_schedule():
-    """TP=2 x DP=2 (``duplicated``): each TP rank's matmul FLOPs between gang collectives and
-    its DP-link bytes (its half of every Gram matrix and polynomial; the TP all-gather runs
-    inside the collective) are the plan's, whose cost model counts ``1 / tp`` of each tensor."""
-    for r in counted_split_runs(tp=2):
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
+def test_counted_step_with_tp_sliced_gangs_is_the_plans_schedule(tp_mode):
+    """TP=2 x DP=2: each TP rank's matmul FLOPs between gang collectives and its DP-link bytes
+    (its half of every Gram matrix and polynomial; the TP collectives run inside the gang
+    collective) are the plan's, whose cost model counts ``1 / tp`` of each tensor; in the
+    ``distributed`` mode each TP rank iterates on its own part of the block, so its FLOPs are
+    about half the ``duplicated`` mode's."""
+    runs = counted_split_runs(tp=2, tp_mode=tp_mode)
+    for r in runs:
         assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
         assert _same_sum(*r["sum_bytes"])
+    if tp_mode == "distributed":
+        flops = lambda rs: sum(f for r in rs for f, *_ in r["trace"])  # noqa: E731
+        assert flops(runs) < 0.75 * flops(counted_split_runs(tp=2, tp_mode="duplicated"))
 
 
 def test_counted_step_with_gangs_is_the_plans_schedule():

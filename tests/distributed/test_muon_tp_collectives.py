@@ -142,6 +142,7 @@ CASES = [
     ("duplicated", False),
     ("duplicated", True),
     ("distributed", False),
+    ("distributed", True),
     ("blockwise", False),
     ("owner", False),
 ]

@@ -17,7 +17,16 @@ import torch
 from megatron.core.optimizer.megatron_muon.exchange import Block, block_views
 from megatron.core.optimizer.megatron_muon.planner import cost_model, placement
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
-from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
+from megatron.core.optimizer.megatron_muon.planner.cost_model import (
+    ALL,
+    POST,
+    WAIT,
+    Gather,
+    Partial,
+    Sum,
+    critical_path,
+    member_events,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import projection  # noqa: E402
@@ -92,10 +101,10 @@ def test_critical_path_refuses_a_schedule_that_waits_in_a_circle():
         critical_path(traces)
 
 
-def _plan(model: str, dp: int, **kwargs):
+def _plan(model: str, dp: int, mode: str = "duplicated", **kwargs):
     cfg = projection.MODELS[model]
     params = projection.model_params(*cfg)
-    ns = projection.cost_model(cfg[-1], "duplicated")
+    ns = projection.cost_model(cfg[-1], mode)
     return projection.build_plan(
         params, projection.byte_level(params, dp, projection.ddp_bucket_size(dp)), dp, ns, **kwargs
     )
@@ -287,29 +296,37 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["blockwise", "distributed", "duplicated", "owner"])
 def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
-    """At TP 8 a TP-sharded matrix splits over DP only in the ``duplicated`` TP mode; in the
-    others ``--muon-plan-*`` only weigh the exchange, and the start-up line says so rather than
-    leaving the user to wonder why the flags changed nothing."""
+    """At TP 8 a TP-sharded matrix splits over DP in the ``duplicated`` TP mode, and in the
+    ``distributed`` one where TP shards its long side (fc1, fc2, proj; not QKV); in the others
+    ``--muon-plan-*`` only weigh the exchange. The start-up line says which stay whole rather
+    than leaving the user to wonder why the flags changed nothing."""
     cfg = projection.MODELS["70B"]
     params = projection.model_params(*cfg)
     ns = projection.cost_model(cfg[-1], mode)
     plan = projection.build_plan(
         params, projection.byte_level(params, 256, projection.ddp_bucket_size(256)), 256, ns
     )
-    note = f"TP-sharded cannot split in the {mode} TP mode; --muon-tp-mode duplicated can)"
+    note = f"TP-sharded cannot split in the {mode} TP mode"
     assert (note in plan_figures.summary(plan)) == (mode != "duplicated")
-    if mode != "duplicated":
+    qkv = [m for m in plan.matrices if m.info.qkv_split is not None]
+    if mode in ("blockwise", "owner"):
         assert all(len(m.units) == 1 for m in plan.matrices)
         assert f"({len(plan.matrices)} TP-sharded" in plan_figures.summary(plan)
+    if mode == "distributed":  # fc1 splits here (planner/cost_model.py, ``axis``)
+        assert any(len(m.units) > 1 for m in plan.matrices)
+        assert all(len(m.units) == 1 for m in qkv)
+        assert f"({len(qkv)} TP-sharded" in plan_figures.summary(plan)
 
 
-def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times():
-    """70B at TP 8 x DP 256 (``duplicated``: TP-sharded matrices split over gangs): the TP
-    all-gathers ``figures.tp_schedule`` counts after each sliced gang collective move, per TP
-    rank and way, the bytes ``NSCostModel.tp_bytes`` charges those collectives; before them each
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times(mode):
+    """70B at TP 8 x DP 256 (TP-sharded matrices split over gangs): the TP collectives
+    ``figures.tp_schedule`` counts around each sliced gang collective (the all-gather after it;
+    ``distributed``, a partial sum's reduce-scatter before it too) move, per TP rank and way,
+    the bytes ``NSCostModel.tp_bytes`` charges those collectives. ``duplicated``: before them each
     gang block is TP-gathered once (update dtype, fp32), which the projection adds
-    (``projection.with_tp``)."""
-    plan = _plan("70B", 256)
+    (``projection.with_tp``); ``distributed``: no block is gathered."""
+    plan = _plan("70B", 256, mode)
     model = plan.model
     checked = 0
     for rank in range(0, plan.world, 37):
@@ -320,8 +337,38 @@ def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times():
             assert sum(c.link_bytes() for c in sliced) == pytest.approx(charged, rel=1e-12)
             blocks = [plan.matrices[i].unit_of(rank) for i in ex.gangs]
             blocks = [math.prod(u.block.shape) for u in blocks if u is not None]
+            if mode == "distributed":
+                blocks = []
+                ops = {c.op for c in sliced}
+                # (the squared norm's 1 element is all-reduced over TP, not sliced)
+                assert not sliced or ops == {
+                    "all_reduce",
+                    "reduce_scatter_tensor",
+                    "all_gather_into_tensor",
+                }
             assert [(c.op, c.elements, c.dtype) for c in gathered] == [
                 ("all_gather", n, "float32") for n in blocks
             ]
             checked += len(sliced)
     assert checked > 0
+
+
+def test_distributed_gang_members_iterate_on_their_tp_part():
+    """``distributed`` mode, 70B fc1 (57344 x 8192, TP 8 on rows) in a gang of 4: each member's
+    TP rank iterates on its own 7168 / 4 rows, sums its Gram partials over TP and the gang
+    (``Partial``), and cuts its split polynomial's rows over all 32 places (``places``); its
+    FLOPs are those of a 1792-row block, a quarter of the whole's Gram and update matmuls."""
+    cfg = projection.MODELS["70B"]
+    fc1 = next(i for _, _, i in projection.model_params(*cfg) if i is not None and i.shape[0] > 5e4)
+    model = projection.cost_model(cfg[-1], "distributed")
+    assert model.axis(fc1) == 0 and model.partial(fc1)
+    assert model.lines(fc1, 7168 // 4, 0) == 1792  # not TP-gathered
+    place, places, split = model.places(fc1, (1, 4, True))  # TP rank t's place: t * 4 + 1
+    assert place % 4 == 1 and (places, split) == (32, True)
+    events = member_events(model, fc1, 0, 1792, (1, 4, True))
+    sums = [e for e in events if isinstance(e, Sum) and not isinstance(e, Gather)]
+    assert sums and all(isinstance(e, Partial) and e.tp == 8 for e in sums)
+    g = 8192
+    assert sum(isinstance(e, Gather) for e in events) == model.steps
+    flops = sum(e for e in events if isinstance(e, float))
+    assert flops == model.steps * (4.0 * g * g * 1792 + 2.0 * g * g * (g // 32))

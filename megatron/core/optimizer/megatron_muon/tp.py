@@ -256,6 +256,25 @@ def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group
     fill()
 
 
+def reduce_scatter_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> None:
+    """``flat[bounds[p]]`` = its sum over ``group`` with one ``reduce_scatter_tensor`` (the
+    ranges padded to the longest, as ``all_gather_ranges``); the rest of ``flat`` is left.
+
+    Args:
+        flat: a 1-D tensor of the same size on every rank, each holding a partial sum.
+        bounds: one (start, end) per rank of ``group``, in rank order.
+        p: this rank's index in ``group``.
+        group: the process group.
+    """
+    chunk = max(hi - lo for lo, hi in bounds)
+    padded = flat.new_zeros(len(bounds) * chunk)
+    for q, (lo, hi) in enumerate(bounds):
+        padded[q * chunk : q * chunk + hi - lo] = flat[lo:hi]
+    out = flat.new_empty(chunk)
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    flat[bounds[p][0] : bounds[p][1]] = out[: bounds[p][1] - bounds[p][0]]
+
+
 def post_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> tuple:
     """``all_gather_ranges`` posted async.
 

@@ -97,12 +97,15 @@ class NSCostModel:
         return node_layout(members, self.nodes)
 
     def tp_bytes(self, elements: int) -> float:
-        """Bytes each way per TP rank in the TP gather after a sliced gang collective (0: none)."""
+        """Bytes each way per TP rank in the TP collectives around a sliced gang collective: the
+        all-gather after it, and (a ``Partial`` sum) the reduce-scatter before it (0: none)."""
         tp = getattr(elements, "tp", 1)
-        if tp == 1 or elements < tp:
+        if tp == 1 or (elements < tp and not isinstance(elements, Partial)):
             return 0.0
+        if elements < tp:  # a partial sum too small to slice: all-reduced over TP first
+            return 2 * (tp - 1) / tp * int(elements) * 4
         itemsize = self.ns_itemsize if isinstance(elements, Gather) else 4
-        return (tp - 1) * _slice(elements) * itemsize
+        return _tp_passes(elements) * (tp - 1) * _slice(elements) * itemsize
 
     def sync_flops(self, members: tuple, elements: int) -> float:
         """A gang collective's link time in matmul-FLOP units (``critical_path``'s ``sync``).
@@ -136,23 +139,53 @@ class NSCostModel:
             steps = 2 * (m - 1) + 2 * (n - 1)
         else:
             steps = _passes(elements) * (max(m, n) - 1)
-        return steps + (self.tp_bytes(elements) > 0)
+        return steps + _tp_collectives(elements)
 
     def sharing(self, info) -> int:
-        """TP ranks that hold the same gathered gang block (``duplicated`` mode), else 1."""
-        return self.tp_of(info) if self.mode == "duplicated" else 1
+        """TP ranks that each carry one slice of a gang collective over DP: those holding the
+        same gathered block (``duplicated``) or parts of it (``partial``), else 1."""
+        return self.tp_of(info) if self.mode == "duplicated" or self.partial(info) else 1
+
+    def partial(self, info) -> bool:
+        """Whether a gang member's TP ranks each hold a part of its block (``distributed``): its
+        sums add over TP too, its split polynomial's rows are cut over TP x gang (docs/gangs.md)."""
+        return self.mode == "distributed" and self.tp_of(info) > 1
 
     def axis(self, info) -> Optional[int]:
-        """The axis a matrix splits along over DP (0: rows, 1: columns), None where it cannot."""
+        """The axis a matrix splits along over DP (0: rows, 1: columns), None where it cannot:
+        in the ``distributed`` mode, TP's own axis where it is the long one (no QKV)."""
+        rows, cols = info.shape
+        if self.partial(info):
+            dim = getattr(info, "partition_dim", None)
+            if info.qkv_split is not None or dim is None or info.shape[dim] < info.shape[1 - dim]:
+                return None
+            return dim
         if self.tp_of(info) > 1 and self.mode != "duplicated":
             return None
         if info.qkv_split is not None:
             return 1  # Q/K/V blocks: square or wide; a row split would need their cols^2 Gram
-        rows, cols = info.shape
         return 0 if rows >= cols else 1
 
+    def places(self, info, part: tuple) -> tuple[int, int, bool]:
+        """A member's ``part`` among all the places splitting its polynomial: ``partial``, TP
+        rank t's place ``t k + p`` of ``tp k`` (gangs.py), the busiest TP rank's; else ``part``.
+
+        Args:
+            info: the matrix's TP-global ``MuonParamInfo``.
+            part: ``(place, gang size, splits)``.
+
+        Returns:
+            ``(place, places, splits)``.
+        """
+        if not self.partial(info):
+            return part
+        p, k, split = part
+        tp, g = self.tp_of(info), self._grams(info, self.axis(info))[0]
+        place = max((t * k + p for t in range(tp)), key=lambda q: _rows(g, q, tp * k))
+        return place, tp * k, split
+
     def lines(self, info, local: int, axis: int) -> int:
-        """Lines of the TP-gathered block from the TP-local block's.
+        """Lines of the block a member's TP rank iterates on, from the TP-local block's.
 
         Args:
             info: the matrix's TP-global ``MuonParamInfo``.
@@ -160,9 +193,11 @@ class NSCostModel:
             axis: the split axis (0: rows, 1: columns).
 
         Returns:
-            ``local`` times the TP size where TP shards along ``axis``.
+            ``local`` times the TP size where TP shards along ``axis`` and gathers (not
+            ``partial``).
         """
-        return local * (self.tp_of(info) if info.partition_dim == axis else 1)
+        gathered = info.partition_dim == axis and not self.partial(info)
+        return local * (self.tp_of(info) if gathered else 1)
 
     def _grams(self, info, axis: int) -> list[int]:
         """Gram side of each NS block (functional.py's ``orthogonalize`` order)."""
@@ -188,7 +223,7 @@ class NSCostModel:
         """
         flops = 0.0
         for g in self._grams(info, axis):
-            events = _after_sum(g, lines, info.shape[axis], part)
+            events = _after_sum(g, lines, info.shape[axis], self.places(info, part))
             flops += 2.0 * g * g * lines + sum(e for e in events if isinstance(e, float))
         return self.steps * flops
 
@@ -232,9 +267,9 @@ class NSCostModel:
         members, tp = tuple(range(k)), self.sharing(info)
 
         def cost(split: bool) -> float:
-            flops = 0.0
+            flops, part = 0.0, self.places(info, (k - 1, k, split))
             for g in self._grams(info, axis):
-                for e in _after_sum(g, lines, info.shape[axis], (k - 1, k, split), tp):
+                for e in _after_sum(g, lines, info.shape[axis], part, tp):
                     flops += e if isinstance(e, float) else self.sync_flops(members, e)
             return flops
 
@@ -255,6 +290,32 @@ class Sum(int):
 
 class Gather(Sum):
     """A gang collective's elements that are gathered (a split polynomial's rows), not summed."""
+
+
+class Partial(Sum):
+    """A gang sum whose TP ranks each hold a partial sum of the whole tensor (``distributed``):
+    reduce-scattered over TP, each slice summed over the gang, all-gathered over TP."""
+
+
+def _tp_passes(elements: int) -> int:
+    """TP collectives around a sliced gang collective: 2 for a ``Partial`` sum, else 1."""
+    return 2 if isinstance(elements, Partial) else 1
+
+
+def _tp_collectives(elements: int) -> int:
+    """TP collectives around a gang collective: a sliced one's passes, one all-reduce before
+    a ``Partial`` sum too small to slice, none where TP ranks do not share it."""
+    tp = getattr(elements, "tp", 1)
+    if tp == 1:
+        return 0
+    if elements < tp:
+        return int(isinstance(elements, Partial))
+    return _tp_passes(elements)
+
+
+def _rows(g: int, p: int, k: int) -> int:
+    """Rows ``cut(g, k)[p]`` of a split polynomial."""
+    return (p + 1) * g // k - p * g // k
 
 
 def node_layout(members: tuple, nodes: tuple) -> tuple[int, int]:
@@ -324,8 +385,7 @@ def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1) -> 
     (floats) and, for a split polynomial, its gather (``Gather``)."""
     p, k, split = part
     if split and splits_polynomial(g, long_side, k, reassociate=True):
-        rows = (p + 1) * g // k - p * g // k
-        return (2.0 * g * g * rows, Gather(g * g, tp), 2.0 * g * g * lines)
+        return (2.0 * g * g * _rows(g, p, k), Gather(g * g, tp), 2.0 * g * g * lines)
     if reassociates(g, lines):
         return (4.0 * g * g * lines,)
     return (2.0 * g**3 + 2.0 * g * g * lines,)
@@ -345,12 +405,13 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
         The member's events in execution order.
     """
     out: list = []
-    tp = model.sharing(info)
+    tp, place = model.sharing(info), model.places(info, part)
+    total = Partial if model.partial(info) else Sum
     for g in model._grams(info, axis):
-        out.append(Sum(1, tp))  # the squared norm
+        out.append(total(1, tp))  # the squared norm
         for _ in range(model.steps):
-            after = _after_sum(g, lines, info.shape[axis], part, tp)
-            out += [2.0 * g * g * lines, Sum(packed_size(g), tp), *after]
+            after = _after_sum(g, lines, info.shape[axis], place, tp)
+            out += [2.0 * g * g * lines, total(packed_size(g), tp), *after]
     return out
 
 

@@ -7,7 +7,16 @@ from ..config import DEFAULT_NS_BATCH_BYTES as NS_BATCH
 from ..exchange import Exchange, MatrixSlot, Unit, owned_runs
 from ..newton_schulz import interleave
 from ..tp import TP_WINDOW
-from .cost_model import ALL, POST, WAIT, Gather, critical_path, exchange_schedule, member_events
+from .cost_model import (
+    ALL,
+    POST,
+    WAIT,
+    Gather,
+    Partial,
+    critical_path,
+    exchange_schedule,
+    member_events,
+)
 from .plan import (
     MuonExchangePlan,
     TPCollective,
@@ -135,10 +144,7 @@ def tp_schedule(
             gathered.append(TPCollective("all_gather", n, update_dtype, tp))
     sliced = []
     for _, op, _, n in _schedule(plan, ex)[rank] if gangs else []:
-        tp = getattr(n, "tp", 1)
-        if op == POST and tp > 1 and n >= tp:
-            dtype = ns_dtype if isinstance(n, Gather) else "float32"
-            sliced.append(TPCollective("all_gather_into_tensor", -(-int(n) // tp), dtype, tp))
+        sliced += _around_gang(op, n, ns_dtype)
     whole = []
     if model.mode == "owner":
         infos = [plan.matrices[i].info for i in owned if i not in gangs]
@@ -151,6 +157,23 @@ def tp_schedule(
     for info in infos:
         whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
     return gathered, sliced, whole
+
+
+def _around_gang(op: str, n, ns_dtype: str) -> list[TPCollective]:
+    """The TP collectives gangs.py runs where it posts (``op`` POST) or waits for gang collective
+    ``n`` (``Sum``, ``Gather`` or ``Partial``): before the post, a partial sum's reduce-scatter
+    (too small to slice: all-reduce) over TP; after the wait, the all-gather of the slices."""
+    tp = getattr(n, "tp", 1)
+    if tp == 1 or op not in (POST, WAIT) or (n < tp and op == WAIT):
+        return []
+    if n < tp:
+        return [TPCollective("all_reduce", int(n), "float32", tp)] if isinstance(n, Partial) else []
+    chunk = -(-int(n) // tp)
+    if op == POST:
+        partial = isinstance(n, Partial)
+        return [TPCollective("reduce_scatter_tensor", tp * chunk, "float32", tp)] if partial else []
+    dtype = ns_dtype if isinstance(n, Gather) else "float32"
+    return [TPCollective("all_gather_into_tensor", chunk, dtype, tp)]
 
 
 def owned_whole(plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype="float32") -> list:
@@ -317,15 +340,17 @@ def _short_of_floor(plan: MuonExchangePlan) -> str:
 
 
 def _unsplittable(plan: MuonExchangePlan) -> str:
-    """A note on TP-sharded matrices, which split over DP only in the ``duplicated`` mode."""
+    """A note on TP-sharded matrices that cannot split over DP: all but in the ``duplicated``
+    mode, and in the ``distributed`` mode Q/K/V and those TP shards along their short side."""
     model = plan.model
     if model is None:
         return ""
     fixed = sum(model.axis(m.info) is None for m in plan.matrices)
     if not fixed:
         return ""
+    why = " (Q/K/V, or TP shards the short side)" if model.mode == "distributed" else ""
     return (
-        f" ({fixed} TP-sharded cannot split in the {model.mode} TP mode; "
+        f" ({fixed} TP-sharded cannot split in the {model.mode} TP mode{why}; "
         "--muon-tp-mode duplicated can)"
     )
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from ..exchange import Exchange
 from ..functional import OrthoSpec, orthogonalize_sharded_steps
 from ..newton_schulz import GATHER, SUM, interleave
-from ..tp import TPOrthogonalizer, all_gather_ranges, post_gather_ranges
+from ..tp import TPOrthogonalizer, all_gather_ranges, post_gather_ranges, reduce_scatter_ranges
 from .cost_model import cut, node_layout, ring_traffic
 
 
@@ -23,7 +23,11 @@ class GangRunner:
     the bytes its gang collectives moved (ring model, ``cost_model.ring_traffic``)."""
 
     def __init__(self, inner):
-        self.inner = inner  # the TP orthogonalizer (``duplicated``: TP ranks share a block)
+        # the TP orthogonalizer: ``duplicated``, TP ranks share a gathered block; ``distributed``
+        # (``partial``), each TP rank holds its own part of the block and adds its partial sums
+        self.inner = inner
+        mode = inner.mode if isinstance(inner, TPOrthogonalizer) else None
+        self.partial = mode == "distributed"
         self.plan = None  # of the exchange being run
         self.sum_bytes = 0.0  # of the last ``run``
         self.groups: dict[tuple[int, ...], object] = {}  # global ranks -> group (None: not in)
@@ -66,10 +70,10 @@ class GangRunner:
         def gang_fn(updates: list[Tensor], infos: list) -> list[Tensor]:
             steps, serve = [], []
             for u, info, unit in zip(updates, infos, units):
-                members = unit.members
-                part = (members.index(self.plan.rank), len(members)) if unit.splits else None
+                members, tp = unit.members, self._sharing(info)
+                part = self._place(members, tp) if unit.splits else None
                 steps.append(orthogonalize_sharded_steps(u, info, spec, unit.axis, True, part))
-                group, tp = self._group(ranks, members), self._sharing(info)
+                group = self._group(ranks, members)
                 serve.append(
                     {
                         SUM: functools.partial(self._gang_sum, group, members, tp),
@@ -79,9 +83,18 @@ class GangRunner:
             return self._interleave(steps, serve, [unit.members for unit in units])
 
         infos = [slot.info for slot in slots]
-        if isinstance(self.inner, TPOrthogonalizer):
+        if isinstance(self.inner, TPOrthogonalizer) and not self.partial:
             return self.inner.together(blocks, infos, gang_fn)
         return gang_fn(blocks, infos)
+
+    def _place(self, members: tuple[int, ...], tp) -> tuple[int, int]:
+        """(place, places) of this rank's block in its split polynomials: among the members,
+        or (``partial``) TP rank t's ``t k + p`` of ``tp k``, so TP rank t's members hold
+        rows ``cut(g, tp)[t]`` together (``_gang_gather``)."""
+        p, k = members.index(self.plan.rank), len(members)
+        if not self.partial or tp is None:
+            return p, k
+        return torch.distributed.get_rank(tp) * k + p, tp.size() * k
 
     def _group(self, ranks: list[int], members: tuple[int, ...]):
         key = tuple(ranks[m] for m in members)
@@ -110,17 +123,23 @@ class GangRunner:
             posted.fill()
 
     def _sharing(self, info):
-        """The TP group sharing the gathered block (``duplicated`` mode), each rank summing a
-        slice over DP; else None."""
+        """The TP group whose ranks each sum a slice over DP: they share the gathered block
+        (``duplicated``) or each hold a part of it (``partial``); else None."""
         inner = self.inner
-        if isinstance(inner, TPOrthogonalizer) and inner.mode == "duplicated":
+        if isinstance(inner, TPOrthogonalizer) and inner.mode in ("duplicated", "distributed"):
             return inner._group(info)
         return None
 
     def _gang_sum(self, group, members: tuple[int, ...], tp, t: Tensor) -> "Posted":
-        """Post ``t``'s sum in place over the gang (per TP slice where TP ranks share the block)."""
+        """Post ``t``'s sum in place over the gang (per TP slice where TP ranks share the block;
+        ``partial``: the TP ranks' parts summed over TP first, as ``cost_model.Partial``)."""
         flat = t.view(-1)
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
+        if self.partial and tp is not None:
+            if slices:
+                reduce_scatter_ranges(flat, slices, p, tp)
+            else:  # too small to slice
+                torch.distributed.all_reduce(flat, group=tp)
         work = torch.distributed.all_reduce(flat[lo:hi], group=group, async_op=True)
         moved = ring_traffic(hi - lo, t.element_size(), 2, self._layout(members))
         self.sum_bytes += 2 * sum(moved)
@@ -130,11 +149,14 @@ class GangRunner:
         """Post the gather of a split polynomial's rows in place over the gang (one padded
         ``all_gather_into_tensor``); per TP slice as ``_gang_sum``."""
         flat, cols = poly.view(-1), poly.shape[1]
-        lo, hi, slices, p = _tp_slice(flat.numel(), tp)
-        rows = [
-            (min(max(a * cols, lo), hi) - lo, min(max(b * cols, lo), hi) - lo)
-            for a, b in cut(poly.shape[0], len(members))
-        ]
+        if self.partial and tp is not None:  # TP rank t holds the rows of places t k .. t k + k-1
+            lo, hi, slices, p = _row_slice(poly.shape[0], cols, tp)
+            k = len(members)
+            cuts = cut(poly.shape[0], tp.size() * k)[p * k : (p + 1) * k]
+        else:
+            lo, hi, slices, p = _tp_slice(flat.numel(), tp)
+            cuts = cut(poly.shape[0], len(members))
+        rows = [(min(max(a * cols, lo), hi) - lo, min(max(b * cols, lo), hi) - lo) for a, b in cuts]
         work, fill = post_gather_ranges(flat[lo:hi], rows, members.index(self.plan.rank), group)
         moved = ring_traffic(hi - lo, poly.element_size(), 1, self._layout(members))
         self.sum_bytes += 2 * sum(moved)
@@ -165,6 +187,13 @@ def _then_tp(fill, flat: Tensor, slices, p: int, tp) -> Optional[Callable[[], No
         all_gather_ranges(flat, slices, p, tp)
 
     return both
+
+
+def _row_slice(g: int, cols: int, group) -> tuple[int, int, list, int]:
+    """``_tp_slice`` of a ``g x cols`` polynomial by whole rows: TP rank t's ``cut(g, tp)[t]``."""
+    p = torch.distributed.get_rank(group)
+    slices = [(a * cols, b * cols) for a, b in cut(g, group.size())]
+    return (*slices[p], slices, p)
 
 
 def _new_group(dp_group, members: tuple[int, ...], ranks: tuple[int, ...], member: bool):
