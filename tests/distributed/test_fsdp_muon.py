@@ -7,6 +7,7 @@ unsharded params after the steps are compared with one process's. Reproduce a ca
     .venv/bin/python -m pytest tests/distributed/test_fsdp_muon.py -k fsdp2_dp2 -q
 """
 
+import dataclasses
 import functools
 import math
 import os
@@ -324,6 +325,14 @@ MEGATRON_FSDP = {
     "tp2_distributed_optim_grads_params": dict(
         world_size=4, tp=2, strategy="optim_grads_params", muon_tp_mode="distributed"
     ),
+    # gangs (low split targets, as test_muon_gangs.py): at TP 2 x DP 2 each matrix's NS split
+    # over both DP ranks, TP-gathered blocks (duplicated) or each TP rank's own part (distributed)
+    "tp2_gangs_optim_grads_params": dict(
+        world_size=4, tp=2, strategy="optim_grads_params", gangs=True
+    ),
+    "tp2_distributed_gangs_optim_grads_params": dict(
+        world_size=4, tp=2, strategy="optim_grads_params", muon_tp_mode="distributed", gangs=True
+    ),
     # experts over EP 2: their own (expert DP) buffers and exchange beside the dense one
     "ep2_moe_optim_grads_params": dict(world_size=4, ep=2, strategy="optim_grads_params"),
     # HSDP: 2 replicas (--num-distributed-optimizer-instances 2) of 2 shards; the exchange runs
@@ -349,6 +358,8 @@ def test_megatron_fsdp_muon_matches_one_process(layout):
         case["hook"] = functools.partial(_exchanges_span, world_size // instances)
     if case.get("muon_tp_mode") == "owner":  # the owners run the owner mode's TP exchange
         case["hook"] = _owners_in_owner_mode
+    if case.pop("gangs", False):
+        case["hook"] = _split_every_exchange
     got = run_distributed(train_megatron_fsdp, world_size, **layout, args=args, kwargs=case)
     assert_every_rank_close(reference(moe=moe), got)
 
@@ -367,6 +378,18 @@ def test_hsdp_before_0093_misses():
 
 def _owners_in_owner_mode(optimizer) -> None:
     assert {ex.inner.mode for ex in optimizer.optimizer.orthogonalizer.exchanges} == {"owner"}
+
+
+def _split_every_exchange(optimizer) -> None:
+    """Re-plan every exchange with gangs of every DP rank (``test_muon_gangs._split``'s low
+    targets, FLOPs alone), on every rank alike; the matrices' layout stays, so the shard infos
+    still hold."""
+    exchanges = optimizer.optimizer.orthogonalizer.exchanges
+    for ex in exchanges:
+        model = dataclasses.replace(ex.plan.model, link_flops_per_byte=0.0)
+        ex.plan = ex.plan.rebuilt(model=model, targets=(0.1,), bundles=())
+        ex.gangs.make_groups(ex.plan)
+    assert any(len(m.units) > 1 for ex in exchanges for m in ex.plan.matrices), "no gang"
 
 
 def _exchanges_span(ranks: int, optimizer) -> None:
