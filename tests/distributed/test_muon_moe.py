@@ -9,7 +9,8 @@ import functools
 
 import pytest
 from harness import run_distributed
-from parity import assert_close_runs, record, split_key_bias
+from parity import assert_close_runs, misses, record, split_key_bias, update_rel_error
+from test_muon_distopt import BUCKET, distopts
 from tiny_gpt import TinyGPT, train
 
 from megatron.training.muon_recipe import SEED_RECIPE
@@ -25,6 +26,8 @@ MUON = dict(optimizer="muon", muon_fp32_matmul_prec="highest", **SEED_RECIPE)
 TOL = 1e-4
 LOSS_RTOL = 1e-5
 
+# the DistOpt layout test_muon_distopt.py runs (small buckets, overlap), gangs forced by the hook
+GANGS = dict(muon_tp_mode="distributed", distopt=True, bucket_size=BUCKET, overlap=True, gangs=True)
 LAYOUTS = {
     "dp2": dict(world_size=2, ep=1),
     "ep2": dict(world_size=2, ep=2),
@@ -43,7 +46,29 @@ LAYOUTS = {
     "ep2_expert_tp2_distributed_distopt": dict(
         world_size=4, ep=2, etp=2, muon_tp_mode="distributed", distopt=True
     ),
+    # and with gangs (low split targets): 8 ranks, so the experts' DP group has 2; each expert
+    # matrix's NS runs over its 2 expert-TP ranks x 2 expert-DP ranks, the dense ones over DP 8
+    "ep2_expert_tp2_distributed_distopt_gangs": dict(world_size=8, ep=2, etp=2, **GANGS),
 }
+
+
+def _gangs_everywhere(optimizer, broken_partial: bool = False) -> None:
+    """Hook: re-plan every exchange (dense and expert) with gangs of every DP rank (low split
+    targets, FLOPs alone, as test_muon_gangs.py), on every rank alike; ``broken_partial``: the
+    negative control, no TP reduce-scatter of the partial sums (no rank runs it)."""
+    from megatron.core.optimizer.megatron_muon.planner import gangs
+
+    split = []
+    for distopt in distopts(optimizer):
+        ortho = distopt.optimizer.orthogonalizer
+        model = dataclasses.replace(ortho.plan.model, link_flops_per_byte=0.0)
+        plan = ortho.plan.rebuilt(model=model, targets=(0.1,), bundles=())
+        ortho.plan = distopt.muon_plan = plan
+        ortho.gangs.make_groups(plan)
+        split += [m.name for m in plan.matrices if len(m.units) > 1]
+    assert any(".experts." in name for name in split), split
+    if broken_partial:
+        gangs.reduce_scatter_ranges = lambda flat, bounds, p, group: None
 
 
 @functools.cache
@@ -58,6 +83,8 @@ def test_moe_expert_weights_match_one_process(layout):
     spec = dataclasses.replace(
         SPEC, moe_token_dispatcher_type=kwargs.pop("dispatcher", "allgather")
     )
+    if kwargs.pop("gangs", False):
+        kwargs["optimizer_hook"] = _gangs_everywhere
     got = run_distributed(
         train, world, ep=ep, etp=etp, args=(spec, STEPS), kwargs={**MUON, **kwargs}
     )
@@ -66,6 +93,20 @@ def test_moe_expert_weights_match_one_process(layout):
     assert len(experts) == SPEC.num_layers * SPEC.num_moe_experts * 2  # fc1 and fc2 each
     initial, ref, _ = reference()
     assert all((ref[k] - initial[k]).norm() > 0 for k in experts), "an expert never trained"
+
+
+def test_negative_control_expert_gangs_without_the_tp_reduce_scatter_miss():
+    """The gang layout above without the TP reduce-scatter of its partial sums: each expert-TP
+    rank iterates on its half's Gram alone, and the expert matrices miss the reference."""
+    hook = functools.partial(_gangs_everywhere, broken_partial=True)
+    kwargs = {**MUON, **GANGS, "optimizer_hook": hook}
+    del kwargs["gangs"]
+    got = run_distributed(train, 8, ep=2, etp=2, args=(SPEC, 1), kwargs=kwargs)
+    initial, ref, _ = run_distributed(train, 1, args=(SPEC, 1), kwargs=MUON)[0]
+    for _, params, _ in got:  # every rank: the experts it holds
+        experts = {k: v for k, v in params.items() if ".experts.local_experts." in k}
+        errors = update_rel_error(initial, {k: ref[k] for k in experts}, experts)
+        assert experts and misses(errors, 100 * TOL)
 
 
 # Megatron-LM's default: linear layers with biases (--disable-bias-linear turns them off). An
