@@ -158,6 +158,23 @@ def test_gangs_over_tp_distributed_match_one_process():
     assert misses(update_rel_error(initial, ref, broken[0][1]), 100 * TOL["fp32"])
 
 
+# Sizes no cut divides: hidden 66 (heads of 16, as rope needs an even head dim) gives fc1 and
+# fc2 Gram sides of 66 (4 places: 16 / 17 / 16 / 17 polynomial rows; TP 2's row slices 33 / 33)
+# and packed Grams of 2211 elements (TP slices 1105 / 1106).
+UNEVEN = TinyGPT(hidden_size=66, ffn_hidden_size=90, extra=dict(kv_channels=16))
+
+
+def test_gangs_over_tp_distributed_with_uneven_cuts_match_one_process():
+    """As above, at sizes where every cut (TP slices of the sums, polynomial rows over TP x gang,
+    TP row slices) is uneven; tolerance as above."""
+    kwargs = dict(MUON, distopt=True, bucket_size=BUCKET, overlap=True, muon_tp_mode="distributed")
+    got = run_distributed(
+        train, 4, tp=2, args=(UNEVEN, STEPS), kwargs=dict(kwargs, optimizer_hook=_split)
+    )
+    ref = run_distributed(train, 1, args=(UNEVEN, STEPS), kwargs=MUON)[0]
+    assert_close_runs(ref, got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+
+
 @pytest.mark.parametrize("broken", ["broken_sum", "broken_gather"])
 def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
     initial, ref, _ = reference("fp32", steps=CONTROL_STEPS)
