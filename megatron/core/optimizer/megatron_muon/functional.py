@@ -154,8 +154,9 @@ def muon_momentum_(
         return []
     if l2_weight_decay:
         grads = torch._foreach_add(grads, params, alpha=l2_weight_decay)
-    # the buffers themselves unless a narrower state dtype was asked for
-    work = [b if b.dtype == p.dtype else b.to(p.dtype) for p, b in zip(params, bufs)]
+    # the buffers themselves (``to`` returns the tensor where the dtype agrees) unless a
+    # narrower state dtype was asked for
+    work = [b.to(p.dtype) for p, b in zip(params, bufs)]
     _mul_all_(work, momentum)
     torch._foreach_add_(work, grads)  # one kernel per list where all share device and dtype
     for b, buf in zip(work, bufs):

@@ -164,16 +164,17 @@ def _around_gang(op: str, n, ns_dtype: str) -> list[TPCollective]:
     ``n`` (``Sum``, ``Gather`` or ``Partial``): before the post, a partial sum's reduce-scatter
     (too small to slice: all-reduce) over TP; after the wait, the all-gather of the slices."""
     tp = getattr(n, "tp", 1)
-    if tp == 1 or op not in (POST, WAIT) or (n < tp and op == WAIT):
+    if tp == 1:
         return []
-    if n < tp:
-        return [TPCollective("all_reduce", int(n), "float32", tp)] if isinstance(n, Partial) else []
     chunk = -(-int(n) // tp)
-    if op == POST:
-        partial = isinstance(n, Partial)
-        return [TPCollective("reduce_scatter_tensor", tp * chunk, "float32", tp)] if partial else []
-    dtype = ns_dtype if isinstance(n, Gather) else "float32"
-    return [TPCollective("all_gather_into_tensor", chunk, dtype, tp)]
+    if op == POST and isinstance(n, Partial):
+        if n < tp:
+            return [TPCollective("all_reduce", int(n), "float32", tp)]
+        return [TPCollective("reduce_scatter_tensor", tp * chunk, "float32", tp)]
+    if op == WAIT and n >= tp:
+        dtype = ns_dtype if isinstance(n, Gather) else "float32"
+        return [TPCollective("all_gather_into_tensor", chunk, dtype, tp)]
+    return []
 
 
 def owned_whole(plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype="float32") -> list:

@@ -71,7 +71,7 @@ class GangRunner:
             steps, serve = [], []
             for u, info, unit in zip(updates, infos, units):
                 members, tp = unit.members, self._sharing(info)
-                part = self._place(members, tp) if unit.splits else None
+                part = self._place(unit, tp) if unit.splits else None
                 steps.append(orthogonalize_sharded_steps(u, info, spec, unit.axis, True, part))
                 group = self._group(ranks, members)
                 serve.append(
@@ -87,11 +87,11 @@ class GangRunner:
             return self.inner.together(blocks, infos, gang_fn)
         return gang_fn(blocks, infos)
 
-    def _place(self, members: tuple[int, ...], tp) -> tuple[int, int]:
-        """(place, places) of this rank's block in its split polynomials: among the members,
-        or (``partial``) TP rank t's ``t k + p`` of ``tp k``, so TP rank t's members hold
-        rows ``cut(g, tp)[t]`` together (``_gang_gather``)."""
-        p, k = members.index(self.plan.rank), len(members)
+    def _place(self, unit, tp) -> tuple[int, int]:
+        """(place, places) of this rank's block in its split polynomials: ``unit.part``'s among
+        the members, or (``partial``) TP rank t's ``t k + p`` of ``tp k``, so TP rank t's members
+        hold rows ``cut(g, tp)[t]`` together (``_gang_gather``)."""
+        p, k, _ = unit.part
         if not self.partial or tp is None:
             return p, k
         return torch.distributed.get_rank(tp) * k + p, tp.size() * k
