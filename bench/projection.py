@@ -36,8 +36,9 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   ``PlanLinks``), ring bytes each way, on the owner's main thread (no overlap), so it lies on the
   critical path where it runs; ``distributed``'s as its stream posts and waits for them
   (``figures.stream_trace``: two matrices in flight, one's collectives under the other's
-  matmuls). The TP all-gathers of sliced gang collectives are in the gang collectives' time
-  (``NSCostModel.tp_bytes``), as before.
+  matmuls). The TP collectives around a sliced gang collective (``NSCostModel.tp_around``: a
+  partial sum's reduce-scatter before its post, the all-gather of the slices after its wait) run
+  on the main thread, where gangs.py runs them.
 
 Per GPU and step: model = 6 N tokens / (gpus * peak * mfu). Baseline (gather-everything): every
 rank orthogonalizes every matrix in the TP mode (its FLOPs and TP collectives) and all-gathers
@@ -298,8 +299,10 @@ def ns_seconds(
     """The plan's NS critical path in seconds: matmuls at ``rate``, each gang collective as a
     ring over a duplex link (``NSCostModel.ring_bytes``: a fp32 sum ``2 (k - 1) / k`` of the
     tensor each way, a gather of polynomial rows ``(k - 1) / k`` in the NS dtype; ``1 / tp`` of it
-    per TP rank where TP ranks share the block, then an all-gather over TP at ``tp_link``),
-    plus ``latency`` seconds per dependent ring step (``NSCostModel.ring_steps``), plus (``tp``)
+    per TP rank where TP ranks share the block), plus ``latency`` seconds per dependent ring step
+    (``NSCostModel.ring_steps``); the TP collectives around it (``NSCostModel.tp_around``: a
+    partial sum's reduce-scatter before the post, the all-gather of the slices after the wait)
+    on the main thread, at ``tp_link`` plus ``latency`` each, as gangs.py runs them; plus (``tp``)
     the TP mode's own collectives at ``tp_link`` where the owner's main thread runs them
     (``with_tp``; counted with ``tp_model``, default the plan's)."""
     traces = [plan_figures.trace(plan, r) for r in range(plan.world)]
@@ -313,9 +316,15 @@ def ns_seconds(
             return 0.0
         slow, fast = plan.model.ring_bytes(members, elements)
         steps = plan.model.ring_steps(members, elements) * latency
-        return slow / link + (fast + plan.model.tp_bytes(elements)) / tp_link + steps
+        return slow / link + fast / tp_link + steps
 
-    return critical_path(traces, work=lambda flops: flops / rate, sync=ring)
+    def busy(elements) -> tuple[float, float]:
+        if isinstance(elements, TPCollective) or not elements:
+            return 0.0, 0.0
+        sides = plan.model.tp_around(elements)
+        return tuple(sum(c.link_bytes() / tp_link + latency for c in side) for side in sides)
+
+    return critical_path(traces, work=lambda flops: flops / rate, sync=ring, busy=busy)
 
 
 def matrix_tp_bytes(model: NSCostModel, info, gather: bool = True) -> float:

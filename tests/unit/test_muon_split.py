@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron.core.optimizer.megatron_muon.exchange import Block, block_views
+from megatron.core.optimizer.megatron_muon.newton_schulz import packed_size
 from megatron.core.optimizer.megatron_muon.planner import cost_model, placement
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import (
@@ -78,6 +79,45 @@ def test_critical_path_serves_a_ranks_posts_one_at_a_time_in_order():
     ]
     traces = [t + [(0, ALL, EVERYONE, 0)] for t in traces]
     assert critical_path(traces, sync=lambda members, n: n) == 10
+
+
+def test_tp_collectives_around_a_gang_collective_hold_the_main_thread():
+    # gangs.py runs them synchronously: before the post (a partial sum's reduce-scatter, 0.5)
+    # and after the wait (the all-gather of the slices, 0.25). Rank 0 posts at 1 + 0.5, the sum
+    # rings 1.5 -> 5.5 under its 5 FLOPs (-> 6.5), then gathers: 6.75, then 2: 8.75. Charged
+    # inside the async link time instead (4.75) it would hide under the FLOPs: 8.
+    traces = [[(1, POST, (0, 1), 4), (5, WAIT, (0, 1), 4), (2, ALL, (0, 1), 0)]] * 2
+    busy = lambda n: (0.5, 0.25) if n else (0.0, 0.0)  # noqa: E731
+    assert critical_path(traces, sync=lambda members, n: n, busy=busy) == 8.75
+    assert critical_path(traces, sync=lambda members, n: n + 0.75 if n else 0) == 8
+
+
+def test_cost_model_charges_a_partial_sums_tp_collectives_apart_from_its_link_time():
+    """A 70B fc1 Gram sum in the ``distributed`` mode (a ``Partial`` over TP 8): the
+    reduce-scatter over TP before its post and the all-gather after its wait are main-thread
+    time (``busy_flops``), at NVLink; its link time (``sync_flops``) is the gang's ring only;
+    run alone it costs both (``collective_flops``, what ``busiest`` and ``splits`` weigh)."""
+    model = projection.cost_model(8, "distributed")
+    gram, gang = Partial(packed_size(8192), 8), (0, 1, 2)
+    before, after = model.tp_around(gram)
+    chunk = -(-packed_size(8192) // 8)
+    assert [(c.op, c.elements, c.dtype) for c in before] == [
+        ("reduce_scatter_tensor", 8 * chunk, "float32")
+    ]
+    assert [(c.op, c.elements, c.dtype) for c in after] == [
+        ("all_gather_into_tensor", chunk, "float32")
+    ]
+    per_byte = model.tp_link_flops_per_byte
+    assert model.busy_flops(gram) == pytest.approx((7 * chunk * 4 * per_byte,) * 2, rel=1e-12)
+    slow, fast = model.ring_bytes(gang, gram)
+    link = slow * model.link_flops_per_byte + fast * per_byte
+    assert model.sync_flops(gang, gram) == pytest.approx(link, rel=1e-12)
+    assert model.collective_flops(gang, gram) == pytest.approx(
+        link + sum(model.busy_flops(gram)), rel=1e-12
+    )
+    norm = Partial(1, 8)  # too small to slice: all-reduced over TP first, nothing after
+    assert [c.op for c in model.tp_around(norm)[0]] == ["all_reduce"]
+    assert model.tp_around(norm)[1] == [] and model.tp_around(Sum(1)) == ([], [])
 
 
 def test_critical_path_refuses_members_posting_one_collective_with_different_sizes():

@@ -45,6 +45,39 @@ class PlanLinks:
 DEFAULT_LINKS = PlanLinks()
 
 
+# Bytes per element of the dtypes Muon's TP collectives move (``TPCollective.dtype``).
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NS_DTYPES = {2: "bfloat16", 4: "float32"}  # ``NSCostModel.ns_itemsize`` -> dtype name
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    """One collective over a TP group as tp.py / planner/gangs.py call it (what
+    bench/collectives.py records): torch.distributed's op, the elements of this rank's input
+    tensor, its dtype (torch's name without ``torch.``), the group size."""
+
+    # "all_gather" (list form), "all_gather_into_tensor", "all_reduce", "all_to_all_single",
+    # "reduce_scatter_tensor"
+    op: str
+    elements: int
+    dtype: str
+    tp: int
+    moved: int = 0  # all_to_all_single: elements sent to plus received from other ranks
+
+    def link_bytes(self) -> float:
+        """Bytes one TP rank sends (as many it receives) in a ring over the TP link: an
+        all-reduce ``2 (tp - 1) / tp`` of its tensor, a reduce-scatter ``(tp - 1) / tp`` of its
+        input, a gather ``tp - 1`` times its input, an all-to-all half of what it moves."""
+        size = self.elements * ITEMSIZES[self.dtype]
+        if self.op == "all_to_all_single":
+            return self.moved * ITEMSIZES[self.dtype] / 2
+        if self.op == "all_reduce":
+            return 2 * (self.tp - 1) / self.tp * size
+        if self.op == "reduce_scatter_tensor":  # its input: tp chunks
+            return (self.tp - 1) / self.tp * size
+        return float((self.tp - 1) * size)
+
+
 @dataclass(frozen=True)
 class NSCostModel:
     """Newton-Schulz FLOPs an owner's TP rank executes, whole or as a gang member.
@@ -96,19 +129,28 @@ class NSCostModel:
         """(members per node, nodes) of a gang (``node_layout``)."""
         return node_layout(members, self.nodes)
 
+    def tp_around(self, elements: int) -> tuple[list, list]:
+        """The TP collectives around gang collective ``elements`` (``around_gang``): before its
+        post and after its wait, on the main thread."""
+        return around_gang(elements, NS_DTYPES[self.ns_itemsize])
+
     def tp_bytes(self, elements: int) -> float:
-        """Bytes each way per TP rank in the TP collectives around a sliced gang collective: the
-        all-gather after it, and (a ``Partial`` sum) the reduce-scatter before it (0: none)."""
-        tp = getattr(elements, "tp", 1)
-        if tp == 1 or (elements < tp and not isinstance(elements, Partial)):
-            return 0.0
-        if elements < tp:  # a partial sum too small to slice: all-reduced over TP first
-            return 2 * (tp - 1) / tp * int(elements) * 4
-        itemsize = self.ns_itemsize if isinstance(elements, Gather) else 4
-        return _tp_passes(elements) * (tp - 1) * _slice(elements) * itemsize
+        """Bytes each way per TP rank in the TP collectives around a gang collective (0: none)."""
+        return sum(c.link_bytes() for side in self.tp_around(elements) for c in side)
+
+    def busy_flops(self, elements: int) -> tuple[float, float]:
+        """Main-thread time before a gang collective's post and after its wait, in FLOP units:
+        its TP collectives (``critical_path``'s ``busy``), each at the TP link plus a ring
+        step's latency."""
+        per_byte, latency = self.tp_link_flops_per_byte, self.step_latency_flops
+        return tuple(
+            sum(c.link_bytes() * per_byte + latency for c in side)
+            for side in self.tp_around(elements)
+        )
 
     def sync_flops(self, members: tuple, elements: int) -> float:
-        """A gang collective's link time in matmul-FLOP units (``critical_path``'s ``sync``).
+        """A gang collective's link time in matmul-FLOP units (``critical_path``'s ``sync``):
+        the async part, not the TP collectives around it (``busy_flops``).
 
         Args:
             members: the gang's ranks.
@@ -120,12 +162,17 @@ class NSCostModel:
         if not elements:
             return 0.0
         slow, fast = self.ring_bytes(members, elements)
-        fast += self.tp_bytes(elements)
         latency = self.ring_steps(members, elements) * self.step_latency_flops
         return slow * self.link_flops_per_byte + fast * self.tp_link_flops_per_byte + latency
 
+    def collective_flops(self, members: tuple, elements: int) -> float:
+        """A gang collective's whole cost run alone: its link time and the TP collectives
+        around it (FLOP units)."""
+        return self.sync_flops(members, elements) + sum(self.busy_flops(elements))
+
     def ring_steps(self, members: tuple, elements: int) -> int:
-        """Dependent ring steps of one gang collective (modeled as a ring), latency's count.
+        """Dependent ring steps of one gang collective (modeled as a ring), latency's count (the
+        TP collectives around it: ``busy_flops``).
 
         Args:
             members: the gang's ranks.
@@ -139,7 +186,7 @@ class NSCostModel:
             steps = 2 * (m - 1) + 2 * (n - 1)
         else:
             steps = _passes(elements) * (max(m, n) - 1)
-        return steps + _tp_collectives(elements)
+        return steps
 
     def sharing(self, info) -> int:
         """TP ranks that each carry one slice of a gang collective over DP: those holding the
@@ -246,7 +293,7 @@ class NSCostModel:
         part = (k - 1, k, self.splits(info, axis, local, k))
         members = tuple(range(k))
         return sum(
-            e if isinstance(e, float) else self.sync_flops(members, e) if with_link else 0.0
+            e if isinstance(e, float) else self.collective_flops(members, e) if with_link else 0.0
             for e in member_events(self, info, axis, lines, part)
         )
 
@@ -270,7 +317,7 @@ class NSCostModel:
             flops, part = 0.0, self.places(info, (k - 1, k, split))
             for g in self._grams(info, axis):
                 for e in _after_sum(g, lines, info.shape[axis], part, tp):
-                    flops += e if isinstance(e, float) else self.sync_flops(members, e)
+                    flops += e if isinstance(e, float) else self.collective_flops(members, e)
             return flops
 
         return k > 1 and cost(True) < cost(False)
@@ -297,20 +344,31 @@ class Partial(Sum):
     reduce-scattered over TP, each slice summed over the gang, all-gathered over TP."""
 
 
-def _tp_passes(elements: int) -> int:
-    """TP collectives around a sliced gang collective: 2 for a ``Partial`` sum, else 1."""
-    return 2 if isinstance(elements, Partial) else 1
+def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
+    """The TP collectives gangs.py runs on the main thread around gang collective ``elements``
+    (``Sum``, ``Gather`` or ``Partial``), the one description the cost model and the counts
+    (``figures.tp_schedule``) share.
 
+    Args:
+        elements: the gang collective.
+        ns_dtype: Newton-Schulz's dtype name (a split polynomial's rows move in it).
 
-def _tp_collectives(elements: int) -> int:
-    """TP collectives around a gang collective: a sliced one's passes, one all-reduce before
-    a ``Partial`` sum too small to slice, none where TP ranks do not share it."""
+    Returns:
+        (before its post, after its wait): a ``Partial`` sum's reduce-scatter over TP (too small
+        to slice: all-reduce); a sliced collective's all-gather of the slices. Lists of
+        ``TPCollective``.
+    """
     tp = getattr(elements, "tp", 1)
     if tp == 1:
-        return 0
-    if elements < tp:
-        return int(isinstance(elements, Partial))
-    return _tp_passes(elements)
+        return [], []
+    n, chunk = int(elements), -(-int(elements) // tp)
+    before = []
+    if isinstance(elements, Partial):
+        op = ("all_reduce", n) if n < tp else ("reduce_scatter_tensor", tp * chunk)
+        before = [TPCollective(*op, "float32", tp)]
+    dtype = ns_dtype if isinstance(elements, Gather) else "float32"
+    after = [TPCollective("all_gather_into_tensor", chunk, dtype, tp)] if n >= tp else []
+    return before, after
 
 
 def _rows(g: int, p: int, k: int) -> int:
@@ -532,6 +590,7 @@ def critical_path(
     traces: Sequence[Sequence[tuple]],
     work: Callable[[float], float] = float,
     sync: Callable[[tuple, int], float] = lambda members, n: 0.0,
+    busy: Optional[Callable[[int], tuple[float, float]]] = None,
 ) -> float:
     """When the last rank's main thread ends a schedule (``exchange_schedule``'s traces).
 
@@ -543,19 +602,22 @@ def critical_path(
         traces: per rank, its entries (flops before, op, members, elements).
         work: time a count of FLOPs takes.
         sync: time a collective over ``members`` of ``elements`` elements takes.
+        busy: main-thread time before posting and after waiting for a collective of
+            ``elements`` (its TP collectives: ``NSCostModel.busy_flops``); None: none.
 
     Returns:
         The time the last main thread finishes.
     """
-    return _Schedule(traces, work, sync).run()
+    return _Schedule(traces, work, sync, busy).run()
 
 
 class _Schedule:
     """``critical_path``'s event-driven run."""
 
-    def __init__(self, traces, work, sync):
+    def __init__(self, traces, work, sync, busy):
         n = len(traces)
         self.traces, self.work, self.sync = traces, work, sync
+        self.busy = busy or (lambda elements: (0.0, 0.0))
         self.clock, self.at, self.charged = [0.0] * n, [0] * n, [False] * n
         self.free = [0.0] * n  # when each rank's gang link is free (one post at a time)
         self.line = [deque() for _ in range(n)]  # posted, unresolved keys, in order
@@ -588,9 +650,10 @@ class _Schedule:
                 end = self.ends[r][self.waited[r]]
                 if end is None:
                     return  # resumed when that collective resolves
-                self.clock[r] = max(self.clock[r], end)
+                self.clock[r] = max(self.clock[r], end) + self.busy(n)[1]
                 self.waited[r] += 1
             elif op == POST:
+                self.clock[r] += self.busy(n)[0]
                 key = self._key(r, members, POST)
                 self.posts.setdefault(key, {})[r] = (self.clock[r], len(self.ends[r]), n)
                 self.line[r].append(key)

@@ -9,23 +9,21 @@ from ..newton_schulz import interleave
 from ..tp import TP_WINDOW
 from .cost_model import (
     ALL,
+    NS_DTYPES,
     POST,
     WAIT,
-    Gather,
-    Partial,
+    TPCollective,
+    around_gang,
     critical_path,
     exchange_schedule,
     member_events,
 )
 from .plan import (
     MuonExchangePlan,
-    TPCollective,
     distributed_events,
     owner_collectives,
     tp_collectives,
 )
-
-NS_DTYPES = {2: "bfloat16", 4: "float32"}  # ``NSCostModel.ns_itemsize`` -> dtype name
 
 
 def with_window(plan: MuonExchangePlan, window: Optional[int]) -> MuonExchangePlan:
@@ -144,7 +142,7 @@ def tp_schedule(
             gathered.append(TPCollective("all_gather", n, update_dtype, tp))
     sliced = []
     for _, op, _, n in _schedule(plan, ex)[rank] if gangs else []:
-        sliced += _around_gang(op, n, ns_dtype)
+        sliced += around_gang(n, ns_dtype)[op == WAIT]
     whole = []
     if model.mode == "owner":
         infos = [plan.matrices[i].info for i in owned if i not in gangs]
@@ -157,24 +155,6 @@ def tp_schedule(
     for info in infos:
         whole += tp_collectives(info, model.steps, model.mode, model.tp_of(info), ns_dtype)
     return gathered, sliced, whole
-
-
-def _around_gang(op: str, n, ns_dtype: str) -> list[TPCollective]:
-    """The TP collectives gangs.py runs where it posts (``op`` POST) or waits for gang collective
-    ``n`` (``Sum``, ``Gather`` or ``Partial``): before the post, a partial sum's reduce-scatter
-    (too small to slice: all-reduce) over TP; after the wait, the all-gather of the slices."""
-    tp = getattr(n, "tp", 1)
-    if tp == 1:
-        return []
-    chunk = -(-int(n) // tp)
-    if op == POST and isinstance(n, Partial):
-        if n < tp:
-            return [TPCollective("all_reduce", int(n), "float32", tp)]
-        return [TPCollective("reduce_scatter_tensor", tp * chunk, "float32", tp)]
-    if op == WAIT and n >= tp:
-        dtype = ns_dtype if isinstance(n, Gather) else "float32"
-        return [TPCollective("all_gather_into_tensor", chunk, dtype, tp)]
-    return []
 
 
 def owned_whole(plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype="float32") -> list:

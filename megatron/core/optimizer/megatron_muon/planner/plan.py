@@ -6,7 +6,6 @@ in docs/distopt_exchange.md.
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,7 +14,7 @@ from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece, exchange_dtypes,
 from ..functional import MuonParamInfo
 from ..newton_schulz import compute_dtype, gathers, ns_flops, packed_size, splits_polynomial
 from ..tp import TPOrthogonalizer, owner_cells
-from .cost_model import NSCostModel, PlanLinks
+from .cost_model import NSCostModel, PlanLinks, TPCollective
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
 
@@ -69,38 +68,6 @@ def tp_ns_cost(
     return sum(
         e for e in distributed_events(info, steps, tp, gather=gather) if isinstance(e, float)
     )
-
-
-# Bytes per element of the dtypes Muon's TP collectives move (``TPCollective.dtype``).
-ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class TPCollective:
-    """One collective over a TP group as tp.py / planner/gangs.py call it (what
-    bench/collectives.py records): torch.distributed's op, the elements of this rank's input
-    tensor, its dtype (torch's name without ``torch.``), the group size."""
-
-    # "all_gather" (list form), "all_gather_into_tensor", "all_reduce", "all_to_all_single",
-    # "reduce_scatter_tensor"
-    op: str
-    elements: int
-    dtype: str
-    tp: int
-    moved: int = 0  # all_to_all_single: elements sent to plus received from other ranks
-
-    def link_bytes(self) -> float:
-        """Bytes one TP rank sends (as many it receives) in a ring over the TP link: an
-        all-reduce ``2 (tp - 1) / tp`` of its tensor, a reduce-scatter ``(tp - 1) / tp`` of its
-        input, a gather ``tp - 1`` times its input, an all-to-all half of what it moves."""
-        size = self.elements * ITEMSIZES[self.dtype]
-        if self.op == "all_to_all_single":
-            return self.moved * ITEMSIZES[self.dtype] / 2
-        if self.op == "all_reduce":
-            return 2 * (self.tp - 1) / self.tp * size
-        if self.op == "reduce_scatter_tensor":  # its input: tp chunks
-            return (self.tp - 1) / self.tp * size
-        return float((self.tp - 1) * size)
 
 
 def tp_collectives(
