@@ -51,6 +51,7 @@ from megatron.core.optimizer.megatron_muon.planner import cost_model, gangs
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
 from megatron.core.optimizer.megatron_muon.planner.figures import working_set_bytes
+from megatron.core.optimizer.megatron_muon.tp import all_gather_ranges
 
 # x total/dp: every matrix splits: fc1 (row blocks) over 4 ranks, proj (row blocks), QKV and fc2
 # (column blocks) over 2. Both forms of a member's step run: blocks narrower than their Gram
@@ -74,6 +75,7 @@ def _split(
     broken_gather=False,
     broken_tp=False,
     broken_partial=False,
+    fp32_tp_gathers=False,
     nodes=(),
     **kw,
 ):
@@ -83,8 +85,9 @@ def _split(
     of the split polynomial (the other members' rows stay zero), or (``broken_tp``) TP ranks
     sharing a block never all-gather the slices they summed over DP (the collectives still run,
     on copies, so peers stay paired), or (``broken_partial``, ``distributed``) never add their
-    partial sums over TP before the gang sum (no rank runs it). ``nodes``: pretend the DP ranks
-    sit on these nodes (the plan's model says where)."""
+    partial sums over TP before the gang sum (no rank runs it). ``fp32_tp_gathers``: the summed
+    slices come back over TP in fp32, not the NS dtype. ``nodes``: pretend the DP ranks sit on
+    these nodes (the plan's model says where)."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         model = _flops_only(ortho.plan)
@@ -101,15 +104,22 @@ def _split(
             gather = ortho.gangs._gang_gather
             ortho.gangs._gang_gather = functools.partial(_own_rows_only, gather, plan.rank)
         if broken_tp:
-            gangs.all_gather_ranges = lambda flat, bounds, p, group: None
+            gangs.all_gather_ranges = lambda flat, bounds, p, group, dtype=None: None
         if broken_partial:
             gangs.reduce_scatter_ranges = lambda flat, bounds, p, group: None
+        if fp32_tp_gathers:
+            gangs.all_gather_ranges = _in_flat_dtype
     assert not kw, kw
 
 
-def _norm_sum_only(gang_sum, group, members, tp, t):
+def _in_flat_dtype(flat, bounds, p, group, dtype=None):
+    """``tp.all_gather_ranges`` in ``flat``'s dtype, whatever ``dtype`` asks."""
+    all_gather_ranges(flat, bounds, p, group)
+
+
+def _norm_sum_only(gang_sum, group, members, tp, ns_dtype, t):
     """The squared norm summed; the Gram matrices stay partial (summed on a copy)."""
-    return gang_sum(group, members, tp, t if t.numel() == 1 else t.clone())
+    return gang_sum(group, members, tp, ns_dtype, t if t.numel() == 1 else t.clone())
 
 
 def _own_rows_only(gather, rank, group, members, tp, poly):
@@ -156,6 +166,21 @@ def test_gangs_over_tp_distributed_match_one_process():
         "fp32", 4, tp=2, hook=broken_partial, steps=CONTROL_STEPS, muon_tp_mode="distributed"
     )
     assert misses(update_rel_error(initial, ref, broken[0][1]), 100 * TOL["fp32"])
+
+
+def test_summed_gram_slices_gathered_over_tp_in_the_ns_dtype_change_no_bit():
+    """TP=2 x DP=2 (``distributed``), bf16 Newton-Schulz: each TP rank's slice of a gang's
+    summed Gram comes back over TP in bf16, half the bytes of fp32. Its consumer rounds the
+    Gram to bf16 (``unpack_symmetric``), so every rank's params end bit-identical to gathering
+    the fp32 slices (test_muon_tp_collectives.py checks that the bf16 all-gathers run)."""
+    bf16_ns = dict(muon_tp_mode="distributed", muon_fp32_matmul_prec="medium")
+    got = run_layout("fp32", 4, tp=2, hook=_split, steps=CONTROL_STEPS, **bf16_ns)
+    wide = functools.partial(_split, fp32_tp_gathers=True)
+    fp32 = run_layout("fp32", 4, tp=2, hook=wide, steps=CONTROL_STEPS, **bf16_ns)
+    for rank, ((_, params, _), (_, other, _)) in enumerate(zip(got, fp32)):
+        assert params.keys() == other.keys()
+        for name in params:
+            assert torch.equal(params[name], other[name]), (rank, name)
 
 
 # Sizes no cut divides: hidden 66 (heads of 16, as rope needs an even head dim) gives fc1 and

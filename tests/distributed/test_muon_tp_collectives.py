@@ -22,8 +22,9 @@ from megatron.core.optimizer.megatron_muon.planner import figures as plan_figure
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
-# bf16 Newton-Schulz: the polynomial's rows move in bf16, the Gram sums and the TP gathers of
-# the (fp32) update in fp32, so a wrong dtype in the count shows.
+# bf16 Newton-Schulz: the polynomial's rows and (gangs) the summed Gram slices gathered over TP
+# move in bf16, the Gram sums and the TP gathers of the (fp32) update in fp32, so a wrong dtype
+# in the count shows.
 PRECISION = "medium"
 
 

@@ -241,7 +241,9 @@ def post_rows(poly: Tensor, group) -> tuple:
     return post_gather_ranges(poly.view(-1), bounds, p, group)
 
 
-def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> None:
+def all_gather_ranges(
+    flat: Tensor, bounds: list[tuple[int, int]], p: int, group, dtype=None
+) -> None:
     """Fill ``flat`` from every rank's ``flat[bounds[q]]`` with one ``all_gather_into_tensor`` (the
     ranges padded to the longest: uneven ranges need no second collective).
 
@@ -250,8 +252,10 @@ def all_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group
         bounds: one (start, end) per rank of ``group``, in rank order.
         p: this rank's index in ``group``.
         group: the process group.
+        dtype: the dtype the ranges move in (None: ``flat``'s); a narrower one rounds the
+            others' ranges, this rank's stays.
     """
-    work, fill = post_gather_ranges(flat, bounds, p, group)
+    work, fill = post_gather_ranges(flat, bounds, p, group, dtype)
     work.wait()
     fill()
 
@@ -275,7 +279,9 @@ def reduce_scatter_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, g
     flat[bounds[p][0] : bounds[p][1]] = out[: bounds[p][1] - bounds[p][0]]
 
 
-def post_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> tuple:
+def post_gather_ranges(
+    flat: Tensor, bounds: list[tuple[int, int]], p: int, group, dtype=None
+) -> tuple:
     """``all_gather_ranges`` posted async.
 
     Args:
@@ -283,14 +289,15 @@ def post_gather_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, grou
         bounds: as ``all_gather_ranges``.
         p: as ``all_gather_ranges``.
         group: as ``all_gather_ranges``.
+        dtype: as ``all_gather_ranges``.
 
     Returns:
         (the work, a call that copies the other ranks' ranges into ``flat`` after its wait).
     """
     chunk = max(hi - lo for lo, hi in bounds)
-    own = flat.new_zeros(chunk)
+    own = flat.new_zeros(chunk, dtype=dtype)
     own[: bounds[p][1] - bounds[p][0]] = flat[bounds[p][0] : bounds[p][1]]
-    chunks = flat.new_empty(len(bounds) * chunk)
+    chunks = flat.new_empty(len(bounds) * chunk, dtype=dtype)
     work = dist.all_gather_into_tensor(chunks, own, group=group, async_op=True)
 
     def fill() -> None:

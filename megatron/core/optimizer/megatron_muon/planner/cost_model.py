@@ -355,8 +355,8 @@ def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
 
     Returns:
         (before its post, after its wait): a ``Partial`` sum's reduce-scatter over TP (too small
-        to slice: all-reduce); a sliced collective's all-gather of the slices. Lists of
-        ``TPCollective``.
+        to slice: all-reduce); a sliced collective's all-gather of the slices, in the NS dtype
+        (a sliced sum is a packed Gram its consumer rounds to it). Lists of ``TPCollective``.
     """
     tp = getattr(elements, "tp", 1)
     if tp == 1:
@@ -366,8 +366,7 @@ def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
     if isinstance(elements, Partial):
         op = ("all_reduce", n) if n < tp else ("reduce_scatter_tensor", tp * chunk)
         before = [TPCollective(*op, "float32", tp)]
-    dtype = ns_dtype if isinstance(elements, Gather) else "float32"
-    after = [TPCollective("all_gather_into_tensor", chunk, dtype, tp)] if n >= tp else []
+    after = [TPCollective("all_gather_into_tensor", chunk, ns_dtype, tp)] if n >= tp else []
     return before, after
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..exchange import Exchange
 from ..functional import OrthoSpec, orthogonalize_sharded_steps
-from ..newton_schulz import GATHER, SUM, interleave
+from ..newton_schulz import GATHER, SUM, compute_dtype, interleave
 from ..tp import TPOrthogonalizer, all_gather_ranges, post_gather_ranges, reduce_scatter_ranges
 from .cost_model import cut, node_layout, ring_traffic
 
@@ -68,7 +68,7 @@ class GangRunner:
         ranks = torch.distributed.get_process_group_ranks(ex.group)
 
         def gang_fn(updates: list[Tensor], infos: list) -> list[Tensor]:
-            steps, serve = [], []
+            steps, serve, ns_dtype = [], [], compute_dtype(spec.precision)
             for u, info, unit in zip(updates, infos, units):
                 members, tp = unit.members, self._sharing(info)
                 part = self._place(unit, tp) if unit.splits else None
@@ -76,7 +76,7 @@ class GangRunner:
                 group = self._group(ranks, members)
                 serve.append(
                     {
-                        SUM: functools.partial(self._gang_sum, group, members, tp),
+                        SUM: functools.partial(self._gang_sum, group, members, tp, ns_dtype),
                         GATHER: functools.partial(self._gang_gather, group, members, tp),
                     }
                 )
@@ -130,9 +130,12 @@ class GangRunner:
             return inner._group(info)
         return None
 
-    def _gang_sum(self, group, members: tuple[int, ...], tp, t: Tensor) -> "Posted":
+    def _gang_sum(self, group, members: tuple[int, ...], tp, ns_dtype, t: Tensor) -> "Posted":
         """Post ``t``'s sum in place over the gang (per TP slice where TP ranks share the block;
-        ``partial``: the TP ranks' parts summed over TP first, as ``cost_model.Partial``)."""
+        ``partial``: the TP ranks' parts summed over TP first, as ``cost_model.Partial``). The
+        slices come back over TP in ``ns_dtype``: a sliced sum is a packed Gram, which its
+        consumer rounds to that dtype (``unpack_symmetric``), so the bits are the same; the
+        squared norm (1 element) is never sliced."""
         flat = t.view(-1)
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
         if self.partial and tp is not None:
@@ -143,7 +146,7 @@ class GangRunner:
         work = torch.distributed.all_reduce(flat[lo:hi], group=group, async_op=True)
         moved = ring_traffic(hi - lo, t.element_size(), 2, self._layout(members))
         self.sum_bytes += 2 * sum(moved)
-        return Posted(work, _then_tp(None, flat, slices, p, tp), t, members)
+        return Posted(work, _then_tp(None, flat, slices, p, tp, ns_dtype), t, members)
 
     def _gang_gather(self, group, members: tuple[int, ...], tp, poly: Tensor) -> "Posted":
         """Post the gather of a split polynomial's rows in place over the gang (one padded
@@ -176,15 +179,16 @@ class Posted:
     members: tuple[int, ...]
 
 
-def _then_tp(fill, flat: Tensor, slices, p: int, tp) -> Optional[Callable[[], None]]:
-    """``fill``, then (TP ranks sharing the block) the all-gather of the slices over TP."""
+def _then_tp(fill, flat: Tensor, slices, p: int, tp, dtype=None) -> Optional[Callable[[], None]]:
+    """``fill``, then (TP ranks sharing the block) the all-gather of the slices over TP, in
+    ``dtype`` (None: ``flat``'s)."""
     if not slices:
         return fill
 
     def both() -> None:
         if fill is not None:
             fill()
-        all_gather_ranges(flat, slices, p, tp)
+        all_gather_ranges(flat, slices, p, tp, dtype)
 
     return both
 
