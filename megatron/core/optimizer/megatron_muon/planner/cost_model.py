@@ -167,7 +167,15 @@ class NSCostModel:
 
     def collective_flops(self, members: tuple, elements: int) -> float:
         """A gang collective's whole cost run alone: its link time and the TP collectives
-        around it (FLOP units)."""
+        around it (what ``busiest`` and ``splits`` weigh).
+
+        Args:
+            members: the gang's ranks.
+            elements: the collective's elements.
+
+        Returns:
+            FLOP units.
+        """
         return self.sync_flops(members, elements) + sum(self.busy_flops(elements))
 
     def ring_steps(self, members: tuple, elements: int) -> int:
