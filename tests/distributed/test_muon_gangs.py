@@ -212,13 +212,14 @@ def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
 # ------------------------------------------------------------------------- counted figures
 
 
-def _counted_split_step(nodes=(), disjoint=False, tp_mode=None):
+def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None):
     """One real DP=4 step with gangs (stacked, or ``disjoint`` on the wide one-layer model):
     matmul FLOPs between collectives, the collectives' members and sizes, bytes and the peak of
     the exchange's allocations, next to the plan's."""
     spec = TinyGPT(**WIDE) if disjoint else TinyGPT()
     model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
     muon = dict(MUON, muon_tp_mode=tp_mode) if tp_mode else MUON
+    muon = dict(muon, muon_fp32_matmul_prec=precision) if precision else muon
     optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **muon)
     if disjoint:
         _bundle(optimizer)
@@ -301,8 +302,11 @@ def _mark(ortho, name, describe, counter, trace):
 
 
 @functools.cache
-def counted_split_runs(tp: int = 1, nodes: tuple = (), disjoint: bool = False, tp_mode=None):
-    return run_distributed(_counted_split_step, 4, tp=tp, args=(nodes, disjoint, tp_mode))
+def counted_split_runs(
+    tp: int = 1, nodes: tuple = (), disjoint: bool = False, tp_mode=None, precision=None
+):
+    args = (nodes, disjoint, tp_mode, precision)
+    return run_distributed(_counted_split_step, 4, tp=tp, args=args)
 
 
 # DP ranks 0, 1 on one pretended node and 2, 3 on another: the plan weighs the gang of 4's
@@ -325,13 +329,19 @@ def test_gangs_over_nodes_match_one_process_and_the_plans_bytes():
 TP2 = {"tp": 2, "tp_mode": "distributed"}
 
 
-@pytest.mark.parametrize("case", [{}, {"nodes": NODES}, {"disjoint": True}, TP2])
+# bf16 Newton-Schulz: the summed slices come back over TP in bf16 (tp.all_gather_ranges rounds
+# every slice, the rank's own too)
+TP2_BF16 = {**TP2, "precision": "medium"}
+
+
+@pytest.mark.parametrize("case", [{}, {"nodes": NODES}, {"disjoint": True}, TP2, TP2_BF16])
 def test_every_member_of_a_gang_holds_the_same_bits(case):
     """The members' blocks are rows (columns) of one result, so each gang sum (squared norm,
     packed Gram) and gathered polynomial must be bit-identical on every member: torch's
     collectives give no fixed summation order of ours (docs/gangs.md, "Exactness"). Every
     rank's every gang result is compared with every other member's, in wait order; at TP 2
-    (``distributed``) with every TP rank of every member (each ends with the whole sum)."""
+    (``distributed``) with every TP rank of every member (each ends with the whole sum), also
+    with bf16 NS, where the TP ranks all-gather their summed slices in bf16."""
     runs = counted_split_runs(**case)
     tp = case.get("tp", 1)
     assert sum(len(v) for r in runs for v in r["sums"].values()) > 0

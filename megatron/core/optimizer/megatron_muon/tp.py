@@ -252,8 +252,8 @@ def all_gather_ranges(
         bounds: one (start, end) per rank of ``group``, in rank order.
         p: this rank's index in ``group``.
         group: the process group.
-        dtype: the dtype the ranges move in (None: ``flat``'s); a narrower one rounds the
-            others' ranges, this rank's stays.
+        dtype: the dtype the ranges move in (None: ``flat``'s); a narrower one rounds every
+            range, this rank's too.
     """
     work, fill = post_gather_ranges(flat, bounds, p, group, dtype)
     work.wait()
@@ -300,9 +300,9 @@ def post_gather_ranges(
     chunks = flat.new_empty(len(bounds) * chunk, dtype=dtype)
     work = dist.all_gather_into_tensor(chunks, own, group=group, async_op=True)
 
-    def fill() -> None:
+    def fill() -> None:  # a narrower dtype: this rank's range too, so all hold the same bits
         for q, (lo, hi) in enumerate(bounds):
-            if q != p:
+            if q != p or chunks.dtype != flat.dtype:
                 flat[lo:hi] = chunks[q * chunk : q * chunk + hi - lo]
 
     return work, fill
