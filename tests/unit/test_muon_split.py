@@ -362,8 +362,9 @@ def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
 def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times(mode):
     """70B at TP 8 x DP 256 (TP-sharded matrices split over gangs): the TP collectives
     ``figures.tp_schedule`` counts around each sliced gang collective (the all-gather after it;
-    ``distributed``, a partial sum's reduce-scatter before it too) move, per TP rank and way,
-    the bytes ``NSCostModel.tp_bytes`` charges those collectives. ``duplicated``: before them each
+    ``distributed``, a partial sum's reduce-scatter before it too) take, per TP rank, the
+    main-thread time ``NSCostModel.busy_flops`` charges those collectives (their bytes each way
+    at the TP link, plus a ring step's latency each). ``duplicated``: before them each
     gang block is TP-gathered once (update dtype, fp32), which the projection adds
     (``projection.with_tp``); ``distributed``: no block is gathered."""
     plan = _plan("70B", 256, mode)
@@ -373,8 +374,10 @@ def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times(mode):
         for ex in plan.exchanges:
             gathered, sliced, _ = plan_figures.tp_schedule(plan, ex, rank)
             posts = [n for _, op, _, n in plan_figures._schedule(plan, ex)[rank] if op == POST]
-            charged = sum(model.tp_bytes(n) for n in posts)
-            assert sum(c.link_bytes() for c in sliced) == pytest.approx(charged, rel=1e-12)
+            charged = sum(sum(model.busy_flops(n)) for n in posts)
+            counted = sum(c.link_bytes() for c in sliced) * model.tp_link_flops_per_byte
+            counted += len(sliced) * model.step_latency_flops
+            assert counted == pytest.approx(charged, rel=1e-12)
             blocks = [plan.matrices[i].unit_of(rank) for i in ex.gangs]
             blocks = [math.prod(u.block.shape) for u in blocks if u is not None]
             if mode == "distributed":

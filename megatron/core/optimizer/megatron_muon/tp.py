@@ -292,7 +292,8 @@ def post_gather_ranges(
         dtype: as ``all_gather_ranges``.
 
     Returns:
-        (the work, a call that copies the other ranks' ranges into ``flat`` after its wait).
+        (the work, a call that copies the other ranks' ranges into ``flat`` after its wait;
+        in a narrower ``dtype``, this rank's rounded range too).
     """
     chunk = max(hi - lo for lo, hi in bounds)
     own = flat.new_zeros(chunk, dtype=dtype)

@@ -134,10 +134,6 @@ class NSCostModel:
         post and after its wait, on the main thread."""
         return around_gang(elements, NS_DTYPES[self.ns_itemsize])
 
-    def tp_bytes(self, elements: int) -> float:
-        """Bytes each way per TP rank in the TP collectives around a gang collective (0: none)."""
-        return sum(c.link_bytes() for side in self.tp_around(elements) for c in side)
-
     def busy_flops(self, elements: int) -> tuple[float, float]:
         """Main-thread time before a gang collective's post and after its wait, in FLOP units:
         its TP collectives (``critical_path``'s ``busy``), each at the TP link plus a ring

@@ -212,8 +212,7 @@ def span(works: list[Work], units, gangs: list[int], world: int, model, link=Tru
         return critical_path(traces)
     moved = max(max(pair) for pair in zip(*exchange_elements(works, units, world)))
     exchange = moved * model.exchange_itemsizes * model.link_flops_per_byte
-    busy = model.busy_flops
-    return critical_path(traces, sync=model.sync_flops, busy=busy) + exchange
+    return critical_path(traces, sync=model.sync_flops, busy=model.busy_flops) + exchange
 
 
 def exchange_elements(works: list[Work], units, world: int) -> tuple[list[int], list[int]]:
