@@ -51,7 +51,7 @@ from megatron.core.optimizer.megatron_muon.planner import cost_model, gangs
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
 from megatron.core.optimizer.megatron_muon.planner.figures import working_set_bytes
-from megatron.core.optimizer.megatron_muon.tp import all_gather_ranges
+from megatron.core.optimizer.megatron_muon.tp import all_gather_ranges, reduce_scatter_ranges
 
 # x total/dp: every matrix splits: fc1 (row blocks) over 4 ranks, proj (row blocks), QKV and fc2
 # (column blocks) over 2. Both forms of a member's step run: blocks narrower than their Gram
@@ -75,7 +75,7 @@ def _split(
     broken_gather=False,
     broken_tp=False,
     broken_partial=False,
-    fp32_tp_gathers=False,
+    fp32_tp=False,
     nodes=(),
     **kw,
 ):
@@ -85,8 +85,9 @@ def _split(
     of the split polynomial (the other members' rows stay zero), or (``broken_tp``) TP ranks
     sharing a block never all-gather the slices they summed over DP (the collectives still run,
     on copies, so peers stay paired), or (``broken_partial``, ``distributed``) never add their
-    partial sums over TP before the gang sum (no rank runs it). ``fp32_tp_gathers``: the summed
-    slices come back over TP in fp32, not the NS dtype. ``nodes``: pretend the DP ranks sit on
+    partial sums over TP before the gang sum (no rank runs it). ``fp32_tp``: a Gram sum's TP
+    collectives (``distributed``: the partials' exchange; the summed slices' all-gather) move
+    fp32, not the NS dtype. ``nodes``: pretend the DP ranks sit on
     these nodes (the plan's model says where)."""
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
@@ -106,15 +107,21 @@ def _split(
         if broken_tp:
             gangs.all_gather_ranges = lambda flat, bounds, p, group, dtype=None: None
         if broken_partial:
-            gangs.reduce_scatter_ranges = lambda flat, bounds, p, group: None
-        if fp32_tp_gathers:
-            gangs.all_gather_ranges = _in_flat_dtype
+            gangs.reduce_scatter_ranges = lambda flat, bounds, p, group, dtype=None: None
+        if fp32_tp:
+            gangs.all_gather_ranges = _in_flat_dtype(all_gather_ranges)
+            gangs.reduce_scatter_ranges = _in_flat_dtype(reduce_scatter_ranges)
     assert not kw, kw
 
 
-def _in_flat_dtype(flat, bounds, p, group, dtype=None):
-    """``tp.all_gather_ranges`` in ``flat``'s dtype, whatever ``dtype`` asks."""
-    all_gather_ranges(flat, bounds, p, group)
+def _in_flat_dtype(ranges_op):
+    """``ranges_op`` (``tp.all_gather_ranges``, ``tp.reduce_scatter_ranges``) moving ``flat``'s
+    dtype, whatever ``dtype`` asks."""
+
+    def op(flat, bounds, p, group, dtype=None):
+        ranges_op(flat, bounds, p, group)
+
+    return op
 
 
 def _norm_sum_only(gang_sum, group, members, tp, ns_dtype, t):
@@ -168,14 +175,17 @@ def test_gangs_over_tp_distributed_match_one_process():
     assert misses(update_rel_error(initial, ref, broken[0][1]), 100 * TOL["fp32"])
 
 
-def test_summed_gram_slices_gathered_over_tp_in_the_ns_dtype_change_no_bit():
-    """TP=2 x DP=2 (``distributed``), bf16 Newton-Schulz: each TP rank's slice of a gang's
-    summed Gram comes back over TP in bf16, half the bytes of fp32. Its consumer rounds the
-    Gram to bf16 (``unpack_symmetric``), so every rank's params end bit-identical to gathering
-    the fp32 slices (test_muon_tp_collectives.py checks that the bf16 all-gathers run)."""
+def test_tp_collectives_of_gram_sums_in_the_ns_dtype_change_no_bit():
+    """TP=2 x DP=2 (``distributed``), bf16 Newton-Schulz: a gang's Gram sum moves bf16 over TP,
+    half the bytes of fp32, both ways: the TP ranks' partial Grams are exchanged in bf16 (they
+    are bf16 matmul results, exact in it) and summed in fp32 in rank order, and each rank's
+    summed slice comes back in bf16 (its consumer, ``unpack_symmetric``, rounds the Gram to
+    bf16). So every rank's params end bit-identical to moving both in fp32
+    (test_muon_tp_collectives.py checks that the bf16 collectives run). Negative control, run
+    by hand: fp16 in place of bf16 breaks the identity."""
     bf16_ns = dict(muon_tp_mode="distributed", muon_fp32_matmul_prec="medium")
     got = run_layout("fp32", 4, tp=2, hook=_split, steps=CONTROL_STEPS, **bf16_ns)
-    wide = functools.partial(_split, fp32_tp_gathers=True)
+    wide = functools.partial(_split, fp32_tp=True)
     fp32 = run_layout("fp32", 4, tp=2, hook=wide, steps=CONTROL_STEPS, **bf16_ns)
     for rank, ((_, params, _), (_, other, _)) in enumerate(zip(got, fp32)):
         assert params.keys() == other.keys()

@@ -68,7 +68,7 @@ def _gangs_everywhere(optimizer, broken_partial: bool = False) -> None:
         split += [m.name for m in plan.matrices if len(m.units) > 1]
     assert any(".experts." in name for name in split), split
     if broken_partial:
-        gangs.reduce_scatter_ranges = lambda flat, bounds, p, group: None
+        gangs.reduce_scatter_ranges = lambda flat, bounds, p, group, dtype=None: None
 
 
 @functools.cache

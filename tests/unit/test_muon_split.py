@@ -93,22 +93,27 @@ def test_tp_collectives_around_a_gang_collective_hold_the_main_thread():
 
 
 def test_cost_model_charges_a_partial_sums_tp_collectives_apart_from_its_link_time():
-    """A 70B fc1 Gram sum in the ``distributed`` mode (a ``Partial`` over TP 8): the
-    reduce-scatter over TP before its post and the all-gather after its wait are main-thread
-    time (``busy_flops``), at NVLink; its link time (``sync_flops``) is the gang's ring only;
-    run alone it costs both (``collective_flops``, what ``busiest`` and ``splits`` weigh)."""
-    model = projection.cost_model(8, "distributed")
-    gram, gang = Partial(packed_size(8192), 8), (0, 1, 2)
-    before, after = model.tp_around(gram)
+    """A 70B fc1 Gram sum in the ``distributed`` mode (a ``Partial`` over TP 8): the exchange
+    of the partials' slices over TP before its post and the all-gather after its wait, both in
+    the NS dtype, are main-thread time (``busy_flops``), at NVLink; its link time
+    (``sync_flops``) is the gang's ring only; run alone it costs both (``collective_flops``,
+    what ``busiest`` and ``splits`` weigh)."""
     chunk = -(-packed_size(8192) // 8)
-    assert [(c.op, c.elements, c.dtype) for c in before] == [
-        ("reduce_scatter_tensor", 8 * chunk, "float32")
-    ]
-    assert [(c.op, c.elements, c.dtype) for c in after] == [
-        ("all_gather_into_tensor", chunk, "float32")
-    ]
-    per_byte = model.tp_link_flops_per_byte
-    assert model.busy_flops(gram) == pytest.approx((7 * chunk * 4 * per_byte,) * 2, rel=1e-12)
+    for itemsize, dtype in ((4, "float32"), (2, "bfloat16")):
+        model = projection.cost_model(8, "distributed", ns_itemsize=itemsize)
+        gram = Partial(packed_size(8192), 8)
+        before, after = model.tp_around(gram)
+        # 7 chunks sent and 7 received: a fp32 reduce-scatter's bytes in fp32, half in bf16
+        assert [(c.op, c.elements, c.dtype, c.moved) for c in before] == [
+            ("all_to_all_single", 8 * chunk, dtype, 14 * chunk)
+        ]
+        assert [(c.op, c.elements, c.dtype) for c in after] == [
+            ("all_gather_into_tensor", chunk, dtype)
+        ]
+        per_byte = model.tp_link_flops_per_byte
+        one_way = 7 * chunk * itemsize * per_byte
+        assert model.busy_flops(gram) == pytest.approx((one_way,) * 2, rel=1e-12)
+    model, gang = projection.cost_model(8, "distributed"), (0, 1, 2)
     slow, fast = model.ring_bytes(gang, gram)
     link = slow * model.link_flops_per_byte + fast * per_byte
     assert model.sync_flops(gang, gram) == pytest.approx(link, rel=1e-12)
@@ -386,7 +391,7 @@ def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times(mode):
                 # (the squared norm's 1 element is all-reduced over TP, not sliced)
                 assert not sliced or ops == {
                     "all_reduce",
-                    "reduce_scatter_tensor",
+                    "all_to_all_single",
                     "all_gather_into_tensor",
                 }
             assert [(c.op, c.elements, c.dtype) for c in gathered] == [

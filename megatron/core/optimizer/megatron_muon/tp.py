@@ -260,23 +260,34 @@ def all_gather_ranges(
     fill()
 
 
-def reduce_scatter_ranges(flat: Tensor, bounds: list[tuple[int, int]], p: int, group) -> None:
-    """``flat[bounds[p]]`` = its sum over ``group`` with one ``reduce_scatter_tensor`` (the
-    ranges padded to the longest, as ``all_gather_ranges``); the rest of ``flat`` is left.
+def reduce_scatter_ranges(
+    flat: Tensor, bounds: list[tuple[int, int]], p: int, group, dtype=None
+) -> None:
+    """``flat[bounds[p]]`` = its sum over ``group``: every rank's ranges exchanged with one
+    ``all_to_all_single`` in ``dtype`` (the ranges padded to the longest, as
+    ``all_gather_ranges``), then summed in ``flat``'s dtype in rank order, so the sum is the same
+    whatever the collective's algorithm; the rest of ``flat`` is left. As many bytes as a
+    ``reduce_scatter_tensor`` of ``flat``'s dtype, half of them in a 2-byte ``dtype``.
 
     Args:
         flat: a 1-D tensor of the same size on every rank, each holding a partial sum.
         bounds: one (start, end) per rank of ``group``, in rank order.
         p: this rank's index in ``group``.
         group: the process group.
+        dtype: the dtype the ranges move in (None: ``flat``'s); exact only where every partial
+            is representable in it (a Gram of NS-dtype matmuls, packed in fp32).
     """
     chunk = max(hi - lo for lo, hi in bounds)
-    padded = flat.new_zeros(len(bounds) * chunk)
+    padded = flat.new_zeros(len(bounds) * chunk, dtype=dtype)
     for q, (lo, hi) in enumerate(bounds):
         padded[q * chunk : q * chunk + hi - lo] = flat[lo:hi]
-    out = flat.new_empty(chunk)
-    dist.reduce_scatter_tensor(out, padded, group=group)
-    flat[bounds[p][0] : bounds[p][1]] = out[: bounds[p][1] - bounds[p][0]]
+    parts = torch.empty_like(padded)
+    dist.all_to_all_single(parts, padded, group=group)
+    lo, hi = bounds[p]
+    total = flat[lo:hi]
+    total.copy_(parts[: hi - lo])
+    for q in range(1, len(bounds)):
+        total.add_(parts[q * chunk : q * chunk + hi - lo])
 
 
 def post_gather_ranges(

@@ -358,18 +358,22 @@ def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
         ns_dtype: Newton-Schulz's dtype name (a split polynomial's rows move in it).
 
     Returns:
-        (before its post, after its wait): a ``Partial`` sum's reduce-scatter over TP (too small
-        to slice: all-reduce); a sliced collective's all-gather of the slices, in the NS dtype
-        (a sliced sum is a packed Gram its consumer rounds to it). Lists of ``TPCollective``.
+        (before its post, after its wait): a ``Partial`` sum's reduce over TP, sliced an
+        all-to-all of the partials' slices in the NS dtype (``tp.reduce_scatter_ranges``; a
+        sliced sum is a packed Gram of NS-dtype matmuls), too small to slice an fp32
+        all-reduce; a sliced collective's all-gather of the slices, in the NS dtype (the
+        Gram's consumer rounds to it). Lists of ``TPCollective``.
     """
     tp = getattr(elements, "tp", 1)
     if tp == 1:
         return [], []
     n, chunk = int(elements), -(-int(elements) // tp)
     before = []
-    if isinstance(elements, Partial):
-        op = ("all_reduce", n) if n < tp else ("reduce_scatter_tensor", tp * chunk)
-        before = [TPCollective(*op, "float32", tp)]
+    if isinstance(elements, Partial) and n < tp:
+        before = [TPCollective("all_reduce", n, "float32", tp)]
+    elif isinstance(elements, Partial):  # each rank sends tp - 1 chunks, receives as many
+        moved = 2 * (tp - 1) * chunk
+        before = [TPCollective("all_to_all_single", tp * chunk, ns_dtype, tp, moved)]
     after = [TPCollective("all_gather_into_tensor", chunk, ns_dtype, tp)] if n >= tp else []
     return before, after
 

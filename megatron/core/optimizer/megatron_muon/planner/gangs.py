@@ -132,15 +132,16 @@ class GangRunner:
 
     def _gang_sum(self, group, members: tuple[int, ...], tp, ns_dtype, t: Tensor) -> "Posted":
         """Post ``t``'s sum in place over the gang (per TP slice where TP ranks share the block;
-        ``partial``: the TP ranks' parts summed over TP first, as ``cost_model.Partial``). The
-        slices come back over TP in ``ns_dtype``: a sliced sum is a packed Gram, which its
-        consumer rounds to that dtype (``unpack_symmetric``), so the bits are the same; the
-        squared norm (1 element) is never sliced."""
+        ``partial``: the TP ranks' parts summed over TP first, as ``cost_model.Partial``). A
+        sliced sum is a packed Gram, so its TP collectives move ``ns_dtype`` and change no bit:
+        its TP partials are exchanged in it (they are NS-dtype matmul results) and summed in
+        fp32, and the summed slices come back in it (their consumer, ``unpack_symmetric``,
+        rounds to it). The squared norm (1 element) is never sliced."""
         flat = t.view(-1)
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
         if self.partial and tp is not None:
             if slices:
-                reduce_scatter_ranges(flat, slices, p, tp)
+                reduce_scatter_ranges(flat, slices, p, tp, ns_dtype)
             else:  # too small to slice
                 torch.distributed.all_reduce(flat, group=tp)
         work = torch.distributed.all_reduce(flat[lo:hi], group=group, async_op=True)
