@@ -178,7 +178,7 @@ def test_gangs_over_tp_distributed_match_one_process():
 def test_tp_collectives_of_gram_sums_in_the_ns_dtype_change_no_bit():
     """TP=2 x DP=2 (``distributed``), bf16 Newton-Schulz: a gang's Gram sum moves bf16 over TP,
     half the bytes of fp32, both ways: the TP ranks' partial Grams are exchanged in bf16 (they
-    are bf16 matmul results, exact in it) and summed in fp32 in rank order, and each rank's
+    are bf16 matmul results, exact in it) and summed in fp32, and each rank's
     summed slice comes back in bf16 (its consumer, ``unpack_symmetric``, rounds the Gram to
     bf16). So every rank's params end bit-identical to moving both in fp32
     (test_muon_tp_collectives.py checks that the bf16 collectives run). Negative control, run

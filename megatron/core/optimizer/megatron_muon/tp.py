@@ -265,9 +265,9 @@ def reduce_scatter_ranges(
 ) -> None:
     """``flat[bounds[p]]`` = its sum over ``group``: every rank's ranges exchanged with one
     ``all_to_all_single`` in ``dtype`` (the ranges padded to the longest, as
-    ``all_gather_ranges``), then summed in ``flat``'s dtype in rank order, so the sum is the same
-    whatever the collective's algorithm; the rest of ``flat`` is left. As many bytes as a
-    ``reduce_scatter_tensor`` of ``flat``'s dtype, half of them in a 2-byte ``dtype``.
+    ``all_gather_ranges``), then summed in ``flat``'s dtype by one reduction; the rest of
+    ``flat`` is left. As many bytes as a ``reduce_scatter_tensor`` of ``flat``'s dtype, half of
+    them in a 2-byte ``dtype``.
 
     Args:
         flat: a 1-D tensor of the same size on every rank, each holding a partial sum.
@@ -284,10 +284,7 @@ def reduce_scatter_ranges(
     parts = torch.empty_like(padded)
     dist.all_to_all_single(parts, padded, group=group)
     lo, hi = bounds[p]
-    total = flat[lo:hi]
-    total.copy_(parts[: hi - lo])
-    for q in range(1, len(bounds)):
-        total.add_(parts[q * chunk : q * chunk + hi - lo])
+    flat[lo:hi] = parts.view(len(bounds), chunk)[:, : hi - lo].sum(0, dtype=flat.dtype)
 
 
 def post_gather_ranges(
