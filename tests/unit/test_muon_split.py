@@ -367,7 +367,7 @@ def test_summary_says_when_the_tp_mode_keeps_matrices_whole(mode):
 def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times(mode):
     """70B at TP 8 x DP 256 (TP-sharded matrices split over gangs): the TP collectives
     ``figures.tp_schedule`` counts around each sliced gang collective (the all-gather after it;
-    ``distributed``, a partial sum's reduce-scatter before it too) take, per TP rank, the
+    ``distributed``, a partial sum's all-to-all before it too) take, per TP rank, the
     main-thread time ``NSCostModel.busy_flops`` charges those collectives (their bytes each way
     at the TP link, plus a ring step's latency each). ``duplicated``: before them each
     gang block is TP-gathered once (update dtype, fp32), which the projection adds

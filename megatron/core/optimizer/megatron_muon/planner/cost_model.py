@@ -56,8 +56,7 @@ class TPCollective:
     bench/collectives.py records): torch.distributed's op, the elements of this rank's input
     tensor, its dtype (torch's name without ``torch.``), the group size."""
 
-    # "all_gather" (list form), "all_gather_into_tensor", "all_reduce", "all_to_all_single",
-    # "reduce_scatter_tensor"
+    # "all_gather" (list form), "all_gather_into_tensor", "all_reduce", "all_to_all_single"
     op: str
     elements: int
     dtype: str
@@ -66,15 +65,13 @@ class TPCollective:
 
     def link_bytes(self) -> float:
         """Bytes one TP rank sends (as many it receives) in a ring over the TP link: an
-        all-reduce ``2 (tp - 1) / tp`` of its tensor, a reduce-scatter ``(tp - 1) / tp`` of its
-        input, a gather ``tp - 1`` times its input, an all-to-all half of what it moves."""
+        all-reduce ``2 (tp - 1) / tp`` of its tensor, a gather ``tp - 1`` times its input, an
+        all-to-all half of what it moves."""
         size = self.elements * ITEMSIZES[self.dtype]
         if self.op == "all_to_all_single":
             return self.moved * ITEMSIZES[self.dtype] / 2
         if self.op == "all_reduce":
             return 2 * (self.tp - 1) / self.tp * size
-        if self.op == "reduce_scatter_tensor":  # its input: tp chunks
-            return (self.tp - 1) / self.tp * size
         return float((self.tp - 1) * size)
 
 
@@ -345,7 +342,8 @@ class Gather(Sum):
 
 class Partial(Sum):
     """A gang sum whose TP ranks each hold a partial sum of the whole tensor (``distributed``):
-    reduce-scattered over TP, each slice summed over the gang, all-gathered over TP."""
+    reduced over TP into slices (``tp.reduce_scatter_ranges``), each slice summed over the gang,
+    all-gathered over TP."""
 
 
 def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
