@@ -329,7 +329,7 @@ def test_spare_ranks_balance_flops_within_the_time_bound(monkeypatch):
         return time, ideal / placement.span(works, units, gangs, dp, model, False), owners
 
     time, efficiency, owners = shaped()
-    monkeypatch.setattr(placement._Runs, "_steps", lambda self, runs: iter(()))
+    monkeypatch.setattr(placement._Runs, "_growth", lambda self, runs, n, bound: None)
     idle_time, idle_efficiency, idle_owners = shaped()
     assert owners == set(range(dp)) and len(idle_owners) < dp
     assert efficiency >= 0.55 > 0.4 > idle_efficiency

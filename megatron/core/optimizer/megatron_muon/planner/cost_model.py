@@ -606,9 +606,11 @@ def critical_path(
     Args:
         traces: per rank, its entries (flops before, op, members, elements).
         work: time a count of FLOPs takes.
-        sync: time a collective over ``members`` of ``elements`` elements takes.
+        sync: time a collective over ``members`` of ``elements`` elements takes (a pure
+            function: called once per distinct pair).
         busy: main-thread time before posting and after waiting for a collective of
-            ``elements`` (its TP collectives: ``NSCostModel.busy_flops``); None: none.
+            ``elements`` (its TP collectives: ``NSCostModel.busy_flops``; called once per
+            distinct ``elements``); None: none.
 
     Returns:
         The time the last main thread finishes.
@@ -616,13 +618,28 @@ def critical_path(
     return _Schedule(traces, work, sync, busy).run()
 
 
+def _memo(fn: Callable, key: Callable = lambda x: x) -> Callable:
+    """``fn`` of ``key(*args)``, each distinct key computed once."""
+    done: dict = {}
+
+    def cached(*args):
+        k = key(*args)
+        if k not in done:
+            done[k] = fn(k)
+        return done[k]
+
+    return cached
+
+
 class _Schedule:
     """``critical_path``'s event-driven run."""
 
     def __init__(self, traces, work, sync, busy):
         n = len(traces)
-        self.traces, self.work, self.sync = traces, work, sync
-        self.busy = busy or (lambda elements: (0.0, 0.0))
+        self.traces, self.work = traces, work
+        # a step repeats few collective sizes (and gangs) many times: each priced once
+        self.sync = _memo(lambda key: sync(*key), lambda members, elements: (members, elements))
+        self.busy = _memo(busy or (lambda elements: (0.0, 0.0)))
         self.clock, self.at, self.charged = [0.0] * n, [0] * n, [False] * n
         self.free = [0.0] * n  # when each rank's gang link is free (one post at a time)
         self.line = [deque() for _ in range(n)]  # posted, unresolved keys, in order

@@ -2,8 +2,12 @@
 arithmetic, the same on every rank; the candidates and the choice: docs/gangs.md.
 """
 
+import bisect
+import functools
+import heapq
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -226,16 +230,28 @@ def exchange_elements(works: list[Work], units, world: int) -> tuple[list[int], 
     Returns:
         (sent, received) per rank.
     """
+    # A matrix's units cut it into disjoint blocks and its holders' ranges cover it once, so a
+    # holder sends all it holds but what its own block takes, and an owner receives its whole
+    # block but what it holds itself: one pass over holders and one over units, not their pairs.
     sent, received = [0] * world, [0] * world
     for w, matrix_units in zip(works, units):
         cols = w.local_shape[1]
+        own = {u.owner: u.block for u in matrix_units}
         for holder, (first, n) in w.held.items():
-            for u in matrix_units:
-                if u.owner != holder:
-                    lo, hi = u.block.range_of(first, first + n, cols)
-                    sent[holder] += max(hi - lo, 0)
-                    received[u.owner] += max(hi - lo, 0)
+            sent[holder] += n - _overlap(own.get(holder), first, n, cols)
+        for u in matrix_units:
+            rows, width = u.block.shape
+            first, n = w.held.get(u.owner, (0, 0))
+            received[u.owner] += rows * width - _overlap(u.block, first, n, cols)
     return sent, received
+
+
+def _overlap(block: Optional[Block], first: int, n: int, cols: int) -> int:
+    """Elements of ``block`` among flat positions ``[first, first + n)`` (0 without a block)."""
+    if block is None or n == 0:
+        return 0
+    lo, hi = block.range_of(first, first + n, cols)
+    return max(hi - lo, 0)
 
 
 def _shapers(model: Optional[NSCostModel]) -> list:
@@ -259,7 +275,7 @@ def _assign(works: list[Work], world: int, model: NSCostModel, target: float):
     for i in order:
         if units[i] is None:
             w = works[i]
-            owner = min(range(world), key=lambda r: (loads[r], -w.held.get(r, (0, 0))[1], r))
+            (owner,) = _fewest(range(world), 1, loads, w.held)
             loads[owner] += w.cost
             units[i] = [whole_unit(w, owner)]
     return units, gangs
@@ -279,18 +295,30 @@ def _gang(w: Work, k: int, axis: int, loads: list[float], model: NSCostModel) ->
 
 def _least_loaded(w: Work, k: int, loads: list[float], nodes: tuple) -> list[int]:
     """The ``k`` least-loaded ranks (holders first on ties), of one node where one fits."""
-    none = (math.inf, 0)
+    fits = [_fewest(ranks, k, loads, w.held) for ranks in _node_ranks(nodes) if len(ranks) >= k]
+    if not fits:
+        return _fewest(range(len(loads)), k, loads, w.held)
+    return min(fits, key=lambda ms: (max(loads[r] for r in ms), sum(loads[r] for r in ms), ms))
 
-    def order(ranks):
-        return sorted(ranks, key=lambda r: (loads[r], -w.held.get(r, none)[1], r))[:k]
 
+def _fewest(ranks: Sequence[int], k: int, loads: list[float], held: dict) -> list[int]:
+    """``sorted(ranks, key=(load, -elements held, rank))[:k]`` for ascending ``ranks``: sorted
+    by load alone (ties: rank order), the first ``k`` hold every rank the full order takes but
+    holders tied with them; those few are added and the full order decides."""
+    by_load = (
+        sorted(ranks, key=loads.__getitem__)[:k] if k > 1 else [min(ranks, key=loads.__getitem__)]
+    )
+    pool = set(by_load).union(r for r in held if r in ranks)
+    return sorted(pool, key=lambda r: (loads[r], -held.get(r, (0, 0))[1], r))[:k]
+
+
+@functools.lru_cache(maxsize=8)
+def _node_ranks(nodes: tuple) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each node of ``nodes`` (a node per rank), nodes in first-seen order."""
     by_node: dict[int, list[int]] = {}
     for r, node in enumerate(nodes):
         by_node.setdefault(node, []).append(r)
-    fits = [order(ranks) for ranks in by_node.values() if len(ranks) >= k]
-    if not fits:
-        return order(range(len(loads)))
-    return min(fits, key=lambda ms: (max(loads[r] for r in ms), sum(loads[r] for r in ms), ms))
+    return tuple(tuple(ranks) for ranks in by_node.values())
 
 
 def whole_unit(w: Work, owner: int) -> Unit:
@@ -411,6 +439,7 @@ class _Runs:
         self.axes = [model.axis(w.info) for w in works]
         self.per_node = max(Counter(model.nodes).values(), default=0)  # DP ranks per node
         self._busiest: dict[tuple[int, int, bool], float] = {}
+        self._sizes: dict[int, list[int]] = {}
 
     def load(self, ids: list[int], k: int, link: bool = True) -> float:
         """FLOPs of a run's busiest member over ``k`` ranks (plus link time if ``link``)."""
@@ -432,10 +461,17 @@ class _Runs:
         return min([self.world] + [self.works[i].local_shape[self.axes[i]] for i in ids])
 
     def sizes(self, most: int) -> list[int]:
-        """Gang sizes tried, up to ``most``: those fitting one node or filling whole nodes."""
-        if self.per_node <= 1:
-            return list(range(2, most + 1))
-        return [k for k in range(2, most + 1) if k <= self.per_node or k % self.per_node == 0]
+        """Gang sizes tried, up to ``most``: those fitting one node or filling whole nodes
+        (computed once per ``most``; callers do not modify it)."""
+        if most not in self._sizes:
+            if self.per_node <= 1:
+                self._sizes[most] = list(range(2, most + 1))
+            else:
+                per_node = self.per_node
+                self._sizes[most] = [
+                    k for k in range(2, most + 1) if k <= per_node or k % per_node == 0
+                ]
+        return self._sizes[most]
 
     def ranks(self, ids: list[int], bound: float) -> Optional[int]:
         """Fewest ranks whose busiest member works <= bound (bisection over ``sizes``)."""
@@ -487,31 +523,42 @@ class _Runs:
         return runs
 
     def _spread(self, runs: list, spare: int) -> None:
-        """Spare ranks: first to lower the time bound, then to balance FLOPs under it."""
-        while spare:
-            load, n = max((self.load(ids, k), n) for n, (ids, k) in enumerate(runs))
-            ids, k = runs[n]
-            if k >= self.most_ranks(ids) or self.load(ids, k + 1) >= load:
+        """Spare ranks: first to lower the time bound, then to balance FLOPs under it. Each
+        round grows the run a scan of all runs would pick; heaps keep the rounds' candidates,
+        since a round changes only the run it grows (``spare`` only falls, so a run too big
+        for it once stays so)."""
+        busiest = [(-self.load(ids, k), -n, k) for n, (ids, k) in enumerate(runs)]
+        heapq.heapify(busiest)
+        while spare and busiest:
+            _, neg_n, k = busiest[0]
+            n, ids = -neg_n, runs[-neg_n][0]
+            if k >= self.most_ranks(ids) or self.load(ids, k + 1) >= self.load(ids, k):
                 break
             runs[n][1], spare = k + 1, spare - 1
+            heapq.heapreplace(busiest, (-self.load(ids, k + 1), -n, k + 1))
         bound = max((self.load(ids, k) for ids, k in runs), default=0.0)
-        while spare:
-            grow = [
-                (self.load(ids, k, link=False), n, k2)
-                for n, (ids, k), k2 in self._steps(runs)
-                if k2 - k <= spare
-                and self.load(ids, k2) <= bound
-                and self.load(ids, k2, link=False) < self.load(ids, k, link=False)
-            ]
-            if not grow:
-                return
-            _, n, k2 = max(grow)
+        grow = [c for n in range(len(runs)) if (c := self._growth(runs, n, bound)) is not None]
+        heapq.heapify(grow)
+        while spare and grow:
+            _, neg_n, k2 = heapq.heappop(grow)
+            n = -neg_n
+            if k2 - runs[n][1] > spare:
+                continue
             spare -= k2 - runs[n][1]
             runs[n][1] = k2
+            got = self._growth(runs, n, bound)
+            if got is not None:
+                heapq.heappush(grow, got)
 
-    def _steps(self, runs: list):
-        """(run index, run, its next gang size) for every run that can grow."""
-        for n, (ids, k) in enumerate(runs):
-            bigger = [s for s in self.sizes(self.most_ranks(ids)) if s > k]
-            if bigger:
-                yield n, (ids, k), bigger[0]
+    def _growth(self, runs: list, n: int, bound: float) -> Optional[tuple]:
+        """Run ``n``'s next gang size as a heap entry (the largest FLOP load first, then the
+        highest ``n``), where it stays under ``bound`` and lowers the run's FLOPs; else None."""
+        ids, k = runs[n]
+        sizes = self.sizes(self.most_ranks(ids))
+        i = bisect.bisect_right(sizes, k)
+        if i == len(sizes):
+            return None
+        k2, flops = sizes[i], self.load(ids, k, link=False)
+        if self.load(ids, k2) > bound or self.load(ids, k2, link=False) >= flops:
+            return None
+        return (-flops, -n, k2)
