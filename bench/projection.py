@@ -51,6 +51,7 @@ unless asked for.
 import argparse
 import dataclasses
 import math
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -64,6 +65,7 @@ from megatron.core.optimizer.megatron_muon.planner.cost_model import (
     ALL,
     NSCostModel,
     PlanLinks,
+    arrival_times,
     critical_path,
 )
 from megatron.core.optimizer.megatron_muon.planner.plan import (
@@ -305,6 +307,17 @@ def ns_seconds(
     on the main thread, at ``tp_link`` plus ``latency`` each, as gangs.py runs them; plus (``tp``)
     the TP mode's own collectives at ``tp_link`` where the owner's main thread runs them
     (``with_tp``; counted with ``tp_model``, default the plan's)."""
+    return critical_path(*_ns_schedule(plan, rate, link, tp_link, latency, tp, tp_model))
+
+
+def rank_ends(plan: MuonExchangePlan, rate: float, link: float, tp_link: float, latency=0.0):
+    """Per DP rank, when its main thread reaches the return all-to-all in ``ns_seconds``' run
+    (``cost_model.arrival_times``): its own NS, TP and gang time; the latest is ``ns_seconds``."""
+    return arrival_times(*_ns_schedule(plan, rate, link, tp_link, latency, True, None))
+
+
+def _ns_schedule(plan, rate, link, tp_link, latency, tp, tp_model) -> tuple:
+    """``ns_seconds``' traces, work, sync and busy, for ``critical_path``."""
     traces = [plan_figures.trace(plan, r) for r in range(plan.world)]
     if tp:
         traces = with_tp(plan, traces, rate / tp_link, tp_model or plan.model)
@@ -324,7 +337,50 @@ def ns_seconds(
         sides = plan.model.tp_around(elements)
         return tuple(sum(c.link_bytes() / tp_link + latency for c in side) for side in sides)
 
-    return critical_path(traces, work=lambda flops: flops / rate, sync=ring, busy=busy)
+    return traces, lambda flops: flops / rate, ring, busy
+
+
+def by_rank(plan: MuonExchangePlan, ends: list[float], rate: float) -> list[dict]:
+    """The DP ranks grouped by what they orthogonalize (``fc1/3``: a block of a gang of 3),
+    latest end first: how many, the most matmul time and the latest end (``rank_ends``)."""
+    kinds: dict[int, list[str]] = {r: [] for r in range(plan.world)}
+    flops = [0.0] * plan.world
+    for m in plan.matrices:
+        name = m.name.split(".")[-2].removeprefix("linear_")
+        for u in m.units:
+            kinds[u.owner].append(name + (f"/{len(u.gang)}" if u.gang else ""))
+            flops[u.owner] += u.cost
+    groups: dict[str, list[int]] = {}
+    for r, names in kinds.items():
+        counts = sorted(Counter(names).items())
+        key = ", ".join(f"{n} {name}" for name, n in counts) or "nothing"
+        groups.setdefault(key, []).append(r)
+    rows = [
+        {
+            "kind": key,
+            "ranks": len(ranks),
+            "matmuls": max(flops[r] for r in ranks) / rate,
+            "end": max(ends[r] for r in ranks),
+        }
+        for key, ranks in groups.items()
+    ]
+    return sorted(rows, key=lambda row: (-row["end"], row["kind"]))
+
+
+def by_rank_markdown(model: str, dp: int, rows: list[dict]) -> str:
+    """``by_rank``'s rows of one projection row as a table."""
+    lines = [
+        f"\n{model} at DP {dp}, the DP ranks by what they orthogonalize (when each reaches the "
+        "return all-to-all):\n",
+        "| ranks orthogonalize | ranks | matmuls (busiest) | ends (latest) | TP and gang time |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gap = r["end"] - r["matmuls"]
+        lines.append(
+            f"| {r['kind']} | {r['ranks']} | {_ms(r['matmuls'])} | {_ms(r['end'])} | {_ms(gap)} |"
+        )
+    return "\n".join(lines)
 
 
 def matrix_tp_bytes(model: NSCostModel, info, gather: bool = True) -> float:
@@ -500,6 +556,8 @@ def project(model: str, dp: int, a) -> dict:
         "distopt_buffer_gb": distopt_numel * (a.grad_bytes + a.param_bytes) / 1e9,
         "lw_idle": sum(1 for f in lw["flops"] if f == 0),
     }
+    if a.by_rank:
+        row["by_rank"] = by_rank(plan, rank_ends(plan, rate, link, tp_link, latency), rate)
     if a.tp_mode != "owner" or tp == 1:  # at TP 1 every mode is one process's NS
         return row
     plans = {"": plan, "flop": flop_only, "floor": floored, "unsplit": unsplit}
@@ -664,7 +722,16 @@ def parse_args(argv=None):
     )
     parser.add_argument("--dps", type=int, nargs="+", default=list(DPS))
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--by-rank",
+        action="store_true",
+        help="also, per row, the DP ranks grouped by what they orthogonalize: matmul time and "
+        "when each reaches the return all-to-all (not with --tp-mode owner)",
+    )
+    a = parser.parse_args(argv)
+    if a.by_rank and a.tp_mode == "owner":
+        parser.error("--by-rank: the owner mode's NS is per TP rank (owner_ns), not per DP rank")
+    return a
 
 
 def main(argv=None) -> list[dict]:
@@ -685,6 +752,9 @@ def main(argv=None) -> list[dict]:
         f"({a.param_bytes} B) over DistOpt's layout; buffers: params + grads per GPU)"
     )
     print(layer_wise_markdown(rows))
+    for r in rows:
+        if r.get("by_rank"):
+            print(by_rank_markdown(r["model"], r["dp"], r["by_rank"]))
     return rows
 
 

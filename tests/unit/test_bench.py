@@ -204,6 +204,23 @@ def test_projection_owner_mode_balances_the_tp_ranks_of_the_grid():
     assert r["comm"] > 0 == r["unsplit_comm"]  # the moves cost exchange traffic
 
 
+def test_by_rank_groups_every_rank_and_its_latest_end_is_the_critical_path():
+    """``--by-rank`` at 70B TP 8 x DP 256, ``distributed``: the groups hold every DP rank once,
+    each ends at or after its matmuls, the latest end is the row's NS time (the plan's critical
+    path with its TP collectives), and fc1's gang members end last, each group's gap its TP
+    and gang time. The owner mode refuses the flag (its NS is per TP rank)."""
+    a = projection.parse_args(["--tp-mode", "distributed", "--dps", "256", "--by-rank"])
+    r = projection.project("70B", 256, a)
+    rows = r["by_rank"]
+    assert sum(row["ranks"] for row in rows) == 256
+    assert all(row["end"] >= row["matmuls"] > 0 for row in rows)
+    assert rows[0]["end"] == pytest.approx(r["ns"], rel=1e-12)
+    assert "fc1/3" in rows[0]["kind"] and rows[0]["end"] - rows[0]["matmuls"] > 0
+    assert "| 2 fc1/3 | 114 |" in projection.by_rank_markdown("70B", 256, rows)
+    with pytest.raises(SystemExit):
+        projection.parse_args(["--tp-mode", "owner", "--by-rank"])
+
+
 # DP 1024 in the mode closest to the floor there only: planning duplicated's gangs takes ~17 s
 @pytest.mark.parametrize(
     "dp,modes", [(8, ("owner", "distributed", "duplicated")), (1024, ("distributed",))]

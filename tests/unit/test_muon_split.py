@@ -68,6 +68,19 @@ def test_critical_path_overlaps_a_posted_collective_with_the_main_threads_work()
     assert critical_path(traces) == 8  # free links: the sum ends when its last member posts
 
 
+def test_arrival_times_are_each_ranks_own_end_before_the_all_to_all():
+    # The first test's traces: rank 0 reaches the all-to-all at 9 (its wait), rank 1 at 9 (it
+    # waits for the same sum), rank 2 at 1; the latest is the critical path.
+    traces = [
+        [(5, POST, (0, 1), 4), (3, WAIT, (0, 1), 4), (0, ALL, EVERYONE, 0)],
+        [(2, POST, (0, 1), 4), (0, WAIT, (0, 1), 4), (0, ALL, EVERYONE, 0)],
+        [(1, ALL, EVERYONE, 0)],
+    ]
+    sync = lambda members, n: n  # noqa: E731
+    assert cost_model.arrival_times(traces, sync=sync) == [9, 9, 1]
+    assert max(cost_model.arrival_times(traces, sync=sync)) == critical_path(traces, sync=sync)
+
+
 def test_critical_path_serves_a_ranks_posts_one_at_a_time_in_order():
     # Rank 0 posts to (0, 1), then (0, 2); rank 1 posts late (6): its sum runs 6 -> 8, and only
     # then does rank 0's gang link (one post at a time, in the model) start the sum with rank 2

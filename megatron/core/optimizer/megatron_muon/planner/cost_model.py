@@ -618,6 +618,21 @@ def critical_path(
     return _Schedule(traces, work, sync, busy).run()
 
 
+def arrival_times(
+    traces: Sequence[Sequence[tuple]],
+    work: Callable[[float], float] = float,
+    sync: Callable[[tuple, int], float] = lambda members, n: 0.0,
+    busy: Optional[Callable[[int], tuple[float, float]]] = None,
+) -> list[float]:
+    """When each rank's main thread reaches its last ``ALL`` (an exchange's return all-to-all)
+    in ``critical_path``'s run of ``traces`` (same arguments): what its own work and waits
+    take, before the all-to-all evens them out. The latest is the critical path where the
+    traces end with that ``ALL`` of no elements, as ``exchange_schedule``'s do."""
+    schedule = _Schedule(traces, work, sync, busy)
+    schedule.run()
+    return schedule.reached
+
+
 def _memo(fn: Callable, key: Callable = lambda x: x) -> Callable:
     """``fn`` of ``key(*args)``, each distinct key computed once."""
     done: dict = {}
@@ -648,6 +663,7 @@ class _Schedule:
         self.posts: dict[tuple, dict[int, tuple]] = {}  # key: {rank: (time, index, elements)}
         self.arrived: dict[tuple, dict[int, float]] = {}
         self.ready = list(range(n))
+        self.reached = [0.0] * n  # when each rank last reached an ALL
 
     def run(self) -> float:
         while self.ready:
@@ -683,7 +699,7 @@ class _Schedule:
                 self._resolve(key)
             else:
                 key = self._key(r, members, ALL)
-                self.arrived.setdefault(key, {})[r] = self.clock[r]
+                self.arrived.setdefault(key, {})[r] = self.reached[r] = self.clock[r]
                 if len(self.arrived[key]) < len(members):
                     self._next(r)
                     return  # resumed by the last member to arrive
