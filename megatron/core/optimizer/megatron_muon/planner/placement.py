@@ -302,9 +302,9 @@ def _least_loaded(w: Work, k: int, loads: list[float], nodes: tuple) -> list[int
 
 
 def _fewest(ranks: Sequence[int], k: int, loads: list[float], held: dict) -> list[int]:
-    """``sorted(ranks, key=(load, -elements held, rank))[:k]`` for ascending ``ranks``: sorted
-    by load alone (ties: rank order), the first ``k`` hold every rank the full order takes but
-    holders tied with them; those few are added and the full order decides."""
+    """``sorted(ranks, key=(load, -elements held, rank))[:k]`` for ascending ``ranks``. Sorted
+    by load alone (ties in rank order), the first ``k`` hold every rank the full order takes,
+    but for holders tied with them on load: those few are added, and the full order decides."""
     by_load = (
         sorted(ranks, key=loads.__getitem__)[:k] if k > 1 else [min(ranks, key=loads.__getitem__)]
     )
