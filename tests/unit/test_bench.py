@@ -221,7 +221,7 @@ def test_by_rank_groups_every_rank_and_its_latest_end_is_the_critical_path():
         projection.parse_args(["--tp-mode", "owner", "--by-rank"])
 
 
-# DP 1024 in the mode closest to the floor there only: planning duplicated's gangs takes ~17 s
+# DP 1024 in the mode closest to the floor there only: projecting a DP 1024 row takes ~20 s
 @pytest.mark.parametrize(
     "dp,modes", [(8, ("owner", "distributed", "duplicated")), (1024, ("distributed",))]
 )
