@@ -67,6 +67,7 @@ TOOL_FLAGS = {
     "--min-efficiency": "bench/projection.py",
     "--step-latency-us": "bench/projection.py",
     "--tp-link-gbps": "bench/projection.py",
+    "--by-rank": "bench/projection.py",
     "--repeats": "bench/step_cost.py",  # bench_newton_schulz.py has it too
     "--gram": "bench/bench_newton_schulz.py",
     "--ref": "tools/upstream_muon_recipes.py",  # tools/upstream_muon_tests.py has it too

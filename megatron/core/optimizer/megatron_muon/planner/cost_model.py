@@ -625,9 +625,19 @@ def arrival_times(
     busy: Optional[Callable[[int], tuple[float, float]]] = None,
 ) -> list[float]:
     """When each rank's main thread reaches its last ``ALL`` (an exchange's return all-to-all)
-    in ``critical_path``'s run of ``traces`` (same arguments): what its own work and waits
-    take, before the all-to-all evens them out. The latest is the critical path where the
-    traces end with that ``ALL`` of no elements, as ``exchange_schedule``'s do."""
+    in ``critical_path``'s run: what its own work and waits take, before the all-to-all evens
+    them out. The latest is the critical path where the traces end with that ``ALL`` of no
+    elements, as ``exchange_schedule``'s do.
+
+    Args:
+        traces: per rank, its entries (``critical_path``'s).
+        work: time a count of FLOPs takes.
+        sync: time a collective over ``members`` of ``elements`` elements takes.
+        busy: main-thread time around a collective (``critical_path``'s); None: none.
+
+    Returns:
+        Per rank, the time it reaches its last ``ALL`` (0.0 for a rank with none).
+    """
     schedule = _Schedule(traces, work, sync, busy)
     schedule.run()
     return schedule.reached
