@@ -77,8 +77,19 @@ def test_arrival_times_are_each_ranks_own_end_before_the_all_to_all():
         [(1, ALL, EVERYONE, 0)],
     ]
     sync = lambda members, n: n  # noqa: E731
-    assert cost_model.arrival_times(traces, sync=sync) == [9, 9, 1]
-    assert max(cost_model.arrival_times(traces, sync=sync)) == critical_path(traces, sync=sync)
+    ends = cost_model.arrival_times(traces, sync=sync)
+    assert ends == [9, 9, 1] and max(ends) == critical_path(traces, sync=sync)
+
+
+def test_critical_path_prices_equal_sized_collectives_of_other_kinds_apart():
+    # A Sum, a Gather and a Partial of 4 elements are equal ints; the schedule prices each
+    # collective once, so its key must tell them (and their tp) apart. One rank, one after the
+    # other: link time tp each (1 + 2 + 2), main-thread time 1 before a Partial's post.
+    collectives = [Sum(4, 1), Sum(4, 2), Gather(4, 2), Partial(4, 2)]
+    trace = [e for n in collectives for e in ((0, POST, (0,), n), (0, WAIT, (0,), n))]
+    busy = lambda n: (1.0, 0.0) if isinstance(n, Partial) else (0.0, 0.0)  # noqa: E731
+    sync = lambda members, n: float(getattr(n, "tp", 0))  # noqa: E731
+    assert critical_path([trace + [(0, ALL, (0,), 0)]], sync=sync, busy=busy) == 8.0
 
 
 def test_critical_path_serves_a_ranks_posts_one_at_a_time_in_order():

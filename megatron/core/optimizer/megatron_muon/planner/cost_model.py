@@ -643,17 +643,19 @@ def arrival_times(
     return schedule.reached
 
 
-def _memo(fn: Callable, key: Callable = lambda x: x) -> Callable:
-    """``fn`` of ``key(*args)``, each distinct key computed once."""
+def _priced_once(fn: Callable) -> Callable:
+    """``fn`` computed once per distinct arguments, told apart by type and ``tp`` too: a
+    ``Sum``, a ``Gather`` and a ``Partial`` of one size (or of two TP sizes) are equal ints,
+    but their collectives cost differently."""
     done: dict = {}
 
-    def cached(*args):
-        k = key(*args)
-        if k not in done:
-            done[k] = fn(k)
-        return done[k]
+    def priced(*args):
+        key = tuple((type(a), getattr(a, "tp", None), a) for a in args)
+        if key not in done:
+            done[key] = fn(*args)
+        return done[key]
 
-    return cached
+    return priced
 
 
 class _Schedule:
@@ -663,8 +665,8 @@ class _Schedule:
         n = len(traces)
         self.traces, self.work = traces, work
         # a step repeats few collective sizes (and gangs) many times: each priced once
-        self.sync = _memo(lambda key: sync(*key), lambda members, elements: (members, elements))
-        self.busy = _memo(busy or (lambda elements: (0.0, 0.0)))
+        self.sync = _priced_once(sync)
+        self.busy = _priced_once(busy or (lambda elements: (0.0, 0.0)))
         self.clock, self.at, self.charged = [0.0] * n, [0] * n, [False] * n
         self.free = [0.0] * n  # when each rank's gang link is free (one post at a time)
         self.line = [deque() for _ in range(n)]  # posted, unresolved keys, in order
