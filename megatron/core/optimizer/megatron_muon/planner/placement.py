@@ -464,13 +464,10 @@ class _Runs:
         """Gang sizes tried, up to ``most``: those fitting one node or filling whole nodes
         (computed once per ``most``; callers do not modify it)."""
         if most not in self._sizes:
-            if self.per_node <= 1:
-                self._sizes[most] = list(range(2, most + 1))
-            else:
-                per_node = self.per_node
-                self._sizes[most] = [
-                    k for k in range(2, most + 1) if k <= per_node or k % per_node == 0
-                ]
+            per_node = self.per_node
+            self._sizes[most] = [
+                k for k in range(2, most + 1) if per_node <= 1 or k <= per_node or k % per_node == 0
+            ]
         return self._sizes[most]
 
     def ranks(self, ids: list[int], bound: float) -> Optional[int]:
@@ -530,9 +527,10 @@ class _Runs:
         busiest = [(-self.load(ids, k), -n, k) for n, (ids, k) in enumerate(runs)]
         heapq.heapify(busiest)
         while spare and busiest:
-            _, neg_n, k = busiest[0]
-            n, ids = -neg_n, runs[-neg_n][0]
-            if k >= self.most_ranks(ids) or self.load(ids, k + 1) >= self.load(ids, k):
+            neg_load, neg_n, k = busiest[0]
+            n = -neg_n
+            ids = runs[n][0]
+            if k >= self.most_ranks(ids) or self.load(ids, k + 1) >= -neg_load:
                 break
             runs[n][1], spare = k + 1, spare - 1
             heapq.heapreplace(busiest, (-self.load(ids, k + 1), -n, k + 1))
