@@ -5,8 +5,11 @@ step, in bench/projection.py's machine model, against the model step.
 
 Two bounds, the larger is the floor:
 
-* work: every matrix's NS FLOPs once (``plan.ns_cost``, what one process runs), spread evenly
-  over all GPUs at peak * mfu;
+* work: every NS block's FLOPs once, spread evenly over all GPUs at peak * mfu: the standard
+  steps with each symmetric product (the Gram ``X X^T`` and ``G G``) computed as its triangle
+  alone, ``k (3 g^2 l + g^3)`` for a ``g x l`` block (``least_flops``). Every exact schedule here
+  runs more: one process ``k (4 g^2 l + 2 g^3)``, a split's members their Grams' upper triangles
+  in blocks (``newton_schulz.upper_gram``, over half of each) and all of ``G G``;
 * the slowest NS block (a matrix, or one Q, K or V block of a fused QKV weight: each is
   orthogonalized alone): split over ``k`` GPUs (any ``k`` up to the GPU count), each runs ``1 / k``
   of its FLOPs, and every NS step sums the block's Gram (``g x g``, ``g`` its short side) over the
@@ -30,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import projection  # noqa: E402
 from projection import MODELS, NS_STEPS, model_params  # noqa: E402
 
-from megatron.core.optimizer.megatron_muon.newton_schulz import ns_flops, packed_size  # noqa: E402
-from megatron.core.optimizer.megatron_muon.planner.plan import _blocks, ns_cost  # noqa: E402
+from megatron.core.optimizer.megatron_muon.newton_schulz import packed_size  # noqa: E402
+from megatron.core.optimizer.megatron_muon.planner.plan import _blocks  # noqa: E402
 
 
 def split_seconds(block: tuple[int, int], k: int, a) -> float:
@@ -51,7 +54,21 @@ def split_seconds(block: tuple[int, int], k: int, a) -> float:
     m, n = min(k, a.gpus_per_node), -(-k // a.gpus_per_node)
     per_step = 2 * (m - 1) / m * gram / (a.tp_link_gbps / 8 * 1e9)
     per_step += 2 * (n - 1) / n * gram / m / (a.link_gbps / 8 * 1e9)
-    return ns_flops(*block, NS_STEPS, "standard") / k / rate + NS_STEPS * per_step
+    return least_flops(block) / k / rate + NS_STEPS * per_step
+
+
+def least_flops(block: tuple[int, int]) -> float:
+    """The fewest matmul FLOPs of the standard steps on a block (module docstring): per step
+    half of the Gram, half of ``G G`` and all of ``p(G) X``, ``3 g^2 l + g^3``.
+
+    Args:
+        block: the block's (rows, cols).
+
+    Returns:
+        FLOPs over ``NS_STEPS`` steps.
+    """
+    g, lines = min(block), max(block)
+    return float(NS_STEPS * (3 * g * g * lines + g**3))
 
 
 def floor_row(model: str, dp: int, a) -> dict:
@@ -72,7 +89,7 @@ def floor_row(model: str, dp: int, a) -> dict:
     every = [info for _, _, info in params if info is not None]
     blocks = {b for info in every for b in _blocks(info)}  # Q, K and V apart: NS runs each alone
     gpus, rate = dp * tp, a.peak_tflops * 1e12 * a.mfu
-    work = sum(ns_cost(info, NS_STEPS) for info in every) / gpus / rate
+    work = sum(least_flops(b) for info in every for b in _blocks(info)) / gpus / rate
     splits = {b: min((split_seconds(b, k, a), k) for k in range(1, gpus + 1)) for b in blocks}
     shape, (slowest, k) = max(splits.items(), key=lambda item: item[1][0])
     total = sum(math.prod(s) * (tp if len(s) == 2 else 1) for _, s, _ in params)

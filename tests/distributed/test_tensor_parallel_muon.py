@@ -73,13 +73,16 @@ class _Done:
         pass
 
 
-def _counted(broken_gather: bool = False, matrices=MATRICES) -> float:
+def _counted(broken_gather: bool = False, matrices=MATRICES, block_rows=None) -> float:
     """Matmul FLOPs of one ``distributed``-mode step on this rank (``broken_gather``: the
-    negative control below, the other rank's polynomial rows never arrive)."""
+    negative control below, the other rank's polynomial rows never arrive; ``block_rows``: the
+    Gram's ``GRAM_BLOCK_ROWS`` in this rank)."""
     from test_muon_distopt import MatmulFlops
 
-    from megatron.core.optimizer.megatron_muon import tp
+    from megatron.core.optimizer.megatron_muon import newton_schulz, tp
 
+    if block_rows is not None:
+        newton_schulz.GRAM_BLOCK_ROWS = block_rows
     if broken_gather:
         tp.post_rows = lambda poly, group: (_Done(), None)
     counter = MatmulFlops()
@@ -105,6 +108,27 @@ def test_distributed_mode_splits_the_polynomial_and_runs_the_counted_flops():
     (ref,) = run_distributed(_run, 1, args=("distributed",))
     got = run_distributed(_counted, 2, tp=2, args=(True,))[0][1]
     assert not any(torch.allclose(a, b, rtol=0, atol=100 * TOL) for a, b in zip(got, ref))
+
+
+def test_distributed_mode_computes_the_gram_upper_triangle_in_blocks(monkeypatch):
+    """Each TP rank's Gram in 8 blocks of 4 rows (``upper_gram``): the one-process result, and
+    per step the counted FLOPs ``tp_ns_cost`` models, ``(k + 1) / 2k = 9/16`` of the whole
+    Gram's ``2 r n^2`` plus the same polynomial and update as above."""
+    from megatron.core.optimizer.megatron_muon import newton_schulz
+    from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
+    from megatron.core.optimizer.megatron_muon.planner.plan import tp_ns_cost
+
+    monkeypatch.setattr(newton_schulz, "GRAM_BLOCK_ROWS", 4)
+    infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in MATRICES]
+    gram = 9 * 2 * 32 * 32**2 // 16 + 9 * 2 * 24 * 32**2 // 16  # 32 and 24 lines, 32^2 Gram
+    rest = 5 * (2 * 32 * 32**2 + 2 * 32**2 * 16) + 5 * (2 * 24 * 32**2 + 2 * 32**2 * 16)
+    want = 5 * gram + rest
+    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want
+    (ref,) = run_distributed(_run, 1, args=("distributed",))
+    for flops, got in run_distributed(_counted, 2, tp=2, args=(False, MATRICES, 4)):
+        assert flops == want
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=TOL)
 
 
 # 8 lines per TP rank of a 64-side Gram: cheaper whole on each rank than split (``gathers``), as

@@ -207,15 +207,16 @@ def test_projection_owner_mode_balances_the_tp_ranks_of_the_grid():
 def test_by_rank_groups_every_rank_and_its_latest_end_is_the_critical_path():
     """``--by-rank`` at 70B TP 8 x DP 256, ``distributed``: the groups hold every DP rank once,
     each ends at or after its matmuls, the latest end is the row's NS time (the plan's critical
-    path with its TP collectives), and fc1's gang members end last, each group's gap its TP
-    and gang time. The owner mode refuses the flag (its NS is per TP rank)."""
+    path with its TP collectives), and ranks of three whole QKV matrices end last (their Gram
+    sums show: 16 ms of matmuls, done at 21), each group's gap its TP and gang time. The owner
+    mode refuses the flag (its NS is per TP rank)."""
     a = projection.parse_args(["--tp-mode", "distributed", "--dps", "256", "--by-rank"])
     r = projection.project("70B", 256, a)
     rows = r["by_rank"]
     assert sum(row["ranks"] for row in rows) == 256
     assert all(row["end"] >= row["matmuls"] > 0 for row in rows)
     assert rows[0]["end"] == pytest.approx(r["ns"], rel=1e-12)
-    assert "fc1/3" in rows[0]["kind"] and rows[0]["end"] - rows[0]["matmuls"] > 0
+    assert rows[0]["kind"] == "3 qkv" and rows[0]["end"] - rows[0]["matmuls"] > 0
     assert "| 2 fc1/3 | 114 |" in projection.by_rank_markdown("70B", 256, rows)
     with pytest.raises(SystemExit):
         projection.parse_args(["--tp-mode", "owner", "--by-rank"])
@@ -228,7 +229,8 @@ def test_by_rank_groups_every_rank_and_its_latest_end_is_the_critical_path():
 def test_projection_floor_is_below_every_exact_schedule(dp, modes):
     """bench/projection_floor.py's floor bounds what the optimizer's schedules take: at 70B TP 8
     each exact TP mode's projected NS plus TP time (projection.py) is at or above it. A split
-    over one GPU is the matrix's whole NS, no collective."""
+    over one GPU is the block's least FLOPs (``least_flops``, below one process's), no
+    collective."""
     a = projection.parse_args(["--min-efficiency", "0", "--dps", str(dp), "--models", "70B"])
     floor = projection_floor.floor_row("70B", dp, a)
     for mode in modes:
@@ -236,7 +238,8 @@ def test_projection_floor_is_below_every_exact_schedule(dp, modes):
         assert projection.project("70B", dp, a)["ns"] >= floor["floor"] > 0
     rate = a.peak_tflops * 1e12 * a.mfu
     whole = ns_cost(MuonParamInfo((512, 128)), projection.NS_STEPS) / rate
-    assert projection_floor.split_seconds((512, 128), 1, a) == whole
+    least = projection.NS_STEPS * (3 * 128**2 * 512 + 128**3) / rate  # half Gram, half G G
+    assert projection_floor.split_seconds((512, 128), 1, a) == least < whole
 
 
 LAYOUT_BUCKET = 9000  # small DDP buckets: matrices straddle shards and buckets end padded

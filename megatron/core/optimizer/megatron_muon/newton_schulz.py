@@ -538,7 +538,7 @@ def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
     yield SUM, sq
     buf.div_(sq.sqrt().clamp_min_(eps).to(dtype))
     for a, b, c in coefficient_set(coefficients).schedule(steps):
-        gram = buf.mT @ buf if dim == 0 else buf @ buf.mT
+        gram = upper_gram(buf.mT if dim == 0 else buf)
         packed = pack_symmetric(gram)
         del gram
         yield SUM, packed
@@ -583,7 +583,8 @@ def gathers(gram_side: int, lines: int, parts: int) -> bool:
     orthogonalize it with fewer matmul FLOPs each whole, after gathering it
     (``gathered_newton_schulz_steps``), than split (``sharded_newton_schulz_steps``, the
     polynomial split where ``splits_polynomial``): per step, ``ns_flops(lines, g)`` against
-    ``4 g^2 lines / k + 2 g^2 (g / k or g)``. A K or V block of a GQA weight under TP is.
+    ``upper_gram_flops(g, lines / k) + 2 g^2 lines / k + 2 g^2 (g / k or g)``. A K or V block
+    of a GQA weight under TP is.
 
     Args:
         gram_side: g.
@@ -595,7 +596,9 @@ def gathers(gram_side: int, lines: int, parts: int) -> bool:
     """
     g = gram_side
     poly = -(-g // parts) if splits_polynomial(g, lines, parts, False) else g
-    return ns_flops(lines, g, 1, "standard") <= 4 * g * g * (lines // parts) + 2 * g * g * poly
+    local = lines // parts
+    split = upper_gram_flops(g, local) + 2 * g * g * local + 2 * g * g * poly
+    return ns_flops(lines, g, 1, "standard") <= split
 
 
 def _under(steps: Generator, precision: str, device: torch.device) -> Generator:
@@ -610,6 +613,59 @@ def _under(steps: Generator, precision: str, device: torch.device) -> Generator:
         reply = yield request
 
 
+# A sharded step's Gram ``W W^T`` (``W``: g x l, this shard's wide view) in blocks of rows of at
+# least this many, each block from its diagonal on (an upper trapezoid; the rest is its mirror):
+# ``(k + 1) / 2k`` of the whole product's FLOPs for k blocks (17/32 for a 70B MLP's g = 8192),
+# each block still a large matmul (512 x l by l x >= 512).
+GRAM_BLOCK_ROWS = 512
+
+
+def gram_blocks(g: int) -> list[tuple[int, int]]:
+    """The row blocks ``upper_gram`` computes a ``g x g`` Gram in: near-equal, at least
+    ``GRAM_BLOCK_ROWS`` rows each (one block below twice that).
+
+    Args:
+        g: the Gram's side.
+
+    Returns:
+        (start, end) row ranges covering ``[0, g)`` in order.
+    """
+    k = max(1, g // GRAM_BLOCK_ROWS)
+    return [(j * g // k, (j + 1) * g // k) for j in range(k)]
+
+
+def upper_gram(wide: Tensor) -> Tensor:
+    """``wide @ wide^T``'s upper triangle (diagonal included), in ``gram_blocks``: each block of
+    rows from its diagonal on, one matmul each. Below the diagonal blocks nothing is written:
+    only ``pack_symmetric`` reads the result.
+
+    Args:
+        wide: a ``g x l`` matrix (a view of a shard: the Gram of its rows).
+
+    Returns:
+        A new ``g x g`` matrix in ``wide``'s dtype, its upper triangle set.
+    """
+    g = wide.shape[0]
+    out = wide.new_empty((g, g))
+    for lo, hi in gram_blocks(g):
+        torch.mm(wide[lo:hi], wide[lo:].mT, out=out[lo:hi, lo:])
+    return out
+
+
+def upper_gram_flops(g: int, lines: int) -> int:
+    """Matmul FLOPs of ``upper_gram`` on a ``g x lines`` matrix: ``2 lines (hi - lo) (g - lo)``
+    per block, ``(k + 1) / 2k`` of the whole product's ``2 g^2 lines`` for k equal blocks.
+
+    Args:
+        g: the Gram's side.
+        lines: the shard's length along the summed dimension.
+
+    Returns:
+        FLOPs.
+    """
+    return sum(2 * lines * (hi - lo) * (g - lo) for lo, hi in gram_blocks(g))
+
+
 def packed_size(side: int) -> int:
     """Elements of a packed symmetric ``side x side`` matrix: ``g (g + 1) / 2``."""
     return side * (side + 1) // 2
@@ -617,14 +673,15 @@ def packed_size(side: int) -> int:
 
 def pack_symmetric(a: Tensor) -> Tensor:
     """A symmetric matrix's upper triangle as one new fp32 vector (half the bytes of a Gram sum);
-    LAPACK's rectangular full packing (docs/newton_schulz.md)."""
+    LAPACK's rectangular full packing (docs/newton_schulz.md). Only the upper triangle (diagonal
+    included) is read: ``upper_gram`` leaves the rest unset."""
     g = a.shape[0]
     t, s = g // 2, g - g // 2
     out = torch.empty(packed_size(g), dtype=torch.float32, device=a.device)
     rect = out[: (t + 1) * s].view(t + 1, s)
-    rect[:s].copy_(a[t:, t:]).triu_()
+    rect[:s].copy_(a[t:, t:].triu())
     rect[s:].zero_()
-    rect[1:, :t].add_(a[:t, :t].tril())
+    rect[1:, :t].add_(a[:t, :t].mT.tril())  # the top-left block's lower half, from its upper
     out[(t + 1) * s :].view(t, s).copy_(a[:t, t:])
     return out
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from ..newton_schulz import packed_size, reassociates, splits_polynomial
+from ..newton_schulz import packed_size, reassociates, splits_polynomial, upper_gram_flops
 
 # Planning default: matmul FLOPs per byte through a gang member's link, H100-class: 40% of
 # 990 TFLOP/s bf16 over 400 Gb/s (50 GB/s) per direction. It only chooses among exact plans.
@@ -272,7 +272,7 @@ class NSCostModel:
         flops = 0.0
         for g in self._grams(info, axis):
             events = _after_sum(g, lines, info.shape[axis], self.places(info, part))
-            flops += 2.0 * g * g * lines + sum(e for e in events if isinstance(e, float))
+            flops += upper_gram_flops(g, lines) + sum(e for e in events if isinstance(e, float))
         return self.steps * flops
 
     # The planner asks the same sizes many times; bounded, and models are few and small.
@@ -474,7 +474,7 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
         out.append(total(1, tp))  # the squared norm
         for _ in range(model.steps):
             after = _after_sum(g, lines, info.shape[axis], place, tp)
-            out += [2.0 * g * g * lines, total(packed_size(g), tp), *after]
+            out += [float(upper_gram_flops(g, lines)), total(packed_size(g), tp), *after]
     return out
 
 

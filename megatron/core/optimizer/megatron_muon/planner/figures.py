@@ -103,7 +103,9 @@ def critical_path_flops(plan: MuonExchangePlan) -> float:
 
 
 def efficiency(plan: MuonExchangePlan) -> float:
-    """Ideal (total / dp) over the critical path: 1.0 = perfect, 1/dp = one rank does all."""
+    """Ideal (total / dp, the matrices' whole FLOPs) over the critical path: 1.0 = the whole
+    matrices spread perfectly, 1/dp = one rank does all; above 1.0 where split blocks run fewer
+    FLOPs than whole (their Grams' upper triangles alone: ``newton_schulz.upper_gram``)."""
     total = sum(m.cost for m in plan.matrices)
     return total / plan.world / critical_path_flops(plan) if plan.matrices else 1.0
 

@@ -12,7 +12,14 @@ import torch
 
 from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece, exchange_dtypes, itemsize
 from ..functional import MuonParamInfo
-from ..newton_schulz import compute_dtype, gathers, ns_flops, packed_size, splits_polynomial
+from ..newton_schulz import (
+    compute_dtype,
+    gathers,
+    ns_flops,
+    packed_size,
+    splits_polynomial,
+    upper_gram_flops,
+)
 from ..tp import TPOrthogonalizer, owner_cells
 from .cost_model import NSCostModel, PlanLinks, TPCollective
 from .placement import BUNDLES, TARGETS, Work, assign_units
@@ -135,8 +142,10 @@ def distributed_events(
             continue
         split = splits_polynomial(g, lines, tp, False)  # the distributed mode never reassociates
         out.append(TPCollective("all_reduce", 1, "float32", tp))  # the squared norm
+        # ours computes the Gram's upper triangle only (``upper_gram``), upstream's all of it
+        gram = upper_gram_flops(g, local) if gather else 2 * local * g * g
         for _ in range(steps):
-            out += [2.0 * local * g * g, TPCollective("all_reduce", packed_size(g), "float32", tp)]
+            out += [float(gram), TPCollective("all_reduce", packed_size(g), "float32", tp)]
             out.append(2.0 * g * g * (-(-g // tp) if split else g))  # its rows of b G + c G G
             if split:
                 out.append(TPCollective("all_gather_into_tensor", -(-g // tp) * g, ns_dtype, tp))
