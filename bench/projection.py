@@ -72,6 +72,7 @@ from megatron.core.optimizer.megatron_muon.planner.plan import (
     MuonExchangePlan,
     TPCollective,
     owner_collectives,
+    owner_stream,
     tp_collectives,
     tp_ns_cost,
 )
@@ -276,7 +277,8 @@ def cost_model(tp: int, mode: str, steps: int = NS_STEPS, **link) -> NSCostModel
     ``link``: ``link_flops_per_byte`` and ``ns_itemsize`` for the planner's choice."""
     tp_of = lambda info: tp if info.partition_dim is not None else 1  # noqa: E731
     whole = lambda info: tp_ns_cost(info, steps, mode, tp_of(info))  # noqa: E731
-    return NSCostModel(steps, whole, tp_of, mode, **link)
+    stream = owner_stream if mode == "distributed" else None  # as plan.ns_cost_model
+    return NSCostModel(steps, whole, tp_of, mode, stream=stream, **link)
 
 
 def exchange_seconds(plan: MuonExchangePlan, forward_bytes: int, return_bytes: int, link: float):

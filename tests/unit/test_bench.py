@@ -23,6 +23,7 @@ from gather_everything import distopts, use_gather_everything  # noqa: E402
 
 from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo  # noqa: E402
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures  # noqa: E402
+from megatron.core.optimizer.megatron_muon.planner import plan as plan_module  # noqa: E402
 from megatron.core.optimizer.megatron_muon.planner.placement import HOLDER_SLACK  # noqa: E402
 from megatron.core.optimizer.megatron_muon.planner.plan import (  # noqa: E402
     TPCollective,
@@ -159,7 +160,8 @@ def test_projection_adds_each_ranks_tp_collectives_to_its_critical_path(mode, wi
     one's collectives under the other's matmuls: less than that sum, more than the matmuls; one
     at a time, the sum. The gather-everything baseline pays every matrix's, LayerWise its busiest
     rank's."""
-    monkeypatch.setattr(plan_figures, "TP_WINDOW", window)
+    monkeypatch.setattr(plan_figures, "TP_WINDOW", window)  # its NS working set
+    monkeypatch.setattr(plan_module, "TP_WINDOW", window)  # ``stream_trace``'s
     a = projection.parse_args(["--tp-mode", mode, "--min-efficiency", "0", "--dps", "8"])
     r = projection.project("70B", 8, a)
     has_tp = mode != "blockwise"

@@ -102,6 +102,11 @@ class NSCostModel:
     # Planning only: the least counted NS FLOP efficiency (ideal / FLOP critical path) the
     # chosen plan must reach where a candidate does (else the best balanced); 0: the fastest.
     min_efficiency: float = 0.0
+    # Planning only: the main-thread trace of an owner's whole TP-sharded matrices as it runs
+    # them, ``stream(infos, model) -> (entries, FLOPs after)`` (the ``distributed`` mode's
+    # ``plan.owner_stream``), so a candidate is timed with their TP collectives
+    # (``with_streams``); None: whole matrices are their FLOPs alone.
+    stream: Optional[Callable] = None
 
     def ring_bytes(self, members: tuple, elements: int) -> tuple[float, float]:
         """Bytes a member sends (and receives) in one gang collective, by layout.
@@ -135,6 +140,8 @@ class NSCostModel:
         """Main-thread time before a gang collective's post and after its wait, in FLOP units:
         its TP collectives (``critical_path``'s ``busy``), each at the TP link plus a ring
         step's latency."""
+        if isinstance(elements, TPCollective):  # a ``stream``'s: posted, nothing around it
+            return 0.0, 0.0
         per_byte, latency = self.tp_link_flops_per_byte, self.step_latency_flops
         return tuple(
             sum(c.link_bytes() * per_byte + latency for c in side)
@@ -152,6 +159,8 @@ class NSCostModel:
         Returns:
             Link time in FLOP units.
         """
+        if isinstance(elements, TPCollective):  # a ``stream``'s, on the owner's TP link
+            return elements.link_bytes() * self.tp_link_flops_per_byte
         if not elements:
             return 0.0
         slow, fast = self.ring_bytes(members, elements)
@@ -515,6 +524,39 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
         trace, tail = pipelined(held[r])
         traces.append(trace + [(tail + whole[r], ALL, everyone, 0)])
     return traces
+
+
+def with_streams(traces: list, infos: list, units: list, model) -> list:
+    """``exchange_schedule``'s traces with each owner's whole TP-sharded matrices run as
+    ``model.stream`` runs them (in matrix order): their FLOPs out of the last entry, their TP
+    collectives posted and waited for on the owner's own TP link (members ``(rank,)``), as
+    bench/projection.py's ``with_tp`` times a plan.
+
+    Args:
+        traces: ``exchange_schedule``'s.
+        infos: each matrix's TP-global ``MuonParamInfo``.
+        units: per matrix its ``Unit`` list.
+        model: the cost model, its ``stream`` set.
+
+    Returns:
+        One trace per rank.
+    """
+    owned: list[list] = [[] for _ in traces]
+    for info, matrix_units in zip(infos, units):
+        for u in matrix_units:
+            if not u.gang and model.tp_of(info) > 1:
+                owned[u.owner].append((info, u.cost))
+    out = []
+    for r, trace in enumerate(traces):
+        if not owned[r]:
+            out.append(trace)
+            continue
+        entries, tail = model.stream([info for info, _ in owned[r]], model)
+        flops, op, members, n = trace[-1]
+        streamed = sum(cost for _, cost in owned[r])
+        run = [(f, kind, (r,), c) for f, kind, c in entries]
+        out.append([*trace[:-1], *run, (flops - streamed + tail, op, members, n)])
+    return out
 
 
 def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:

@@ -5,7 +5,6 @@ from typing import Optional
 
 from ..config import DEFAULT_NS_BATCH_BYTES as NS_BATCH
 from ..exchange import Exchange, MatrixSlot, Unit, owned_runs
-from ..newton_schulz import interleave
 from ..tp import TP_WINDOW
 from .cost_model import (
     ALL,
@@ -20,8 +19,8 @@ from .cost_model import (
 )
 from .plan import (
     MuonExchangePlan,
-    distributed_events,
     owner_collectives,
+    stream_trace,
     tp_collectives,
 )
 
@@ -175,53 +174,6 @@ def owned_whole(plan: MuonExchangePlan, ex: Exchange, rank: int, update_dtype="f
     rest = [i for i in owned if i not in set(ex.gangs)]
     itemsize = {v: k for k, v in NS_DTYPES.items()}[update_dtype]
     return [i for run in owned_runs(plan, rest, rank, itemsize, NS_BATCH) for i in run]
-
-
-def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, float]:
-    """The ``distributed`` mode's main-thread trace of an owner's whole matrices as tp.py's
-    ``stream`` runs them: TP-sharded ones ``TP_WINDOW`` at a time, interleaved by the same
-    ``interleave``, dense then expert; then the others.
-
-    Args:
-        infos: the matrices' TP-global infos, in the order the owner runs them.
-        model: the ``NSCostModel`` (``steps``, ``tp_of``, ``whole``).
-        ns_dtype: Newton-Schulz's compute dtype.
-
-    Returns:
-        ``(FLOPs before, POST or WAIT, TPCollective)`` entries, and the FLOPs after the last.
-    """
-    trace: list = []
-    after = [0.0]  # FLOPs run since the last entry
-
-    def job(events: list):
-        flops, posts = 0.0, [j for j, e in enumerate(events) if not isinstance(e, float)]
-        for j, e in enumerate(events[: posts[-1] + 1]):
-            if isinstance(e, float):
-                flops += e
-                continue
-            tail = sum(events[posts[-1] + 1 :]) if j == posts[-1] else 0.0
-            yield POST, (flops, e, tail)  # the tail runs after the last wait, before the next
-            flops = 0.0
-
-    def post(i: int, kind: str, request: tuple) -> tuple:
-        flops, collective, tail = request
-        trace.append((after[0] + flops, POST, collective))
-        after[0] = 0.0
-        return collective, tail
-
-    def wait(posted: tuple) -> None:
-        trace.append((after[0], WAIT, posted[0]))
-        after[0] = posted[1]
-
-    for expert in (False, True):
-        sharded = [
-            info
-            for info in infos
-            if model.tp_of(info) > 1 and bool(getattr(info, "expert", False)) == expert
-        ]
-        jobs = [job(distributed_events(i, model.steps, model.tp_of(i), ns_dtype)) for i in sharded]
-        interleave(jobs, post, wait, TP_WINDOW)
-    return trace, after[0] + sum(model.whole(i) for i in infos if model.tp_of(i) == 1)
 
 
 def _owned(plan: MuonExchangePlan, ex: Exchange) -> dict[int, list[int]]:

@@ -19,6 +19,7 @@ from .cost_model import (
     cut,
     exchange_schedule,
     split_count,
+    with_streams,
 )
 
 # Targets tried, in multiples of total / dp (math.inf: no split).
@@ -206,14 +207,18 @@ def span(works: list[Work], units, gangs: list[int], world: int, model, link=Tru
         gangs: the split matrices' indices, in run order.
         world: the DP group's size.
         model: the cost model (None: no link cost).
-        link: charge the gang collectives and the all-to-all (else: FLOPs only).
+        link: charge the gang collectives, the whole matrices' TP collectives where the model
+            has a ``stream`` (``with_streams``) and the all-to-all (else: FLOPs only).
 
     Returns:
         Matmul FLOPs plus link time expressed in FLOPs.
     """
-    traces = exchange_schedule([w.info for w in works], units, gangs, world, model)
+    infos = [w.info for w in works]
+    traces = exchange_schedule(infos, units, gangs, world, model)
     if model is None or not link:
         return critical_path(traces)
+    if model.stream is not None:
+        traces = with_streams(traces, infos, units, model)
     moved = max(max(pair) for pair in zip(*exchange_elements(works, units, world)))
     exchange = moved * model.exchange_itemsizes * model.link_flops_per_byte
     return critical_path(traces, sync=model.sync_flops, busy=model.busy_flops) + exchange

@@ -15,13 +15,14 @@ from ..functional import MuonParamInfo
 from ..newton_schulz import (
     compute_dtype,
     gathers,
+    interleave,
     ns_flops,
     packed_size,
     splits_polynomial,
     upper_gram_flops,
 )
-from ..tp import TPOrthogonalizer, owner_cells
-from .cost_model import NSCostModel, PlanLinks, TPCollective
+from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells
+from .cost_model import NS_DTYPES, POST, WAIT, NSCostModel, PlanLinks, TPCollective
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
 
@@ -151,6 +152,67 @@ def distributed_events(
                 out.append(TPCollective("all_gather_into_tensor", -(-g // tp) * g, ns_dtype, tp))
             out.append(2.0 * local * g * g)  # a X + X p(G)
     return out
+
+
+def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, float]:
+    """The ``distributed`` mode's main-thread trace of an owner's whole matrices as tp.py's
+    ``stream`` runs them: TP-sharded ones ``TP_WINDOW`` at a time, interleaved by the same
+    ``interleave``, dense then expert; then the others.
+
+    Args:
+        infos: the matrices' TP-global infos, in the order the owner runs them.
+        model: the ``NSCostModel`` (``steps``, ``tp_of``, ``whole``).
+        ns_dtype: Newton-Schulz's compute dtype.
+
+    Returns:
+        ``(FLOPs before, POST or WAIT, TPCollective)`` entries, and the FLOPs after the last.
+    """
+    trace: list = []
+    after = [0.0]  # FLOPs run since the last entry
+
+    def job(events: list):
+        flops, posts = 0.0, [j for j, e in enumerate(events) if not isinstance(e, float)]
+        for j, e in enumerate(events[: posts[-1] + 1]):
+            if isinstance(e, float):
+                flops += e
+                continue
+            tail = sum(events[posts[-1] + 1 :]) if j == posts[-1] else 0.0
+            yield POST, (flops, e, tail)  # the tail runs after the last wait, before the next
+            flops = 0.0
+
+    def post(i: int, kind: str, request: tuple) -> tuple:
+        flops, collective, tail = request
+        trace.append((after[0] + flops, POST, collective))
+        after[0] = 0.0
+        return collective, tail
+
+    def wait(posted: tuple) -> None:
+        trace.append((after[0], WAIT, posted[0]))
+        after[0] = posted[1]
+
+    for expert in (False, True):
+        sharded = [
+            info
+            for info in infos
+            if model.tp_of(info) > 1 and bool(getattr(info, "expert", False)) == expert
+        ]
+        jobs = [job(distributed_events(i, model.steps, model.tp_of(i), ns_dtype)) for i in sharded]
+        interleave(jobs, post, wait, TP_WINDOW)
+    return trace, after[0] + sum(model.whole(i) for i in infos if model.tp_of(i) == 1)
+
+
+def owner_stream(infos: list, model) -> tuple[list, float]:
+    """``stream_trace`` in the model's NS dtype: the ``distributed`` mode's
+    ``NSCostModel.stream``.
+
+    Args:
+        infos: an owner's TP-sharded whole matrices (TP-global infos), in the order it runs them.
+        model: the ``NSCostModel``.
+
+    Returns:
+        As ``stream_trace``.
+    """
+    return stream_trace(infos, model, NS_DTYPES[model.ns_itemsize])
 
 
 def owner_collectives(infos: list, tp: int, t: int, dtype: str = "float32") -> list[TPCollective]:
@@ -309,7 +371,8 @@ def ns_cost_model(
         return group.size() if group is not None else 1
 
     whole = lambda info: tp_ns_cost(info, steps, inner.mode, tp_of(info), form)  # noqa: E731
-    return NSCostModel(steps, whole, tp_of, inner.mode, **sizes)
+    stream = owner_stream if inner.mode == "distributed" else None
+    return NSCostModel(steps, whole, tp_of, inner.mode, stream=stream, **sizes)
 
 
 def exchange_cost_model(muon, exchange_dtype: str, links: PlanLinks, where: str) -> tuple:
