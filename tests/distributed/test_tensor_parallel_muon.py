@@ -131,6 +131,31 @@ def test_distributed_mode_computes_the_gram_upper_triangle_in_blocks(monkeypatch
             torch.testing.assert_close(a, b, rtol=0, atol=TOL)
 
 
+# Square blocks (a Q block, the output projection), by rows and by columns.
+SQUARE = [(32, 32, 0), (32, 32, 1)]
+
+
+def test_distributed_mode_reassociates_square_blocks():
+    """A square block's polynomial is not split (``splits_polynomial``): each TP rank applies
+    the reassociated step ``a X + G (b X + c G X)`` to its 16 lines, the FLOPs of a split
+    polynomial plus its update (``4 l g^2``), without the polynomial's all-gather. With that
+    gather broken (``tp.post_rows`` dropped, which wrecks the split blocks above) the result
+    still equals one process; the model counts no all-gather and the FLOPs run."""
+    from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
+    from megatron.core.optimizer.megatron_muon.planner.plan import tp_collectives, tp_ns_cost
+
+    infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in SQUARE]
+    want = 2 * 5 * (2 * 16 * 32**2 + 4 * 16 * 32**2)  # the Gram (one block), the two products
+    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want
+    ops = {c.op for info in infos for c in tp_collectives(info, 5, "distributed", 2)}
+    assert ops == {"all_reduce"}
+    (ref,) = run_distributed(_run, 1, args=("distributed", SQUARE))
+    for flops, got in run_distributed(_counted, 2, tp=2, args=(True, SQUARE)):
+        assert flops == want
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+
+
 # 8 lines per TP rank of a 64-side Gram: cheaper whole on each rank than split (``gathers``), as
 # a GQA K or V block under TP; by rows and by columns.
 GATHERED = [(16, 64, 0), (64, 16, 1)]

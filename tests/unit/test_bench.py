@@ -107,7 +107,8 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
 # step's TP collectives are per TP rank (planner/plan.py's ``tp_collectives``; a real TP 2 step
 # checks them: tests/distributed/test_muon_tp_collectives.py). ``distributed``: the packed
 # 8192 x 8192 fp32 Gram (33,558,528 elements, 134 MB; the full one would be 268 MB) all-reduced,
-# then 1024 rows of the bf16 polynomial gathered, every step.
+# then for fc1 1024 rows of the bf16 polynomial gathered, every step; the square proj's step is
+# reassociated (``splits_polynomial``), no polynomial to gather.
 GRAM, POLY = 8192 * 8193 // 2, 1024 * 8192
 TP_COUNTS = [
     ("duplicated", 0, [TPCollective("all_gather", 57344 * 1024, "float32", 8)]),
@@ -127,11 +128,7 @@ TP_COUNTS = [
         "distributed",
         1,
         [TPCollective("all_reduce", 1, "float32", 8)]
-        + [
-            TPCollective("all_reduce", GRAM, "float32", 8),
-            TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8),
-        ]
-        * 5,
+        + [TPCollective("all_reduce", GRAM, "float32", 8)] * 5,
     ),
 ]
 
@@ -144,8 +141,8 @@ def test_tp_collectives_of_a_70b_matrix(mode, dim, want):
     info = MegatronMuonParamInfo(shape, None, partition_dim=dim)
     got = tp_collectives(info, 5, mode, 8)
     assert got == want
-    if mode == "distributed":  # ring bytes each way: 2 (7/8) x 134 MB + 7 x 16.8 MB, per step
-        step = 2 * 7 / 8 * GRAM * 4 + 7 * POLY * 2
+    if mode == "distributed":  # ring bytes each way: 2 (7/8) x 134 MB (+ 7 x 16.8 MB), per step
+        step = 2 * 7 / 8 * GRAM * 4 + (7 * POLY * 2 if dim == 0 else 0)
         assert sum(c.link_bytes() for c in got) == pytest.approx(5 * step + 2 * 7 / 8 * 4)
     assert tp_collectives(info, 5, mode, 1) == []  # no TP, no TP collective
 
@@ -209,8 +206,8 @@ def test_projection_owner_mode_balances_the_tp_ranks_of_the_grid():
 def test_by_rank_groups_every_rank_and_its_latest_end_is_the_critical_path():
     """``--by-rank`` at 70B TP 8 x DP 256, ``distributed``: the groups hold every DP rank once,
     each ends at or after its matmuls, the latest end is the row's NS time (the plan's critical
-    path with its TP collectives), and ranks of three whole QKV matrices end last (their Gram
-    sums show: 16 ms of matmuls, done at 21), each group's gap its TP and gang time. The owner
+    path with its TP collectives), and fc1's gang members end last (14 ms of matmuls, done at
+    20: their sums over TP and the gang show), each group's gap its TP and gang time. The owner
     mode refuses the flag (its NS is per TP rank)."""
     a = projection.parse_args(["--tp-mode", "distributed", "--dps", "256", "--by-rank"])
     r = projection.project("70B", 256, a)
@@ -218,7 +215,7 @@ def test_by_rank_groups_every_rank_and_its_latest_end_is_the_critical_path():
     assert sum(row["ranks"] for row in rows) == 256
     assert all(row["end"] >= row["matmuls"] > 0 for row in rows)
     assert rows[0]["end"] == pytest.approx(r["ns"], rel=1e-12)
-    assert rows[0]["kind"] == "3 qkv" and rows[0]["end"] - rows[0]["matmuls"] > 0
+    assert rows[0]["kind"] == "2 fc1/3" and rows[0]["end"] - rows[0]["matmuls"] > 0
     assert "| 2 fc1/3 | 114 |" in projection.by_rank_markdown("70B", 256, rows)
     with pytest.raises(SystemExit):
         projection.parse_args(["--tp-mode", "owner", "--by-rank"])

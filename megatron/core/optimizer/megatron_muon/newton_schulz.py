@@ -581,10 +581,9 @@ def gathered_newton_schulz_steps(x: Tensor, dim: int, part: tuple[int, int], *ns
 def gathers(gram_side: int, lines: int, parts: int) -> bool:
     """Whether ``parts`` places sharing a matrix along its ``lines`` (Gram side g when split)
     orthogonalize it with fewer matmul FLOPs each whole, after gathering it
-    (``gathered_newton_schulz_steps``), than split (``sharded_newton_schulz_steps``, the
-    polynomial split where ``splits_polynomial``): per step, ``ns_flops(lines, g)`` against
-    ``upper_gram_flops(g, lines / k) + 2 g^2 lines / k + 2 g^2 (g / k or g)``. A K or V block
-    of a GQA weight under TP is.
+    (``gathered_newton_schulz_steps``), than split (``sharded_newton_schulz_steps``, reassociated
+    where it may: ``sharded_step_flops``): per step, ``ns_flops(lines, g)`` against
+    ``sharded_step_flops(g, lines, parts)``. A K or V block of a GQA weight under TP is.
 
     Args:
         gram_side: g.
@@ -594,11 +593,32 @@ def gathers(gram_side: int, lines: int, parts: int) -> bool:
     Returns:
         Whether it is gathered.
     """
-    g = gram_side
-    poly = -(-g // parts) if splits_polynomial(g, lines, parts, False) else g
-    local = lines // parts
-    split = upper_gram_flops(g, local) + 2 * g * g * local + 2 * g * g * poly
-    return ns_flops(lines, g, 1, "standard") <= split
+    return ns_flops(lines, gram_side, 1, "standard") <= sharded_step_flops(gram_side, lines, parts)
+
+
+def sharded_step_flops(gram_side: int, lines: int, parts: int, reassociate: bool = True) -> int:
+    """Matmul FLOPs of one step of ``sharded_newton_schulz_steps`` on one of ``parts`` equal
+    shards, the polynomial split where ``splits_polynomial``: the Gram's upper triangle
+    (``upper_gram_flops``), then ``2 g^2 (ceil(g / k) + l)`` split, ``4 g^2 l`` reassociated
+    (``reassociate`` and ``reassociates``), else ``2 g^3 + 2 g^2 l`` (``l = lines / k``).
+
+    Args:
+        gram_side: g.
+        lines: the whole matrix's size along the split dimension.
+        parts: k.
+        reassociate: whether the step may be reassociated.
+
+    Returns:
+        FLOPs.
+    """
+    g, local = gram_side, lines // parts
+    if splits_polynomial(g, lines, parts, reassociate):
+        after = 2 * g * g * (-(-g // parts) + local)
+    elif reassociate and reassociates(g, local):
+        after = 4 * g * g * local
+    else:
+        after = 2 * g**3 + 2 * g * g * local
+    return upper_gram_flops(g, local) + after
 
 
 def _under(steps: Generator, precision: str, device: torch.device) -> Generator:

@@ -206,7 +206,7 @@ def _job(load, info, spec: OrthoSpec, group, store, i: int):
     when it starts, its result stored when it ends; the math gets sums, never the group."""
     k, p = dist.get_world_size(group), dist.get_rank(group)
     steps = orthogonalize_sharded_steps(
-        load(), info, spec, info.partition_dim, part=(p, k), gather=True
+        load(), info, spec, info.partition_dim, reassociate=True, part=(p, k), gather=True
     )
     store(i, (yield from steps))
 

@@ -18,6 +18,7 @@ from ..newton_schulz import (
     interleave,
     ns_flops,
     packed_size,
+    reassociates,
     splits_polynomial,
     upper_gram_flops,
 )
@@ -141,17 +142,26 @@ def distributed_events(
             out.append(TPCollective("all_gather_into_tensor", local * g, update_dtype, tp))
             out.append(float(ns_flops(rows, cols, steps, "standard")))
             continue
-        split = splits_polynomial(g, lines, tp, False)  # the distributed mode never reassociates
         out.append(TPCollective("all_reduce", 1, "float32", tp))  # the squared norm
-        # ours computes the Gram's upper triangle only (``upper_gram``), upstream's all of it
-        gram = upper_gram_flops(g, local) if gather else 2 * local * g * g
         for _ in range(steps):
-            out += [float(gram), TPCollective("all_reduce", packed_size(g), "float32", tp)]
-            out.append(2.0 * g * g * (-(-g // tp) if split else g))  # its rows of b G + c G G
-            if split:
-                out.append(TPCollective("all_gather_into_tensor", -(-g // tp) * g, ns_dtype, tp))
-            out.append(2.0 * local * g * g)  # a X + X p(G)
+            out += _distributed_step(g, lines, tp, ns_dtype, ours=gather)
     return out
+
+
+def _distributed_step(g: int, lines: int, tp: int, ns_dtype: str, ours: bool) -> list:
+    """One Newton-Schulz step of a split block on one TP rank: ours (tp.py's ``_job``) computes
+    the Gram's upper triangle (``upper_gram``) and reassociates where the polynomial does not
+    split (``sharded_step_flops``: no gather); upstream's whole Gram, polynomial always split."""
+    local, rows = lines // tp, -(-g // tp)
+    split = splits_polynomial(g, lines, tp, ours)
+    gram = upper_gram_flops(g, local) if ours else 2 * local * g * g
+    out: list = [float(gram), TPCollective("all_reduce", packed_size(g), "float32", tp)]
+    if split:
+        out.append(2.0 * g * g * rows)  # its rows of b G + c G G
+        out.append(TPCollective("all_gather_into_tensor", rows * g, ns_dtype, tp))
+        return out + [2.0 * local * g * g]  # a X + p(G) X
+    assert reassociates(g, local), "a block with fewer lines than its Gram side splits"
+    return out + [4.0 * local * g * g]  # reassociated: a X + G (b X + c G X)
 
 
 def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, float]:
