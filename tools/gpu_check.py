@@ -54,12 +54,20 @@ def check_sharded_newton_schulz(device: str) -> str:
 
     gen = torch.Generator().manual_seed(1)
     worst = {}
-    for shape, dim, k in [((1024, 4096), 1, 4), ((4096, 1024), 0, 2), ((768, 768), 0, 3)]:
+    # 1024-side Grams in two blocks (``upper_gram``); the square one split, then reassociated
+    cases = [((1024, 4096), 1, 4, 0), ((4096, 1024), 0, 2, 0), ((768, 768), 0, 3, 0)]
+    for shape, dim, k, reassociate in cases + [((768, 768), 0, 3, 1)]:
         x = torch.randn(shape, generator=gen).to(device)
         for precision, tol in (("highest", 1e-4), ("medium", 3e-2)):
             shards = x.tensor_split(k, dim=dim)
             steps = [
-                sharded_newton_schulz_steps(s, dim, precision=precision, part=(p, k))
+                sharded_newton_schulz_steps(
+                    s,
+                    dim,
+                    precision=precision,
+                    reassociate=bool(reassociate),
+                    part=None if reassociate else (p, k),
+                )
                 for p, s in enumerate(shards)
             ]
             got = torch.cat(_lockstep(steps), dim=dim)
@@ -120,19 +128,34 @@ def check_ns_speed(device: str) -> str:
 
 def check_packed_gram(device: str) -> str:
     """A gang's Gram sum moves the packed upper triangle: packing and unpacking on the device
-    restore the matrix exactly; their time beside the Gram matmul's is reported."""
-    from megatron.core.optimizer.megatron_muon.newton_schulz import pack_symmetric, unpack_symmetric
+    restore the matrix exactly; their time beside the Gram matmul's is reported, and that of the
+    upper triangle in blocks (``upper_gram``, what a sharded step computes), which must match
+    the whole product's within bf16's rounding."""
+    from megatron.core.optimizer.megatron_muon.newton_schulz import (
+        gram_blocks,
+        pack_symmetric,
+        unpack_symmetric,
+        upper_gram,
+    )
 
-    g = 4096 if device == "cuda" else 256  # ``--device cpu`` tests the script, quickly
+    g = 4096 if device == "cuda" else 1024  # ``--device cpu`` tests the script, quickly
     x = torch.randn(g, 2 * g, device=device, dtype=torch.bfloat16)
     gram = x @ x.mT
     for dtype in (torch.float32, torch.bfloat16):
         want = gram.triu() + gram.triu(1).mT
         got = unpack_symmetric(pack_symmetric(gram), dtype)
         assert torch.equal(got, want.to(dtype)), f"packed Gram round trip ({dtype}) differs"
+    upper = upper_gram(x)
+    above = tuple(torch.triu_indices(g, g, device=device))
+    err = ((upper[above].float() - gram[above].float()).abs().max() / gram.abs().max()).item()
+    assert err < 1e-2, f"upper_gram's triangle off the whole product's by {err:.1e} (bf16)"
     packing = _time(lambda: unpack_symmetric(pack_symmetric(gram), torch.bfloat16), device)
     matmul = _time(lambda: x @ x.mT, device)
-    return f"pack + unpack {g}^2: {packing * 1e3:.2f} ms; its Gram matmul {matmul * 1e3:.2f} ms"
+    blocks = _time(lambda: upper_gram(x), device)  # the sharded steps' Gram (FLOPs: 9/16 here)
+    return (
+        f"pack + unpack {g}^2: {packing * 1e3:.2f} ms; its Gram matmul {matmul * 1e3:.2f} ms, "
+        f"its upper triangle in {len(gram_blocks(g))} blocks {blocks * 1e3:.2f} ms"
+    )
 
 
 def _time(fn, device: str, repeats: int = 10) -> float:
