@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_newton_schulz.py            # GPT shapes, fp32 and bf16
     .venv/bin/python bench/bench_newton_schulz.py --quick    # shapes / 4, a few seconds
     .venv/bin/python bench/bench_newton_schulz.py --gram     # Gram form: 8B FLOP table, timing
+    .venv/bin/python bench/bench_newton_schulz.py --upper-gram  # a sharded step's Gram: blocks
 
 ``torch``: ``torch.optim._muon._zeropower_via_newtonschulz``, which only takes 2-D input and
 always computes in bf16. So its bf16 rows call it as is (looped over a batch, as a caller of it
@@ -22,7 +23,13 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
 from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo
-from megatron.core.optimizer.megatron_muon.newton_schulz import newton_schulz, uses_gram
+from megatron.core.optimizer.megatron_muon.newton_schulz import (
+    gram_blocks,
+    newton_schulz,
+    upper_gram,
+    upper_gram_flops,
+    uses_gram,
+)
 from megatron.core.optimizer.megatron_muon.planner.plan import ns_cost
 
 STEPS = 5
@@ -139,6 +146,36 @@ def gram_table(scale: int, repeats: int, precision: str) -> None:
         print(f"{name:>6} {shape:>10} {form:>8} {std:12.1f} {auto:9.1f} {auto / std:6.2f}")
 
 
+# (g, l): a sharded step's Gram side and lines; 70B fc1's TP shard is (8192, 7168)
+UPPER_SHAPES = [(2048, 4096), (4096, 2048), (4096, 512)]
+
+
+def upper_gram_table(repeats: int, precision: str) -> None:
+    """CPU time of a sharded step's Gram, the upper triangle in blocks (``upper_gram``) against
+    the whole product, interleaved, beside the counted FLOP ratio."""
+    print(
+        f"Gram W W^T of a g x l shard, {precision}, {torch.get_num_threads()} thread(s), "
+        f"median of {repeats} (interleaved)"
+    )
+    print(f"{'g x l':>11} {'blocks':>6} {'whole ms':>9} {'upper ms':>9} {'time':>6} {'FLOPs':>6}")
+    for g, lines in UPPER_SHAPES:
+        w = torch.randn(g, lines).to(DTYPES[precision])
+        fns = {"whole": lambda w=w: w @ w.mT, "upper": lambda w=w: upper_gram(w)}
+        times = {k: [] for k in fns}
+        for i in range(repeats + 1):
+            for k, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                if i:
+                    times[k].append(time.perf_counter() - start)
+        whole, upper = (statistics.median(times[k]) * 1e3 for k in fns)
+        flops = upper_gram_flops(g, lines) / (2 * g * g * lines)
+        print(
+            f"{f'{g}x{lines}':>11} {len(gram_blocks(g)):6d} {whole:9.1f} {upper:9.1f} "
+            f"{upper / whole:6.2f} {flops:6.3f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shapes divided by 4")
@@ -154,8 +191,15 @@ def main() -> None:
         "--gram", action="store_true", help="the Gram form: 8B FLOP table and CPU timing"
     )
     parser.add_argument("--gram-scale", type=int, default=8, help="--gram: time blocks / this")
+    parser.add_argument(
+        "--upper-gram", action="store_true", help="a sharded step's Gram: upper blocks vs whole"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.upper_gram:
+        for precision in args.precisions:
+            upper_gram_table(args.repeats, precision)
+        return
     if args.gram:
         for precision in args.precisions:
             gram_table(args.gram_scale, args.repeats, precision)

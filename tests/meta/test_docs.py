@@ -70,6 +70,7 @@ TOOL_FLAGS = {
     "--by-rank": "bench/projection.py",
     "--repeats": "bench/step_cost.py",  # bench_newton_schulz.py has it too
     "--gram": "bench/bench_newton_schulz.py",
+    "--upper-gram": "bench/bench_newton_schulz.py",
     "--ref": "tools/upstream_muon_recipes.py",  # tools/upstream_muon_tests.py has it too
     "--without": "tools/upstream_muon_tests.py",
     "--pr": "tools/upstream_muon_tests.py",
