@@ -133,17 +133,23 @@ def gram_table(scale: int, repeats: int, precision: str) -> None:
         x = torch.randn(m // scale, n // scale)
         fns = {f: functools.partial(newton_schulz, x, STEPS, "quintic", precision, form=f)
                for f in ("standard", "auto")}  # fmt: skip
-        times = {f: [] for f in fns}
-        for i in range(repeats + 1):
-            for f, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                if i:
-                    times[f].append(time.perf_counter() - start)
-        std, auto = (statistics.median(times[f]) * 1e3 for f in fns)
+        std, auto = _interleaved_ms(fns, repeats)
         form = "gram" if uses_gram(*x.shape, STEPS, "auto") else "standard"
         shape = f"{x.shape[0]}x{x.shape[1]}"
         print(f"{name:>6} {shape:>10} {form:>8} {std:12.1f} {auto:9.1f} {auto / std:6.2f}")
+
+
+def _interleaved_ms(fns: dict, repeats: int) -> list[float]:
+    """Median milliseconds of each of ``fns``, run in turn ``repeats`` times after one warm-up
+    round (interleaved, so a slow spell of a shared machine hits them alike)."""
+    times = {k: [] for k in fns}
+    for i in range(repeats + 1):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[k].append(time.perf_counter() - start)
+    return [statistics.median(times[k]) * 1e3 for k in fns]
 
 
 # (g, l): a sharded step's Gram side and lines; 70B fc1's TP shard is (8192, 7168)
@@ -160,15 +166,11 @@ def upper_gram_table(repeats: int, precision: str) -> None:
     print(f"{'g x l':>11} {'blocks':>6} {'whole ms':>9} {'upper ms':>9} {'time':>6} {'FLOPs':>6}")
     for g, lines in UPPER_SHAPES:
         w = torch.randn(g, lines).to(DTYPES[precision])
-        fns = {"whole": lambda w=w: w @ w.mT, "upper": lambda w=w: upper_gram(w)}
-        times = {k: [] for k in fns}
-        for i in range(repeats + 1):
-            for k, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                if i:
-                    times[k].append(time.perf_counter() - start)
-        whole, upper = (statistics.median(times[k]) * 1e3 for k in fns)
+        fns = {
+            "whole": functools.partial(torch.mm, w, w.mT),
+            "upper": functools.partial(upper_gram, w),
+        }
+        whole, upper = _interleaved_ms(fns, repeats)
         flops = upper_gram_flops(g, lines) / (2 * g * g * lines)
         print(
             f"{f'{g}x{lines}':>11} {len(gram_blocks(g)):6d} {whole:9.1f} {upper:9.1f} "
