@@ -67,6 +67,7 @@ from megatron.core.optimizer.megatron_muon.planner.cost_model import (
     PlanLinks,
     arrival_times,
     critical_path,
+    streamed,
 )
 from megatron.core.optimizer.megatron_muon.planner.plan import (
     MuonExchangePlan,
@@ -400,7 +401,7 @@ def with_tp(plan: MuonExchangePlan, traces: list, flops_per_byte: float, model) 
     ``flops_per_byte``, FLOP units) before the first gang work after the forward all-to-all;
     the whole matrices' before the return all-to-all, as main-thread time too, or (the
     ``distributed`` mode, tp.py's ``stream``) as the collectives it posts and waits for
-    (``figures.stream_trace``), each one TP rank's ``link_bytes`` on a link of its own."""
+    (``cost_model.streamed``), each one TP rank's ``link_bytes`` on a link of its own."""
     out = []
     for rank, trace in enumerate(traces):
         trace = list(trace)
@@ -408,27 +409,16 @@ def with_tp(plan: MuonExchangePlan, traces: list, flops_per_byte: float, model) 
         for ex, fwd, back in reversed(list(zip(plan.exchanges, alls[::2], alls[1::2]))):
             gathered, _, whole = plan_figures.tp_schedule(plan, ex, rank, model=model)
             f, *rest = trace[back]
-            if model.mode == "distributed":
-                trace[back : back + 1] = _streamed(plan, ex, rank, model, f, rest)
+            if model.mode == "distributed":  # tp.py's stream, in the order the owner runs it
+                owned = [plan.matrices[i] for i in plan_figures.owned_whole(plan, ex, rank)]
+                run = [(m.info, m.units[0].cost) for m in owned]
+                trace[back : back + 1] = streamed(rank, run, (f, *rest), model, owner_stream)
             else:
                 trace[back] = (f + flops_per_byte * sum(c.link_bytes() for c in whole), *rest)
             f, *rest = trace[fwd + 1]
             trace[fwd + 1] = (f + flops_per_byte * sum(c.link_bytes() for c in gathered), *rest)
         out.append(trace)
     return out
-
-
-def _streamed(plan: MuonExchangePlan, ex, rank: int, model, flops: float, rest: list) -> list:
-    """The return all-to-all's trace entry (``flops`` before it) with the owner's whole matrices
-    run as ``stream_trace``: their FLOPs out of ``flops``, their collectives posted and waited."""
-    owned = plan_figures.owned_whole(plan, ex, rank)
-    whole = sum(plan.matrices[i].units[0].cost for i in owned)
-    ns_dtype = plan_figures.NS_DTYPES[model.ns_itemsize]
-    events, tail = plan_figures.stream_trace(
-        [plan.matrices[i].info for i in owned], model, ns_dtype
-    )
-    run = [(f, op, (rank,), c) for f, op, c in events]
-    return run + [(flops - whole + tail, *rest)]
 
 
 def owner_ns(plan: MuonExchangePlan, rate: float, tp_link: float, tp: int) -> dict:

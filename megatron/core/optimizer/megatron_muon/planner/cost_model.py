@@ -546,17 +546,34 @@ def with_streams(traces: list, infos: list, units: list, model) -> list:
         for u in matrix_units:
             if not u.gang and model.tp_of(info) > 1:
                 owned[u.owner].append((info, u.cost))
-    out = []
-    for r, trace in enumerate(traces):
-        if not owned[r]:
-            out.append(trace)
-            continue
-        entries, tail = model.stream([info for info, _ in owned[r]], model)
-        flops, op, members, n = trace[-1]
-        streamed = sum(cost for _, cost in owned[r])
-        run = [(f, kind, (r,), c) for f, kind, c in entries]
-        out.append([*trace[:-1], *run, (flops - streamed + tail, op, members, n)])
-    return out
+    return [
+        [*trace[:-1], *streamed(r, owned[r], trace[-1], model, model.stream)] if owned[r] else trace
+        for r, trace in enumerate(traces)
+    ]
+
+
+def streamed(rank: int, owned: list[tuple], entry: tuple, model, stream: Callable) -> list:
+    """A trace ``entry`` (``(FLOPs before, op, members, elements)``) whose FLOPs include an
+    owner's whole matrices ``owned`` (``(info, FLOPs)``, in the order it runs them), with those
+    run as ``stream`` runs them: their FLOPs out of the entry, their collectives posted and
+    waited for on the owner's own TP link (members ``(rank,)``). The one rule ``with_streams``
+    (the planner, ``model.stream``) and bench/projection.py's ``with_tp`` (the step as it runs,
+    whatever the planner saw) share.
+
+    Args:
+        rank: the owner's DP rank.
+        owned: its whole matrices and their FLOPs.
+        entry: the entry they run before.
+        model: the cost model.
+        stream: ``NSCostModel.stream``'s kind of call (``plan.owner_stream``).
+
+    Returns:
+        The stream's entries, then ``entry`` less their FLOPs.
+    """
+    entries, tail = stream([info for info, _ in owned], model)
+    flops, *rest = entry
+    run = [(f, kind, (rank,), c) for f, kind, c in entries]
+    return run + [(flops - sum(cost for _, cost in owned) + tail, *rest)]
 
 
 def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
