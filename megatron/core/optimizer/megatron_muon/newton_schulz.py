@@ -596,25 +596,24 @@ def gathers(gram_side: int, lines: int, parts: int) -> bool:
     return ns_flops(lines, gram_side, 1, "standard") <= sharded_step_flops(gram_side, lines, parts)
 
 
-def sharded_step_flops(gram_side: int, lines: int, parts: int, reassociate: bool = True) -> int:
+def sharded_step_flops(gram_side: int, lines: int, parts: int) -> int:
     """Matmul FLOPs of one step of ``sharded_newton_schulz_steps`` on one of ``parts`` equal
-    shards, the polynomial split where ``splits_polynomial``: the Gram's upper triangle
-    (``upper_gram_flops``), then ``2 g^2 (ceil(g / k) + l)`` split, ``4 g^2 l`` reassociated
-    (``reassociate`` and ``reassociates``), else ``2 g^3 + 2 g^2 l`` (``l = lines / k``).
+    shards, reassociated where it may, the polynomial split where ``splits_polynomial``: the
+    Gram's upper triangle (``upper_gram_flops``), then ``2 g^2 (ceil(g / k) + l)`` split,
+    ``4 g^2 l`` reassociated (``reassociates``), else ``2 g^3 + 2 g^2 l`` (``l = lines / k``).
 
     Args:
         gram_side: g.
         lines: the whole matrix's size along the split dimension.
         parts: k.
-        reassociate: whether the step may be reassociated.
 
     Returns:
         FLOPs.
     """
     g, local = gram_side, lines // parts
-    if splits_polynomial(g, lines, parts, reassociate):
+    if splits_polynomial(g, lines, parts, True):
         after = 2 * g * g * (-(-g // parts) + local)
-    elif reassociate and reassociates(g, local):
+    elif reassociates(g, local):
         after = 4 * g * g * local
     else:
         after = 2 * g**3 + 2 * g * g * local
@@ -699,7 +698,7 @@ def pack_symmetric(a: Tensor) -> Tensor:
     t, s = g // 2, g - g // 2
     out = torch.empty(packed_size(g), dtype=torch.float32, device=a.device)
     rect = out[: (t + 1) * s].view(t + 1, s)
-    rect[:s].copy_(a[t:, t:].triu())
+    rect[:s].copy_(a[t:, t:]).triu_()  # zeroes (never multiplies) what is below: unset is fine
     rect[s:].zero_()
     rect[1:, :t].add_(a[:t, :t].mT.tril())  # the top-left block's lower half, from its upper
     out[(t + 1) * s :].view(t, s).copy_(a[:t, t:])
