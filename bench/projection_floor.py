@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import projection  # noqa: E402
 from projection import MODELS, NS_STEPS, model_params  # noqa: E402
 
+from megatron.core.optimizer.megatron_muon.functional import qkv_blocks  # noqa: E402
 from megatron.core.optimizer.megatron_muon.newton_schulz import packed_size  # noqa: E402
-from megatron.core.optimizer.megatron_muon.planner.plan import _blocks  # noqa: E402
 
 
 def split_seconds(block: tuple[int, int], k: int, a) -> float:
@@ -87,9 +87,9 @@ def floor_row(model: str, dp: int, a) -> dict:
     tp = cfg[-1]
     params = model_params(*cfg)
     every = [info for _, _, info in params if info is not None]
-    blocks = {b for info in every for b in _blocks(info)}  # Q, K and V apart: NS runs each alone
+    blocks = {b for info in every for b in qkv_blocks(info)}  # Q, K and V apart: NS runs each alone
     gpus, rate = dp * tp, a.peak_tflops * 1e12 * a.mfu
-    work = sum(least_flops(b) for info in every for b in _blocks(info)) / gpus / rate
+    work = sum(least_flops(b) for info in every for b in qkv_blocks(info)) / gpus / rate
     splits = {b: min((split_seconds(b, k, a), k) for k in range(1, gpus + 1)) for b in blocks}
     shape, (slowest, k) = max(splits.items(), key=lambda item: item[1][0])
     total = sum(math.prod(s) * (tp if len(s) == 2 else 1) for _, s, _ in params)

@@ -81,10 +81,9 @@ def check_sharded_newton_schulz(device: str) -> str:
 def _lockstep(steps: list, gather: bool = True) -> list:
     """Run request generators through ``newton_schulz.interleave`` (the modes' own round-robin),
     each round served in this process once all ``k`` posted it: a SUM adds the ``k`` tensors, a
-    GATHER fills each one's rows ``cut(g, k)[q]`` from generator ``q`` (``gather`` False: left
+    GATHER fills each one's range ``ranges[q]`` from generator ``q`` (``gather`` False: left
     unfilled, a negative control's)."""
     from megatron.core.optimizer.megatron_muon.newton_schulz import SUM, interleave
-    from megatron.core.optimizer.megatron_muon.planner.cost_model import cut
 
     k, turns, rounds, served = len(steps), [0] * len(steps), {}, set()
 
@@ -104,9 +103,9 @@ def _lockstep(steps: list, gather: bool = True) -> list:
             for t in tensors:
                 t.copy_(total)
         elif gather:
-            for q, (lo, hi) in enumerate(cut(tensors[0].shape[0], k)):
-                for t in tensors:
-                    t[lo:hi] = tensors[q][lo:hi]
+            for q, (lo, hi) in enumerate(tensors[0].ranges):
+                for pieces in tensors:
+                    pieces.flat[lo:hi] = tensors[q].flat[lo:hi]
         served.add(r)
 
     return interleave(steps, post, wait)

@@ -13,6 +13,7 @@ resume with gangs is bit-exact (the exchange holds no state). Reproduce by hand:
     .venv/bin/python -m pytest tests/distributed/test_muon_gangs.py -q
 """
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -47,10 +48,12 @@ from tiny_gpt import (
     train_step,
 )
 
+from megatron.core import parallel_state
 from megatron.core.optimizer.megatron_muon.planner import cost_model, gangs
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
 from megatron.core.optimizer.megatron_muon.planner.figures import working_set_bytes
+from megatron.core.optimizer.megatron_muon.planner.plan import tp_ns_cost
 from megatron.core.optimizer.megatron_muon.tp import all_gather_ranges, reduce_scatter_ranges
 
 # x total/dp: every matrix splits: fc1 (row blocks) over 4 ranks, proj (row blocks), QKV and fc2
@@ -98,6 +101,7 @@ def _split(
         ortho.gangs.make_groups(plan)
         sizes = _gang_sizes(plan)
         assert {2, plan.world} <= sizes, sizes  # same plan on every rank: all or none
+        _one_whole_polynomial(plan)
         assert any(u.splits for m in plan.matrices for u in m.units), "no split polynomial"
         if broken_sum:
             ortho.gangs._gang_sum = functools.partial(_norm_sum_only, ortho.gangs._gang_sum)
@@ -129,13 +133,13 @@ def _norm_sum_only(gang_sum, group, members, tp, ns_dtype, t):
     return gang_sum(group, members, tp, ns_dtype, t if t.numel() == 1 else t.clone())
 
 
-def _own_rows_only(gather, rank, group, members, tp, poly):
-    """No gather (it runs on a copy): the rows the other members computed are zeros."""
-    g, k, p = poly.shape[0], len(members), members.index(rank)
-    own = poly[p * g // k : (p + 1) * g // k].clone()
-    poly.zero_()
-    poly[p * g // k : (p + 1) * g // k] = own
-    return gather(group, members, tp, poly.clone())
+def _own_rows_only(gather, rank, group, members, tp, pieces):
+    """No gather (it runs on a copy): the pieces the other members computed are zeros."""
+    lo, hi = pieces.ranges[members.index(rank)]
+    own = pieces.flat[lo:hi].clone()
+    pieces.flat.zero_()
+    pieces.flat[lo:hi] = own
+    return gather(group, members, tp, pieces._replace(flat=pieces.flat.clone()))
 
 
 def test_gangs_at_dp4_match_one_process():
@@ -222,6 +226,40 @@ def test_negative_control_gangs_without_a_collective_miss_the_reference(broken):
 # ------------------------------------------------------------------------- counted figures
 
 
+def _own_tp_trace(plan) -> list:
+    """The plan's trace of this rank with this TP rank's polynomial pieces (``partial`` gangs
+    and the ``distributed`` stream compute one each; ``NSCostModel.tp_rank``)."""
+    model, t = plan.model, parallel_state.get_tensor_model_parallel_rank()
+
+    def whole(info) -> float:  # the ``distributed`` stream's matrices: this TP rank's pieces
+        if model.mode != "distributed" or model.tp_of(info) == 1:
+            return model.whole(info)
+        return tp_ns_cost(info, model.steps, model.mode, model.tp_of(info), tp_rank=t)
+
+    own = copy.copy(plan)
+    own.model = dataclasses.replace(model, tp_rank=t, whole=whole)
+    own.matrices = [copy.copy(m) for m in plan.matrices]
+    for m in own.matrices:
+        if len(m.units) == 1:
+            m.units = [dataclasses.replace(m.units[0], cost=whole(m.info))]
+    return plan_figures.trace(own, plan.rank)
+
+
+def _one_whole_polynomial(plan) -> None:
+    """The first gang that splits its polynomials keeps them whole (reassociated) instead, its
+    units' costs counted again: the pieces cost fewer FLOPs than reassociating in nearly every
+    block of the tiny model, and the counted schedule must cover both forms."""
+    slot = next(m for m in plan.matrices if any(u.splits for u in m.units))
+    slot.units = [
+        dataclasses.replace(
+            u,
+            splits=False,
+            cost=plan.model.member(slot.info, u.axis, u.lines, (*u.part[:2], False)),
+        )
+        for u in slot.units
+    ]
+
+
 def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None):
     """One real DP=4 step with gangs (stacked, or ``disjoint`` on the wide one-layer model):
     matmul FLOPs between collectives, the collectives' members and sizes, bytes and the peak of
@@ -249,7 +287,7 @@ def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None):
     return {
         "trace": trace,
         "after": counter.flops,
-        "plan_trace": plan_figures.trace(plan, plan.rank),
+        "plan_trace": _own_tp_trace(plan),
         "critical": plan_figures.critical_path_flops(plan),
         "sync_points": plan_figures.sync_points(plan),
         "sizes": _gang_sizes(plan),

@@ -18,6 +18,7 @@ from test_muon_distopt import BUCKET, MUON, distopts
 from test_muon_gangs import _split
 from tiny_gpt import TinyGPT, build_model, build_optimizer, global_batches, train_step
 
+from megatron.core import parallel_state
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
@@ -93,8 +94,8 @@ def _streamed(optimizer) -> tuple[list, object]:
     post, wait = tp._post, tp._wait
 
     def posted(i, kind, t, group):
-        # a gather's input: this rank's (padded) rows of ``t``
-        n = t.numel() if kind == SUM else -(-t.shape[0] // group.size()) * t.shape[1]
+        # a gather's input: this rank's range of ``t``'s pieces, padded to the longest
+        n = t.numel() if kind == SUM else max(hi - lo for lo, hi in t.ranges)
         trace.append((counter.flops, POST, n))
         counter.flops = 0.0
         return post(i, kind, t, group), n
@@ -111,10 +112,12 @@ def _streamed(optimizer) -> tuple[list, object]:
 
 def _plan_stream(plan) -> tuple[list, float]:
     """The plan's ``stream_trace`` of this rank's whole matrices (one exchange, no gangs), as
-    ``_streamed`` records it; the FLOPs after the last entry."""
+    ``_streamed`` records it (this TP rank's polynomial pieces); the FLOPs after the last
+    entry."""
     (ex,) = plan.exchanges
     infos = [plan.matrices[i].info for i in plan_figures.owned_whole(plan, ex, plan.rank)]
-    events, after = plan_figures.stream_trace(infos, plan.model, "bfloat16")
+    own = dataclasses.replace(plan.model, tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    events, after = plan_figures.stream_trace(infos, own, "bfloat16")
     return [(f, op, c.elements) for f, op, c in events], after
 
 

@@ -9,6 +9,7 @@ import torch
 from harness import run_distributed
 from parity import record
 
+from megatron.core.optimizer.megatron_muon.newton_schulz import polynomial_ranges, splits_polynomial
 from megatron.core.optimizer.muon import TensorParallelMuon
 
 # (rows, cols, partition_dim): a column-parallel (rows split) and a row-parallel (cols split) W.
@@ -75,7 +76,7 @@ class _Done:
 
 def _counted(broken_gather: bool = False, matrices=MATRICES, block_rows=None) -> float:
     """Matmul FLOPs of one ``distributed``-mode step on this rank (``broken_gather``: the
-    negative control below, the other rank's polynomial rows never arrive; ``block_rows``: the
+    negative control below, the other rank's polynomial piece never arrives; ``block_rows``: the
     Gram's ``GRAM_BLOCK_ROWS`` in this rank)."""
     from test_muon_distopt import MatmulFlops
 
@@ -84,7 +85,7 @@ def _counted(broken_gather: bool = False, matrices=MATRICES, block_rows=None) ->
     if block_rows is not None:
         newton_schulz.GRAM_BLOCK_ROWS = block_rows
     if broken_gather:
-        tp.post_rows = lambda poly, group: (_Done(), None)
+        tp.post_pieces = lambda pieces, group: (_Done(), None)
     counter = MatmulFlops()
     with counter:
         result = _run("distributed", matrices)
@@ -92,19 +93,24 @@ def _counted(broken_gather: bool = False, matrices=MATRICES, block_rows=None) ->
 
 
 def test_distributed_mode_splits_the_polynomial_and_runs_the_counted_flops():
-    """Each TP rank computes half of every polynomial ``p(G)`` (``tp.post_rows``): the
-    matmul FLOPs a rank runs per step are ``tp_ns_cost``'s (``4 r n^2 + 2 n^2 ceil(n / tp)``),
-    below the ``2 n^3`` of the whole polynomial; without the gather the result is wrong."""
+    """Each TP rank computes a piece of every polynomial ``p(G)`` (``polynomial_rows``: rows
+    0-11 from column 0, rows 12-31 from column 12; ``tp.post_pieces`` gathers them): the matmul
+    FLOPs TP rank p runs per step are ``4 r n^2 + 2 n P_p`` (``P_p``: its piece, 384 or 400
+    elements), the busiest's ``tp_ns_cost``'s, below the ``2 n^3`` of the whole polynomial and
+    the ``n^3`` of half its rows; without the gather the result is wrong."""
     from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
     from megatron.core.optimizer.megatron_muon.planner.plan import tp_ns_cost
 
     infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in MATRICES]
     # 64 x 32 row shards: 32 lines, Gram 32^2; 32 x 48 column shards: 24 lines, Gram 32^2;
-    # each rank computes 16 of the 32 polynomial rows; 5 Newton-Schulz steps.
-    want = 5 * (4 * 32 * 32**2 + 2 * 32**2 * 16) + 5 * (4 * 24 * 32**2 + 2 * 32**2 * 16)
-    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want
-    for flops, _ in run_distributed(_counted, 2, tp=2):
-        assert flops == want
+    # the larger polynomial piece 20 x 20 (the smaller 12 x 32); 5 Newton-Schulz steps.
+    assert polynomial_ranges(32, 2) == ((0, 384), (384, 784))
+    want = [
+        5 * (4 * 32 * 32**2 + 2 * 32 * p) + 5 * (4 * 24 * 32**2 + 2 * 32 * p) for p in (384, 400)
+    ]
+    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want[1]
+    for (flops, _), rank_want in zip(run_distributed(_counted, 2, tp=2), want):
+        assert flops == rank_want
     (ref,) = run_distributed(_run, 1, args=("distributed",))
     got = run_distributed(_counted, 2, tp=2, args=(True,))[0][1]
     assert not any(torch.allclose(a, b, rtol=0, atol=100 * TOL) for a, b in zip(got, ref))
@@ -121,36 +127,41 @@ def test_distributed_mode_computes_the_gram_upper_triangle_in_blocks(monkeypatch
     monkeypatch.setattr(newton_schulz, "GRAM_BLOCK_ROWS", 4)
     infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in MATRICES]
     gram = 9 * 2 * 32 * 32**2 // 16 + 9 * 2 * 24 * 32**2 // 16  # 32 and 24 lines, 32^2 Gram
-    rest = 5 * (2 * 32 * 32**2 + 2 * 32**2 * 16) + 5 * (2 * 24 * 32**2 + 2 * 32**2 * 16)
-    want = 5 * gram + rest
-    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want
+    rest = [
+        5 * (2 * 32 * 32**2 + 2 * 32 * p) + 5 * (2 * 24 * 32**2 + 2 * 32 * p) for p in (384, 400)
+    ]
+    want = [5 * gram + r for r in rest]  # TP rank 0's piece 384 elements, rank 1's 400
+    assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want[1]
     (ref,) = run_distributed(_run, 1, args=("distributed",))
-    for flops, got in run_distributed(_counted, 2, tp=2, args=(False, MATRICES, 4)):
-        assert flops == want
+    runs = run_distributed(_counted, 2, tp=2, args=(False, MATRICES, 4))
+    for (flops, got), rank_want in zip(runs, want):
+        assert flops == rank_want
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=TOL)
 
 
-# Square blocks (a Q block, the output projection), by rows and by columns.
-SQUARE = [(32, 32, 0), (32, 32, 1)]
+# Blocks with fewer lines than their Gram side (32 of 48), by rows and by columns.
+SHORT = [(32, 48, 0), (48, 32, 1)]
 
 
-def test_distributed_mode_reassociates_square_blocks():
-    """A square block's polynomial is not split (``splits_polynomial``): each TP rank applies
-    the reassociated step ``a X + G (b X + c G X)`` to its 16 lines, the FLOPs of a split
-    polynomial plus its update (``4 l g^2``), without the polynomial's all-gather. With that
-    gather broken (``tp.post_rows`` dropped, which wrecks the split blocks above) the result
-    still equals one process; the model counts no all-gather and the FLOPs run."""
+def test_distributed_mode_reassociates_short_blocks():
+    """Where a polynomial piece costs more than reassociating (``splits_polynomial``: 900
+    elements, ``2 g P`` above the reassociated step's extra ``2 g^2 l``, g = 48, l = 16), the
+    polynomial is not split: each TP rank applies ``a X + G (b X + c G X)`` to its 16 lines
+    (``4 l g^2``), without the polynomial's all-gather. With that gather broken
+    (``tp.post_pieces`` dropped, which wrecks the split blocks above) the result still equals
+    one process; the model counts no all-gather and the FLOPs run."""
     from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
     from megatron.core.optimizer.megatron_muon.planner.plan import tp_collectives, tp_ns_cost
 
-    infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in SQUARE]
-    want = 2 * 5 * (2 * 16 * 32**2 + 4 * 16 * 32**2)  # the Gram (one block), the two products
+    infos = [MegatronMuonParamInfo((r, c), None, partition_dim=d) for r, c, d in SHORT]
+    assert not splits_polynomial(48, 32, 2, True) and polynomial_ranges(48, 2)[1] == (864, 1764)
+    want = 2 * 5 * (2 * 16 * 48**2 + 4 * 16 * 48**2)  # the Gram (one block), the two products
     assert sum(tp_ns_cost(info, 5, "distributed", 2) for info in infos) == want
     ops = {c.op for info in infos for c in tp_collectives(info, 5, "distributed", 2)}
     assert ops == {"all_reduce"}
-    (ref,) = run_distributed(_run, 1, args=("distributed", SQUARE))
-    for flops, got in run_distributed(_counted, 2, tp=2, args=(True, SQUARE)):
+    (ref,) = run_distributed(_run, 1, args=("distributed", SHORT))
+    for flops, got in run_distributed(_counted, 2, tp=2, args=(True, SHORT)):
         assert flops == want
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=TOL)
@@ -162,7 +173,7 @@ GATHERED = [(16, 64, 0), (64, 16, 1)]
 
 
 def test_distributed_mode_gathers_a_block_cheaper_whole():
-    """A block cheaper whole is gathered (``tp.post_rows``) and orthogonalized whole on each TP
+    """A block cheaper whole is gathered (``tp.post_pieces``) and orthogonalized whole on each TP
     rank: the one-process result, the whole Newton-Schulz's FLOPs (``tp_ns_cost``), and no
     Gram sum; without the gather the result is wrong."""
     from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo

@@ -107,29 +107,20 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
 # step's TP collectives are per TP rank (planner/plan.py's ``tp_collectives``; a real TP 2 step
 # checks them: tests/distributed/test_muon_tp_collectives.py). ``distributed``: the packed
 # 8192 x 8192 fp32 Gram (33,558,528 elements, 134 MB; the full one would be 268 MB) all-reduced,
-# then for fc1 1024 rows of the bf16 polynomial gathered, every step; the square proj's step is
-# reassociated (``splits_polynomial``), no polynomial to gather.
-GRAM, POLY = 8192 * 8193 // 2, 1024 * 8192
+# then the bf16 polynomial's pieces gathered, each padded to the largest (4,848,263 elements,
+# ``polynomial_rows``: 0.58 of 1024 whole rows), every step: for the square proj too, whose
+# piece costs less than reassociating (``splits_polynomial``).
+GRAM, POLY = 8192 * 8193 // 2, 4848263
+SPLIT_STEP = [
+    TPCollective("all_reduce", GRAM, "float32", 8),
+    TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8),
+]
 TP_COUNTS = [
     ("duplicated", 0, [TPCollective("all_gather", 57344 * 1024, "float32", 8)]),
     ("duplicated", 1, [TPCollective("all_gather", 8192 * 1024, "float32", 8)]),
     ("blockwise", 0, []),
-    (
-        "distributed",
-        0,
-        [TPCollective("all_reduce", 1, "float32", 8)]
-        + [
-            TPCollective("all_reduce", GRAM, "float32", 8),
-            TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8),
-        ]
-        * 5,
-    ),
-    (
-        "distributed",
-        1,
-        [TPCollective("all_reduce", 1, "float32", 8)]
-        + [TPCollective("all_reduce", GRAM, "float32", 8)] * 5,
-    ),
+    ("distributed", 0, [TPCollective("all_reduce", 1, "float32", 8)] + SPLIT_STEP * 5),
+    ("distributed", 1, [TPCollective("all_reduce", 1, "float32", 8)] + SPLIT_STEP * 5),
 ]
 
 
@@ -141,8 +132,8 @@ def test_tp_collectives_of_a_70b_matrix(mode, dim, want):
     info = MegatronMuonParamInfo(shape, None, partition_dim=dim)
     got = tp_collectives(info, 5, mode, 8)
     assert got == want
-    if mode == "distributed":  # ring bytes each way: 2 (7/8) x 134 MB (+ 7 x 16.8 MB), per step
-        step = 2 * 7 / 8 * GRAM * 4 + (7 * POLY * 2 if dim == 0 else 0)
+    if mode == "distributed":  # ring bytes each way: 2 (7/8) x 134 MB + 7 x 9.7 MB, per step
+        step = 2 * 7 / 8 * GRAM * 4 + 7 * POLY * 2
         assert sum(c.link_bytes() for c in got) == pytest.approx(5 * step + 2 * 7 / 8 * 4)
     assert tp_collectives(info, 5, mode, 1) == []  # no TP, no TP collective
 

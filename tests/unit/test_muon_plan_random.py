@@ -315,10 +315,13 @@ def check_times(plan: MuonExchangePlan, unsplit: Optional[MuonExchangePlan]) -> 
     assert math.isclose(path, spans, rel_tol=REL), f"path {path} != the planner's spans {spans}"
     if unsplit is not None:
         _check_no_slower(plan, unsplit)
-    ideal = sum(m.cost for m in plan.matrices) / plan.world
-    busiest = max(plan_figures.ns_flops_per_rank(plan))
+    # A split matrix runs at least half its whole FLOPs: its Gram's upper triangle and its
+    # polynomial's pieces hold each symmetric element once (3 g^2 L + g^3 a step, whole 4 g^2 L
+    # + 2 g^3; newton_schulz.upper_gram, polynomial_rows).
+    least = sum(m.cost / (1 if len(m.units) == 1 else 2) for m in plan.matrices)
+    ideal, busiest = least / plan.world, max(plan_figures.ns_flops_per_rank(plan))
     assert path >= max(ideal, busiest) * (1 - REL), f"path {path} < {max(ideal, busiest)}"
-    assert 0 < plan_figures.efficiency(plan) <= 1 + REL, (
+    assert 0 < plan_figures.efficiency(plan) <= 2 + REL, (
         f"efficiency {plan_figures.efficiency(plan)}"
     )
 

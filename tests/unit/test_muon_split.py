@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from megatron.core.optimizer.megatron_muon.exchange import Block, block_views
-from megatron.core.optimizer.megatron_muon.newton_schulz import packed_size, upper_gram_flops
+from megatron.core.optimizer.megatron_muon.newton_schulz import (
+    packed_size,
+    polynomial_ranges,
+    upper_gram_flops,
+)
 from megatron.core.optimizer.megatron_muon.planner import cost_model, placement
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import (
@@ -434,8 +438,9 @@ def test_tp_gathers_inside_gang_collectives_are_what_the_cost_model_times(mode):
 def test_distributed_gang_members_iterate_on_their_tp_part():
     """``distributed`` mode, 70B fc1 (57344 x 8192, TP 8 on rows) in a gang of 4: each member's
     TP rank iterates on its own 7168 / 4 rows, sums its Gram partials over TP and the gang
-    (``Partial``), and cuts its split polynomial's rows over all 32 places (``places``); its
-    FLOPs are those of a 1792-row block: its Gram in blocks (``upper_gram``), its update."""
+    (``Partial``), and computes its piece of the split polynomial, cut over all 32 places
+    (``places``, ``polynomial_rows``); its FLOPs are those of a 1792-row block: its Gram in
+    blocks (``upper_gram``), its piece, its update."""
     cfg = projection.MODELS["70B"]
     fc1 = next(i for _, _, i in projection.model_params(*cfg) if i is not None and i.shape[0] > 5e4)
     model = projection.cost_model(cfg[-1], "distributed")
@@ -451,7 +456,8 @@ def test_distributed_gang_members_iterate_on_their_tp_part():
     flops = sum(e for e in events if isinstance(e, float))
     gram = upper_gram_flops(g, 1792)  # 16 blocks of 512 rows: 17/32 of 2 g^2 1792
     assert 32 * gram == 17 * 2 * g * g * 1792
-    assert flops == model.steps * (gram + 2.0 * g * g * 1792 + 2.0 * g * g * (g // 32))
+    start, end = polynomial_ranges(g, 32)[place]  # its piece: rows from their diagonal on
+    assert flops == model.steps * (gram + 2.0 * g * g * 1792 + 2.0 * g * (end - start))
 
 
 def _projected_plan(dp: int, model):
@@ -463,16 +469,16 @@ def _projected_plan(dp: int, model):
 
 
 def test_the_planner_times_whole_matrices_with_their_tp_collectives():
-    """70B TP 8 x DP 512, ``distributed``: the planner times each candidate with its owners'
+    """70B TP 8 x DP 384, ``distributed``: the planner times each candidate with its owners'
     whole TP-sharded matrices run as tp.py's stream runs them (``with_streams``), so a lone
     matrix's Gram sums count. The plan it chooses has a shorter projected NS time (with TP
     collectives, ``projection.ns_seconds``) than the one chosen with whole matrices as bare
-    FLOPs (``stream`` None, the negative control: it keeps fc2 whole, ~4 ms of its TP sums
-    exposed): 12.7 ms against 15.0 ms."""
-    a = projection.parse_args(["--tp-mode", "distributed", "--dps", "512"])
+    FLOPs (``stream`` None, the negative control, which leaves a lone matrix's TP sums
+    exposed): 13.9 ms against 16.3 ms."""
+    a = projection.parse_args(["--tp-mode", "distributed", "--dps", "384"])
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
     links = projection.PlanLinks(rate / 1e12, a.link_gbps, a.tp_link_gbps).link_costs()
-    nodes = tuple(range(512))  # 8-GPU nodes hold one TP 8 group each
+    nodes = tuple(range(384))  # 8-GPU nodes hold one TP 8 group each
     exchange = sum(projection.wire_bytes(a))
     model = projection.cost_model(
         8, "distributed", **links, ns_itemsize=a.ns_bytes, exchange_itemsizes=exchange, nodes=nodes
@@ -480,7 +486,7 @@ def test_the_planner_times_whole_matrices_with_their_tp_collectives():
     assert model.stream is not None
     blind = dataclasses.replace(model, stream=None)
     seconds = [
-        projection.ns_seconds(_projected_plan(512, m), rate, link, a.tp_link_gbps / 8 * 1e9)
+        projection.ns_seconds(_projected_plan(384, m), rate, link, a.tp_link_gbps / 8 * 1e9)
         for m in (model, blind)
     ]
     assert seconds[0] < 0.9 * seconds[1]

@@ -9,11 +9,17 @@ import torch
 
 from megatron.core.optimizer.megatron_muon.newton_schulz import (
     COEFFICIENT_SETS,
+    PIECES_ALIGN,
     SUM,
+    Pieces,
+    _joined_polynomial,
     matmul_precision,
     newton_schulz,
     pack_symmetric,
     packed_size,
+    polynomial_ranges,
+    polynomial_rows,
+    polynomial_size,
     reassociates,
     serve,
     sharded_newton_schulz,
@@ -192,11 +198,11 @@ def test_vector_input_raises():
 def _sharded(x, dim, cuts, reassociate, split=False, drop_gather=False):
     """``sharded_newton_schulz`` on the shards of ``x`` (cut along ``dim`` at ``cuts``), one
     thread per shard, ``reduce`` a sum over the threads: a gang without processes. ``split``:
-    each shard computes its rows of the polynomial, ``gather`` copies the others' rows in
-    (``drop_gather``: the negative control, the other rows stay unset)."""
+    each shard computes its piece of the polynomial, ``gather`` copies the others' pieces in
+    (``drop_gather``: the negative control, the other pieces stay unset)."""
     shards = list(torch.tensor_split(x, cuts, dim=dim))
     k = len(shards)
-    barrier, parts, rows = threading.Barrier(k), {}, {}
+    barrier, parts, got = threading.Barrier(k), {}, {}
 
     def reduce(t):
         parts[threading.get_ident()] = t.clone()
@@ -205,14 +211,13 @@ def _sharded(x, dim, cuts, reassociate, split=False, drop_gather=False):
         barrier.wait()
         t.copy_(total)
 
-    def gather(i, poly):
-        g = poly.shape[0]
-        rows[i] = poly
+    def gather(i, pieces):
+        got[i] = pieces
         barrier.wait()
-        for j, other in rows.items():
-            lo, hi = j * g // k, (j + 1) * g // k
+        for j, other in got.items():
+            lo, hi = other.ranges[j]
             if j != i and not drop_gather:
-                poly[lo:hi] = other[lo:hi]
+                pieces.flat[lo:hi] = other.flat[lo:hi]
         barrier.wait()
 
     out = [None] * k
@@ -245,16 +250,63 @@ def test_sharded_forms_match_float64_reference(shape, dim, cuts, reassociate):
 
 @pytest.mark.parametrize("shape, dim, cuts", [((40, 96), 1, [10, 60]), ((96, 40), 0, [30, 60])])
 def test_split_polynomial_matches_float64_reference(shape, dim, cuts):
-    """Each of 3 shards computes rows ``cut(40, 3)[p]`` of ``p(G)`` and gathers the others'
-    (a 40 x 40 Gram, 96 lines: ``splits_polynomial``); same tolerance as above. Negative
+    """Each of 3 shards computes its piece of ``p(G)`` (``polynomial_rows``) and gathers the
+    others' (a 40 x 40 Gram, 96 lines: ``splits_polynomial``); same tolerance as above. Negative
     control: without the gather the result is far off."""
-    assert splits_polynomial(40, 96, 3, True) and not splits_polynomial(40, 40, 3, True)
+    assert splits_polynomial(40, 96, 3, True) and not splits_polynomial(40, 10, 3, True)
     assert splits_polynomial(40, 40, 3, False) and not splits_polynomial(40, 96, 1, False)
     x = _randn(shape)
     got = _sharded(x, dim, cuts, False, split=True)
     torch.testing.assert_close(got.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-5)
     broken = _sharded(x, dim, cuts, False, split=True, drop_gather=True)
     assert not torch.allclose(broken.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-2)
+
+
+def _least_largest_piece(g: int, k: int) -> int:
+    """By exhaustion: the least largest piece ``(hi - lo) (g - lo)`` over all ways to cut g rows
+    into at most k contiguous runs."""
+
+    @functools.cache
+    def best(lo: int, parts: int) -> float:
+        if lo == g:
+            return 0
+        if parts == 0:
+            return float("inf")
+        return min(max((hi - lo) * (g - lo), best(hi, parts - 1)) for hi in range(lo + 1, g + 1))
+
+    return best(0, k)
+
+
+@pytest.mark.parametrize("g, k", [(1, 1), (5, 2), (12, 3), (13, 4), (3, 5), (40, 3), (31, 8)])
+def test_polynomial_pieces_cover_it_once_balanced(g, k):
+    """``polynomial_rows``: contiguous row runs covering all g rows, so the pieces (each run
+    from its diagonal on) hold every upper element once; the largest is the least any cut
+    allows (exhaustion); ``polynomial_ranges`` lay them out back to back. Joining the pieces of
+    a symmetric matrix gives it back, bit for bit (each lower element is its mirror's copy)."""
+    rows, ranges = polynomial_rows(g, k), polynomial_ranges(g, k)
+    assert len(rows) == k and rows[0][0] == 0 and rows[-1][1] == g
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert [e - s for s, e in ranges] == [(hi - lo) * (g - lo) for lo, hi in rows]
+    assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert max(e - s for s, e in ranges) == _least_largest_piece(g, k)
+    sym = _randn((g, g))
+    sym = sym + sym.mT
+    flat = torch.cat([sym[lo:hi, lo:].reshape(-1) for lo, hi in rows])
+    assert torch.equal(_joined_polynomial(Pieces(flat, ranges), g), sym)
+    assert polynomial_size(g, k) % PIECES_ALIGN == 0 and polynomial_size(g, k) >= ranges[-1][1]
+
+
+def test_polynomial_pieces_in_slots_give_equal_slices():
+    """In ``slots`` slots (a gang of 3 over TP 2: 6 places), each slot holds its 3 places'
+    pieces back to back from the slot's start, all slots as large as the largest group: TP
+    rank t's even slice of the buffer is its places' pieces."""
+    g, k, slots = 40, 6, 2
+    sizes = [(hi - lo) * (g - lo) for lo, hi in polynomial_rows(g, k)]
+    ranges, size = polynomial_ranges(g, k, slots), polynomial_size(g, k, slots)
+    assert size == slots * max(sum(sizes[:3]), sum(sizes[3:]))
+    assert [e - s for s, e in ranges] == sizes
+    assert ranges[0][0] == 0 and ranges[3][0] == size // 2 and ranges[2][1] <= size // 2
+    assert all(ranges[q][1] == ranges[q + 1][0] for q in (0, 1, 3, 4))
 
 
 @pytest.mark.parametrize("g", [1, 2, 3, 8, 33])

@@ -310,22 +310,6 @@ def orthogonalize(u: Tensor, info: MuonParamInfo, spec: OrthoSpec) -> Tensor:
 BlocksSteps = Callable[[list[Tensor]], Generator[Request, None, list[Tensor]]]
 
 
-def _orthogonalize_steps(
-    u: Tensor, info: MuonParamInfo, spec: OrthoSpec, ns_blocks: BlocksSteps
-) -> Generator[Request, None, Tensor]:
-    """``orthogonalize`` as a generator passing on ``ns_blocks``'s requests (sharded forms): the
-    Q/K/V split and the scale as there, taken from ``info`` (global), so ``u`` may be any shard."""
-    if info.qkv_split is None:
-        orth = (yield from ns_blocks([u]))[0]
-        return _scale_(orth, info.shape, spec)
-    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    for r, starts in _qkv_heights(info.qkv_split):
-        orths = yield from ns_blocks(_qkv_blocks(u, info, r, starts))
-        for s, orth in zip(starts, orths):
-            _qkv_put_(out, info, r, s, _scale_(orth, _block_shape(info, r), spec))
-    return out
-
-
 def _qkv_heights(split: tuple[int, ...]) -> list[tuple[int, list[int]]]:
     """(r, first rows of the blocks r high) per distinct Q/K/V height: batched by shape."""
     starts = [sum(split[:i]) for i in range(len(split))]
@@ -354,12 +338,12 @@ def orthogonalize_sharded_steps(
     spec: OrthoSpec,
     dim: int,
     reassociate: bool = False,
-    part: Optional[tuple[int, int]] = None,
+    part: Optional[tuple[int, ...]] = None,
     gather: bool = False,
 ) -> Generator[Request, None, Tensor]:
     """This shard (along ``dim``) of ``s * NS_k(U)`` as a generator of ``SUM``/``GATHER`` requests
     (served by the TP ``distributed`` mode and gangs); a QKV shard holds whole query groups or
-    whole columns.
+    whole columns: ``sharded_block_steps``' blocks run one after another.
 
     Args:
         u: this place's shard of U.
@@ -367,35 +351,93 @@ def orthogonalize_sharded_steps(
         spec: Newton-Schulz and scale settings.
         dim: 0 for row shards, 1 for column shards.
         reassociate: use the reassociated step where it is cheaper.
-        part: ``(p, k)``: split polynomials by rows where ``splits_polynomial``.
+        part: ``(p, k)`` or ``(p, k, slots)``: split polynomials where ``splits_polynomial``.
         gather: (with ``part``, equal shards) gather a block where ``gathers``.
 
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.
     """
+    blocks, join = sharded_block_steps(u, info, spec, dim, reassociate, part, gather)
+    results = []
+    for _, steps in blocks:
+        results.append((yield from steps))
+    return join(results)
 
-    def ns_blocks(blocks: list[Tensor]):
-        ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
-        out = []
-        for b in blocks:
-            g, lines, k = b.shape[1 - dim], _lines(b), part[1] if part is not None else 1
-            if gather and gathers(g, lines, k):
-                out.append((yield from gathered_newton_schulz_steps(b, dim, part, *spec.ns)))
-                continue
-            split = part is not None and splits_polynomial(g, lines, k, reassociate)
-            out.append(
-                (yield from sharded_newton_schulz_steps(b, dim, *ns, part=part if split else None))
+
+def sharded_block_steps(
+    u: Tensor,
+    info: MuonParamInfo,
+    spec: OrthoSpec,
+    dim: int,
+    reassociate: bool = False,
+    part: Optional[tuple[int, ...]] = None,
+    gather: bool = False,
+) -> tuple[list[tuple[bool, Generator]], Callable[[list[Tensor]], Tensor]]:
+    """``orthogonalize_sharded_steps`` as one request generator per Q/K/V block (``qkv_blocks``
+    order; one for any other matrix), so a caller may run blocks apart (tp.py's stream).
+
+    Args:
+        u: as ``orthogonalize_sharded_steps``.
+        info: as ``orthogonalize_sharded_steps``.
+        spec: as ``orthogonalize_sharded_steps``.
+        dim: as ``orthogonalize_sharded_steps``.
+        reassociate: as ``orthogonalize_sharded_steps``.
+        part: as ``orthogonalize_sharded_steps``.
+        gather: as ``orthogonalize_sharded_steps``.
+
+    Returns:
+        ``(blocks, join)``: per block whether it sums over the places (False: gathered whole,
+        one gather and no sum) and its generator, which returns the block's orthogonalized,
+        scaled shard; ``join`` lays the blocks' results out like ``u``.
+    """
+
+    def one(block: Tensor, shape: tuple[int, int]) -> tuple[bool, Generator]:
+        g, lines, k = block.shape[1 - dim], shape[dim], part[1] if part is not None else 1
+        if gather and gathers(g, lines, k):
+            return False, _scaled(
+                gathered_newton_schulz_steps(block, dim, part, *spec.ns), shape, spec
             )
+        split = part is not None and splits_polynomial(g, lines, k, reassociate)
+        ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
+        steps = sharded_newton_schulz_steps(block, dim, *ns, part=part if split else None)
+        return True, _scaled(steps, shape, spec)
+
+    if info.qkv_split is None:
+        return [one(u, info.shape)], lambda results: results[0]
+    starts = [sum(info.qkv_split[:i]) for i in range(len(info.qkv_split))]
+    blocks = [
+        one(_qkv_blocks(u, info, r, [s])[0], _block_shape(info, r))
+        for r, s in zip(info.qkv_split, starts)
+    ]
+
+    def join(results: list[Tensor]) -> Tensor:
+        out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        for r, s, orth in zip(info.qkv_split, starts, results):
+            _qkv_put_(out, info, r, s, orth)
         return out
 
-    def _lines(block: Tensor) -> int:
-        # The matrix's (Q/K/V block's) global lines along ``dim``: row shards of QKV hold
-        # equal numbers of query groups, so the block's rows scale as the shard's.
-        if info.qkv_split is not None and dim == 0:
-            return block.shape[0] * info.shape[0] // u.shape[0]
-        return info.shape[dim]
+    return blocks, join
 
-    return (yield from _orthogonalize_steps(u, info, spec, ns_blocks))
+
+def qkv_blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
+    """The global shapes of the blocks orthogonalized apart: a fused QKV weight's Q, K and V
+    blocks, in ``qkv_split`` order; else the matrix.
+
+    Args:
+        info: the matrix's global shape and Q/K/V split.
+
+    Returns:
+        (rows, cols) per block.
+    """
+    rows, cols = info.shape
+    if info.qkv_split is None:
+        return [(rows, cols)]
+    return [_block_shape(info, r) for r in info.qkv_split]
+
+
+def _scaled(steps: Generator, shape: tuple[int, int], spec: OrthoSpec) -> Generator:
+    """``steps``' result scaled for a matrix (block) of global ``shape`` (``_scale_``)."""
+    return _scale_((yield from steps), shape, spec)
 
 
 def _scale_(x: Tensor, shape: tuple[int, int], spec: OrthoSpec) -> Tensor:

@@ -6,10 +6,11 @@ and gathers to the caller. Algebra, costs, numerics: docs/newton_schulz.md.
 """
 
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -398,12 +399,25 @@ def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
     return x
 
 
-# What a sharded iteration asks its caller to do to a tensor, in place, before it resumes
-# (``sharded_newton_schulz_steps``): sum it over all shards, or fill the rows other shards
-# computed (``part``).
+# What a sharded iteration asks its caller to do, in place, before it resumes
+# (``sharded_newton_schulz_steps``): sum a tensor over all shards, or fill the ``Pieces`` other
+# shards computed (``part``).
 SUM, GATHER = "sum", "gather"
 
-Request = tuple[str, Tensor]
+
+class Pieces(NamedTuple):
+    """A ``GATHER`` request: a flat tensor of which place ``q`` computed ``flat[ranges[q]]`` (in
+    place order); the gather fills the others' ranges."""
+
+    flat: Tensor
+    ranges: list[tuple[int, int]]
+
+    def numel(self) -> int:
+        """The elements gathered (as a tensor request's)."""
+        return self.flat.numel()
+
+
+Request = tuple[str, Tensor | Pieces]
 
 
 def sharded_newton_schulz(
@@ -429,7 +443,8 @@ def sharded_newton_schulz(
         precision: a name in ``PRECISIONS``.
         eps: the Frobenius norm's floor.
         reassociate: apply the step reassociated where ``reassociates``.
-        part: ``(p, k, gather)``: compute rows ``cut(g, k)[p]`` of ``p(G)``, ``gather`` the rest.
+        part: ``(p, k, gather)``: compute piece ``p`` of ``p(G)`` (``polynomial_rows``),
+            ``gather`` the rest (a ``Pieces``).
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -509,9 +524,9 @@ def sharded_newton_schulz_steps(
     reassociate: bool = False,
     part: Optional[tuple[int, int]] = None,
 ) -> Generator[Request, None, Tensor]:
-    """``sharded_newton_schulz``'s math as a generator yielding ``(SUM, t)`` and ``(GATHER, poly)``
-    requests to serve in place, so a caller can interleave matrices (docs/newton_schulz.md,
-    "Sharded matrices").
+    """``sharded_newton_schulz``'s math as a generator yielding ``(SUM, t)`` and ``(GATHER,
+    pieces)`` requests to serve in place, so a caller can interleave matrices
+    (docs/newton_schulz.md, "Sharded matrices").
 
     Args:
         x: this place's shard of the 2-D matrix X, any float dtype (kept).
@@ -521,7 +536,8 @@ def sharded_newton_schulz_steps(
         precision: a name in ``PRECISIONS``.
         eps: the Frobenius norm's floor.
         reassociate: apply the step reassociated where ``reassociates``.
-        part: ``(p, k)``: compute rows ``cut(g, k)[p]`` of ``p(G)``, then yield a gather.
+        part: ``(p, k)`` or ``(p, k, slots)``: compute piece ``p`` of ``p(G)``
+            (``polynomial_rows``), then yield a gather of the pieces (``polynomial_ranges``).
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -545,8 +561,11 @@ def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
         gram = unpack_symmetric(packed, dtype)
         del packed
         if part is not None:
-            poly = _split_polynomial(gram, b, c, *part)
-            yield GATHER, poly
+            pieces = _split_polynomial(gram, b, c, *part)
+            del gram
+            yield GATHER, pieces
+            poly = _joined_polynomial(pieces, buf.shape[1 - dim])
+            del pieces
         elif reassociate and reassociates(buf.shape[1 - dim], buf.shape[dim]):
             buf = _reassociated_step(buf, gram, dim, a, b, c)
             continue
@@ -559,8 +578,9 @@ def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
 
 
 def gathered_newton_schulz_steps(x: Tensor, dim: int, part: tuple[int, int], *ns) -> Generator:
-    """This shard of ``NS_k(X)``, X whole on every place: one ``(GATHER, rows)`` request fills
-    X's rows (``dim`` 1: X^T's), then ``newton_schulz`` as on one place. Equal shards.
+    """This shard of ``NS_k(X)``, X whole on every place: one ``GATHER`` request fills X's rows
+    (``dim`` 1: X^T's; ``Pieces``, place ``q``'s its equal row range), then ``newton_schulz``
+    as on one place. Equal shards.
 
     Args:
         x: this place's shard of X, shard ``p`` of ``k`` along ``dim``.
@@ -574,7 +594,8 @@ def gathered_newton_schulz_steps(x: Tensor, dim: int, part: tuple[int, int], *ns
     (p, k), lines = part, x.shape[dim]
     rows = x.new_empty((lines * k, x.shape[1 - dim]))
     rows[p * lines : (p + 1) * lines] = x if dim == 0 else x.mT
-    yield GATHER, rows
+    size = lines * x.shape[1 - dim]
+    yield GATHER, Pieces(rows.view(-1), [(q * size, (q + 1) * size) for q in range(k)])
     return newton_schulz(rows if dim == 0 else rows.mT, *ns).narrow(dim, p * lines, lines)
 
 
@@ -599,8 +620,9 @@ def gathers(gram_side: int, lines: int, parts: int) -> bool:
 def sharded_step_flops(gram_side: int, lines: int, parts: int) -> int:
     """Matmul FLOPs of one step of ``sharded_newton_schulz_steps`` on one of ``parts`` equal
     shards, reassociated where it may, the polynomial split where ``splits_polynomial``: the
-    Gram's upper triangle (``upper_gram_flops``), then ``2 g^2 (ceil(g / k) + l)`` split,
-    ``4 g^2 l`` reassociated (``reassociates``), else ``2 g^3 + 2 g^2 l`` (``l = lines / k``).
+    Gram's upper triangle (``upper_gram_flops``), then ``2 g (P + g l)`` split (``P``: the
+    largest piece, ``polynomial_piece_flops``), ``4 g^2 l`` reassociated (``reassociates``), else
+    ``2 g^3 + 2 g^2 l`` (``l = lines / k``).
 
     Args:
         gram_side: g.
@@ -612,7 +634,7 @@ def sharded_step_flops(gram_side: int, lines: int, parts: int) -> int:
     """
     g, local = gram_side, lines // parts
     if splits_polynomial(g, lines, parts, True):
-        after = 2 * g * g * (-(-g // parts) + local)
+        after = polynomial_piece_flops(g, parts) + 2 * g * g * local
     elif reassociates(g, local):
         after = 4 * g * g * local
     else:
@@ -757,19 +779,129 @@ def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: b
         reassociate: whether the places may run the reassociated step instead.
 
     Returns:
-        True where the split polynomial does fewer FLOPs on the busiest place.
+        True where the split polynomial does fewer FLOPs on the busiest place: its largest
+        piece, ``2 g P`` (``polynomial_piece_flops``), against the reassociated step's extra
+        ``2 g^2 ceil(L / k)``.
     """
     if parts < 2:
         return False
-    return not reassociate or -(-gram_side // parts) < -(-long_side // parts)
+    lines = -(-long_side // parts)
+    return not reassociate or polynomial_piece_flops(gram_side, parts) < 2 * gram_side**2 * lines
 
 
-def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int) -> Tensor:
-    """``p(G) = b G + c G G`` with only rows ``cut(g, k)[p]`` computed (the rest gathered)."""
+@functools.lru_cache(maxsize=256)
+def polynomial_rows(g: int, k: int) -> tuple[tuple[int, int], ...]:
+    """The rows each of ``k`` places computes of a split ``g x g`` polynomial, each from its
+    diagonal on: place ``q`` with rows ``(lo, hi)`` computes the piece ``p(G)[lo:hi, lo:]``; the
+    rest is its mirror. Contiguous, in order, balanced by piece size ``(hi - lo) (g - lo)``
+    (the largest as small as whole rows allow), so every place's FLOPs and bytes are near
+    ``g^2 / 2k``: about 0.58 of a whole-row split's at k = 8, where the diagonal blocks are
+    computed whole. A place may get no rows (``(g, g)``) where ``k > g``.
+
+    Args:
+        g: the polynomial's side.
+        k: the number of places.
+
+    Returns:
+        One ``(lo, hi)`` per place.
+    """
+    lo, hi = -(-g * g // (2 * k)), g * g  # the least largest piece fitting all g rows
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fit_rows(g, k, mid) else (mid + 1, hi)
+    return _fit_rows(g, k, lo)
+
+
+def _fit_rows(g: int, k: int, most: int) -> Optional[tuple[tuple[int, int], ...]]:
+    """``polynomial_rows`` with pieces of at most ``most`` elements (None: g rows don't fit)."""
+    out, lo = [], 0
+    for _ in range(k):
+        hi = min(g, lo + most // (g - lo)) if lo < g else g
+        out.append((lo, hi))
+        lo = hi
+    return tuple(out) if lo == g else None
+
+
+# A split polynomial's pieces are gathered in a buffer of a multiple of this many elements, so
+# that even TP slices of it (gangs.py) are equal for every TP size dividing it.
+PIECES_ALIGN = 128
+
+
+@functools.lru_cache(maxsize=256)
+def polynomial_ranges(g: int, k: int, slots: int = 1) -> tuple[tuple[int, int], ...]:
+    """Each place's range of the flat buffer a split polynomial's pieces are gathered in
+    (``polynomial_rows``' pieces, row-major, in place order): ``slots`` equal slots of
+    ``k / slots`` consecutive places each, their pieces back to back from the slot's start (a
+    slot per TP rank whose places are its gang's: equal TP slices, gangs.py).
+
+    Args:
+        g: the polynomial's side.
+        k: the number of places (a multiple of ``slots``).
+        slots: the number of slots.
+
+    Returns:
+        One ``(start, end)`` per place.
+    """
+    sizes, per = [(hi - lo) * (g - lo) for lo, hi in polynomial_rows(g, k)], k // slots
+    slot = max(sum(sizes[s * per : (s + 1) * per]) for s in range(slots))
+    out = []
+    for q, size in enumerate(sizes):
+        start = out[-1][1] if q % per else q // per * slot
+        out.append((start, start + size))
+    return tuple(out)
+
+
+def polynomial_size(g: int, k: int, slots: int = 1) -> int:
+    """Elements of the buffer ``polynomial_ranges`` lays out: ``slots`` slots, one slot's
+    size a multiple of ``PIECES_ALIGN``.
+
+    Args:
+        g: the polynomial's side.
+        k: the number of places.
+        slots: the number of slots.
+
+    Returns:
+        Elements.
+    """
+    ranges = polynomial_ranges(g, k, slots)
+    if slots == 1:
+        return -(-ranges[-1][1] // PIECES_ALIGN) * PIECES_ALIGN
+    return slots * max(ranges[q][1] - ranges[q - q % (k // slots)][0] for q in range(k))
+
+
+def polynomial_piece_flops(g: int, k: int) -> int:
+    """Matmul FLOPs of the largest piece of a ``g x g`` polynomial split over ``k`` places:
+    ``2 g (hi - lo) (g - lo)`` (its rows of ``G`` times ``G``'s columns from ``lo`` on).
+
+    Args:
+        g: the polynomial's side.
+        k: the number of places.
+
+    Returns:
+        FLOPs.
+    """
+    return 2 * g * max((hi - lo) * (g - lo) for lo, hi in polynomial_rows(g, k))
+
+
+def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int, slots: int = 1) -> Pieces:
+    """Piece ``p`` of ``p(G) = b G + c G G`` (``polynomial_rows``), in a flat buffer of all."""
     g = gram.shape[0]
-    lo, hi = p * g // k, (p + 1) * g // k
-    poly = torch.empty_like(gram)
-    torch.addmm(gram[lo:hi], gram[lo:hi], gram, beta=b, alpha=c, out=poly[lo:hi])
+    (lo, hi), ranges = polynomial_rows(g, k)[p], list(polynomial_ranges(g, k, slots))
+    flat = gram.new_empty(polynomial_size(g, k, slots))
+    for (_, end), (start, _) in zip(ranges, ranges[1:] + [(flat.numel(), 0)]):
+        flat[end:start].zero_()  # the padding: every place gathers the same bits
+    piece = flat[ranges[p][0] : ranges[p][1]].view(hi - lo, g - lo)
+    torch.addmm(gram[lo:hi, lo:], gram[lo:hi], gram[:, lo:], beta=b, alpha=c, out=piece)
+    return Pieces(flat, ranges)
+
+
+def _joined_polynomial(pieces: Pieces, g: int) -> Tensor:
+    """The ``g x g`` polynomial from its gathered pieces: each piece and its mirror."""
+    poly = pieces.flat.new_empty((g, g))
+    for (lo, hi), (start, end) in zip(polynomial_rows(g, len(pieces.ranges)), pieces.ranges):
+        piece = pieces.flat[start:end].view(hi - lo, g - lo)
+        poly[lo:hi, lo:] = piece
+        poly[hi:, lo:hi] = piece[:, hi - lo :].mT
     return poly
 
 

@@ -4,7 +4,7 @@ TP-invariant: docs/tp_modes.md.
 """
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,10 +19,11 @@ from .functional import (
     OrthoSpec,
     orthogonalize,
     orthogonalize_matrices,
-    orthogonalize_sharded_steps,
+    qkv_blocks,
+    sharded_block_steps,
     timed,
 )
-from .newton_schulz import SUM, interleave, ns_flops
+from .newton_schulz import SUM, Pieces, gathers, interleave, ns_flops
 
 
 class TPOrthogonalizer:
@@ -66,8 +67,9 @@ class TPOrthogonalizer:
 
     def stream(self, loads: list, infos: list, spec: OrthoSpec, store) -> list[int]:
         """``distributed`` mode: ``store(i, s * NS(loads[i]()))`` of the TP-sharded matrices,
-        ``TP_WINDOW`` at a time, interleaved (``interleave``: one matrix's sums run under
-        another's matmuls, one order on every TP rank), each loaded when it starts.
+        their blocks ``TP_WINDOW`` at a time in ``stream_order``, interleaved (``interleave``:
+        one block's sums run under another's matmuls, one order on every TP rank), each matrix
+        loaded when its first block starts, stored when its last ends.
 
         Args:
             loads: per matrix, a call giving this rank's shard (or whole matrix).
@@ -83,7 +85,9 @@ class TPOrthogonalizer:
                 idx = [i for i, info in enumerate(infos) if self._sharded(info, expert)]
                 if idx:
                     group = self.groups[expert]
-                    jobs = [_job(loads[i], infos[i], spec, group, store, i) for i in idx]
+                    parts = [_Streamed(loads[i], infos[i], spec, group, store, i) for i in idx]
+                    order = stream_order([infos[i] for i in idx], group.size())
+                    jobs = [parts[m].block(b) for m, b in order]
                     interleave(jobs, functools.partial(_post, group=group), _wait, TP_WINDOW)
         return [i for i, info in enumerate(infos) if self._group(info) is None]
 
@@ -201,21 +205,62 @@ def _all_gather_dim(x: Tensor, dim: int, group) -> Tensor:
 TP_WINDOW = 2
 
 
-def _job(load, info, spec: OrthoSpec, group, store, i: int):
-    """One matrix's ``distributed``-mode Newton-Schulz as a request generator: its shard loaded
-    when it starts, its result stored when it ends; the math gets sums, never the group."""
-    k, p = dist.get_world_size(group), dist.get_rank(group)
-    steps = orthogonalize_sharded_steps(
-        load(), info, spec, info.partition_dim, reassociate=True, part=(p, k), gather=True
-    )
-    store(i, (yield from steps))
+def stream_order(infos: list, tp: int) -> list[tuple[int, int]]:
+    """The ``distributed`` stream's order of (matrix, block) (``functional.qkv_blocks``): each
+    matrix's summing blocks, then the previous matrix's gathered ones (``gathers``: a GQA
+    weight's K and V blocks, one gather and matmuls alone, which run under the next matrix's
+    sums), the last matrix's at the end. One matrix's results wait for at most the next's.
+
+    Args:
+        infos: the TP-sharded matrices' TP-global infos, in the order the owner runs them.
+        tp: the TP size.
+
+    Returns:
+        (index into ``infos``, block index) per block.
+    """
+    out, lagging = [], []
+    for m, info in enumerate(infos):
+        dim, sums = info.partition_dim, []
+        for rows, cols in qkv_blocks(info):
+            g, lines = (cols, rows) if dim == 0 else (rows, cols)
+            sums.append(not gathers(g, lines, tp))
+        out += [(m, b) for b, summed in enumerate(sums) if summed] + lagging
+        lagging = [(m, b) for b, summed in enumerate(sums) if not summed]
+    return out + lagging
 
 
-def _post(i: int, kind: str, t: Tensor, group) -> tuple:
+class _Streamed:
+    """One matrix of the ``distributed`` stream, its blocks run apart (``stream_order``): its
+    shard loaded when a first block starts, the result stored when the last ends; the math gets
+    sums, never the group."""
+
+    def __init__(self, load, info, spec: OrthoSpec, group, store, i: int) -> None:
+        self.load, self.info, self.spec, self.group = load, info, spec, group
+        self.store, self.i = store, i
+        self.blocks: Optional[list] = None
+        self.results: dict[int, Tensor] = {}
+
+    def block(self, b: int):
+        """Block ``b``'s request generator."""
+        if self.blocks is None:
+            k, p = dist.get_world_size(self.group), dist.get_rank(self.group)
+            shard, self.load = self.load(), None
+            self.blocks, self.join = sharded_block_steps(
+                shard, self.info, self.spec, self.info.partition_dim, True, (p, k), gather=True
+            )
+        steps = self.blocks[b][1]
+        self.blocks[b] = None  # its working set goes with it
+        self.results[b] = yield from steps
+        if len(self.results) == len(self.blocks):
+            self.store(self.i, self.join([self.results[j] for j in range(len(self.blocks))]))
+            self.results, self.join = {}, None
+
+
+def _post(i: int, kind: str, t, group) -> tuple:
     """Post request ``(kind, t)`` over ``group``: (work, the fill after its wait or None)."""
     if kind == SUM:
         return dist.all_reduce(t, group=group, async_op=True), None
-    return post_rows(t, group)
+    return post_pieces(t, group)
 
 
 def _wait(posted: tuple) -> None:
@@ -225,20 +270,18 @@ def _wait(posted: tuple) -> None:
         fill()
 
 
-def post_rows(poly: Tensor, group) -> tuple:
-    """Post the all-gather that fills the rows of ``poly`` other TP ranks computed (``cut(g,
-    k)``): ``post_gather_ranges`` of its rows.
+def post_pieces(pieces: Pieces, group) -> tuple:
+    """Post the all-gather that fills the ranges of ``pieces`` other TP ranks computed (a split
+    polynomial's, a gathered block's rows): ``post_gather_ranges`` of them.
 
     Args:
-        poly: the ``g x g`` polynomial, this rank's rows filled; completed in place.
+        pieces: the request; this rank's range filled, the buffer completed in place.
         group: the tensor-parallel process group.
 
     Returns:
         As ``post_gather_ranges``.
     """
-    (g, cols), k, p = poly.shape, dist.get_world_size(group), dist.get_rank(group)
-    bounds = [(q * g // k * cols, (q + 1) * g // k * cols) for q in range(k)]
-    return post_gather_ranges(poly.view(-1), bounds, p, group)
+    return post_gather_ranges(pieces.flat, pieces.ranges, dist.get_rank(group), group)
 
 
 def all_gather_ranges(

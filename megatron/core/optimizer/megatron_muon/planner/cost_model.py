@@ -9,7 +9,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from ..newton_schulz import packed_size, reassociates, splits_polynomial, upper_gram_flops
+from ..newton_schulz import (
+    packed_size,
+    polynomial_ranges,
+    polynomial_size,
+    reassociates,
+    splits_polynomial,
+    upper_gram_flops,
+)
 
 # Planning default: matmul FLOPs per byte through a gang member's link, H100-class: 40% of
 # 990 TFLOP/s bf16 over 400 Gb/s (50 GB/s) per direction. It only chooses among exact plans.
@@ -107,6 +114,9 @@ class NSCostModel:
     # ``plan.owner_stream``), so a candidate is timed with their TP collectives
     # (``with_streams``); None: whole matrices are their FLOPs alone.
     stream: Optional[Callable] = None
+    # The TP rank whose part of a ``partial`` gang block is counted (its polynomial piece);
+    # None: the busiest TP rank's, what a step waits for (planning, projections).
+    tp_rank: Optional[int] = None
 
     def ring_bytes(self, members: tuple, elements: int) -> tuple[float, float]:
         """Bytes a member sends (and receives) in one gang collective, by layout.
@@ -225,7 +235,8 @@ class NSCostModel:
 
     def places(self, info, part: tuple) -> tuple[int, int, bool]:
         """A member's ``part`` among all the places splitting its polynomial: ``partial``, TP
-        rank t's place ``t k + p`` of ``tp k`` (gangs.py), the busiest TP rank's; else ``part``.
+        rank t's place ``t k + p`` of ``tp k`` (gangs.py), ``tp_rank``'s or the busiest TP
+        rank's; else ``part``.
 
         Args:
             info: the matrix's TP-global ``MuonParamInfo``.
@@ -238,8 +249,16 @@ class NSCostModel:
             return part
         p, k, split = part
         tp, g = self.tp_of(info), self._grams(info, self.axis(info))[0]
-        place = max((t * k + p for t in range(tp)), key=lambda q: _rows(g, q, tp * k))
+        if self.tp_rank is not None:
+            return self.tp_rank * k + p, tp * k, split
+        ranges = polynomial_ranges(g, tp * k)
+        place = max((t * k + p for t in range(tp)), key=lambda q: ranges[q][1] - ranges[q][0])
         return place, tp * k, split
+
+    def slots(self, info) -> int:
+        """The slots a split polynomial's pieces are laid out in (``polynomial_ranges``): one
+        per TP rank where TP ranks each hold a part (``partial``), else 1."""
+        return self.tp_of(info) if self.partial(info) else 1
 
     def lines(self, info, local: int, axis: int) -> int:
         """Lines of the block a member's TP rank iterates on, from the TP-local block's.
@@ -326,7 +345,7 @@ class NSCostModel:
         def cost(split: bool) -> float:
             flops, part = 0.0, self.places(info, (k - 1, k, split))
             for g in self._grams(info, axis):
-                for e in _after_sum(g, lines, info.shape[axis], part, tp):
+                for e in _after_sum(g, lines, info.shape[axis], part, tp, self.slots(info)):
                     flops += e if isinstance(e, float) else self.collective_flops(members, e)
             return flops
 
@@ -346,7 +365,7 @@ class Sum(int):
 
 
 class Gather(Sum):
-    """A gang collective's elements that are gathered (a split polynomial's rows), not summed."""
+    """A gang collective's elements that are gathered (a split polynomial's pieces), not summed."""
 
 
 class Partial(Sum):
@@ -383,11 +402,6 @@ def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
         before = [TPCollective("all_to_all_single", tp * chunk, ns_dtype, tp, moved)]
     after = [TPCollective("all_gather_into_tensor", chunk, ns_dtype, tp)] if n >= tp else []
     return before, after
-
-
-def _rows(g: int, p: int, k: int) -> int:
-    """Rows ``cut(g, k)[p]`` of a split polynomial."""
-    return (p + 1) * g // k - p * g // k
 
 
 def node_layout(members: tuple, nodes: tuple) -> tuple[int, int]:
@@ -452,12 +466,15 @@ def _slice(elements: int) -> int:
     return int(elements) if elements < tp else -(-int(elements) // tp)
 
 
-def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1) -> tuple:
+def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1, slots=1) -> tuple:
     """One NS step after the Gram sum, in one of the three forms (docs/gangs.md): FLOPs
-    (floats) and, for a split polynomial, its gather (``Gather``)."""
+    (floats) and, for a split polynomial, its gather (``Gather``: its pieces' buffer, in
+    ``slots`` slots)."""
     p, k, split = part
     if split and splits_polynomial(g, long_side, k, reassociate=True):
-        return (2.0 * g * g * _rows(g, p, k), Gather(g * g, tp), 2.0 * g * g * lines)
+        start, end = polynomial_ranges(g, k, slots)[p]
+        size = polynomial_size(g, k, slots)
+        return (2.0 * g * (end - start), Gather(size, tp), 2.0 * g * g * lines)
     if reassociates(g, lines):
         return (4.0 * g * g * lines,)
     return (2.0 * g**3 + 2.0 * g * g * lines,)
@@ -482,7 +499,7 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
     for g in model._grams(info, axis):
         out.append(total(1, tp))  # the squared norm
         for _ in range(model.steps):
-            after = _after_sum(g, lines, info.shape[axis], place, tp)
+            after = _after_sum(g, lines, info.shape[axis], place, tp, model.slots(info))
             out += [float(upper_gram_flops(g, lines)), total(packed_size(g), tp), *after]
     return out
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..exchange import Exchange
 from ..functional import OrthoSpec, orthogonalize_sharded_steps
-from ..newton_schulz import GATHER, SUM, compute_dtype, interleave
+from ..newton_schulz import GATHER, SUM, Pieces, compute_dtype, interleave
 from ..tp import TPOrthogonalizer, all_gather_ranges, post_gather_ranges, reduce_scatter_ranges
 from .cost_model import cut, node_layout, ring_traffic
 
@@ -87,14 +87,14 @@ class GangRunner:
             return self.inner.together(blocks, infos, gang_fn)
         return gang_fn(blocks, infos)
 
-    def _place(self, unit, tp) -> tuple[int, int]:
-        """(place, places) of this rank's block in its split polynomials: ``unit.part``'s among
-        the members, or (``partial``) TP rank t's ``t k + p`` of ``tp k``, so TP rank t's members
-        hold rows ``cut(g, tp)[t]`` together (``_gang_gather``)."""
+    def _place(self, unit, tp) -> tuple[int, ...]:
+        """(place, places[, slots]) of this rank's block in its split polynomials: ``unit.part``'s
+        among the members, or (``partial``) TP rank t's ``t k + p`` of ``tp k`` in ``tp`` slots,
+        so TP rank t's members hold slot t's pieces together (``_gang_gather``)."""
         p, k, _ = unit.part
         if not self.partial or tp is None:
             return p, k
-        return torch.distributed.get_rank(tp) * k + p, tp.size() * k
+        return torch.distributed.get_rank(tp) * k + p, tp.size() * k, tp.size()
 
     def _group(self, ranks: list[int], members: tuple[int, ...]):
         key = tuple(ranks[m] for m in members)
@@ -149,22 +149,21 @@ class GangRunner:
         self.sum_bytes += 2 * sum(moved)
         return Posted(work, _then_tp(None, flat, slices, p, tp, ns_dtype), t, members)
 
-    def _gang_gather(self, group, members: tuple[int, ...], tp, poly: Tensor) -> "Posted":
-        """Post the gather of a split polynomial's rows in place over the gang (one padded
+    def _gang_gather(self, group, members: tuple[int, ...], tp, pieces: Pieces) -> "Posted":
+        """Post the gather of a split polynomial's pieces in place over the gang (one padded
         ``all_gather_into_tensor``); per TP slice as ``_gang_sum``."""
-        flat, cols = poly.view(-1), poly.shape[1]
-        if self.partial and tp is not None:  # TP rank t holds the rows of places t k .. t k + k-1
-            lo, hi, slices, p = _row_slice(poly.shape[0], cols, tp)
+        flat, ranges = pieces.flat, pieces.ranges
+        if self.partial and tp is not None:  # TP rank t holds the pieces t k .. t k + k-1
+            lo, hi, slices, p = _pieces_slice(flat.numel(), tp)
             k = len(members)
-            cuts = cut(poly.shape[0], tp.size() * k)[p * k : (p + 1) * k]
+            ranges = ranges[p * k : (p + 1) * k]
         else:
             lo, hi, slices, p = _tp_slice(flat.numel(), tp)
-            cuts = cut(poly.shape[0], len(members))
-        rows = [(min(max(a * cols, lo), hi) - lo, min(max(b * cols, lo), hi) - lo) for a, b in cuts]
-        work, fill = post_gather_ranges(flat[lo:hi], rows, members.index(self.plan.rank), group)
-        moved = ring_traffic(hi - lo, poly.element_size(), 1, self._layout(members))
+        own = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo) for a, b in ranges]
+        work, fill = post_gather_ranges(flat[lo:hi], own, members.index(self.plan.rank), group)
+        moved = ring_traffic(hi - lo, flat.element_size(), 1, self._layout(members))
         self.sum_bytes += 2 * sum(moved)
-        return Posted(work, _then_tp(fill, flat, slices, p, tp), poly, members)
+        return Posted(work, _then_tp(fill, flat, slices, p, tp), flat, members)
 
     def _layout(self, members: tuple[int, ...]) -> tuple[int, int]:
         return node_layout(members, self.plan.model.nodes)
@@ -194,10 +193,11 @@ def _then_tp(fill, flat: Tensor, slices, p: int, tp, dtype=None) -> Optional[Cal
     return both
 
 
-def _row_slice(g: int, cols: int, group) -> tuple[int, int, list, int]:
-    """``_tp_slice`` of a ``g x cols`` polynomial by whole rows: TP rank t's ``cut(g, tp)[t]``."""
-    p = torch.distributed.get_rank(group)
-    slices = [(a * cols, b * cols) for a, b in cut(g, group.size())]
+def _pieces_slice(n: int, group) -> tuple[int, int, list, int]:
+    """``_tp_slice`` of a split polynomial's ``n``-element buffer in ``group.size()`` equal slots
+    (``newton_schulz.polynomial_ranges``): TP rank t's slot holds its gang's pieces."""
+    p, tp = torch.distributed.get_rank(group), group.size()
+    slices = [(t * n // tp, (t + 1) * n // tp) for t in range(tp)]
     return (*slices[p], slices, p)
 
 

@@ -11,18 +11,19 @@ from typing import Optional
 import torch
 
 from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece, exchange_dtypes, itemsize
-from ..functional import MuonParamInfo
+from ..functional import MuonParamInfo, qkv_blocks
 from ..newton_schulz import (
     compute_dtype,
     gathers,
     interleave,
     ns_flops,
     packed_size,
+    polynomial_ranges,
     reassociates,
     splits_polynomial,
     upper_gram_flops,
 )
-from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells
+from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells, stream_order
 from .cost_model import NS_DTYPES, POST, WAIT, NSCostModel, PlanLinks, TPCollective
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
@@ -38,19 +39,17 @@ def ns_cost(info: MuonParamInfo, steps: int, form: str = "standard") -> float:
     Returns:
         Matmul FLOPs of all steps.
     """
-    return float(sum(ns_flops(*b, steps, form) for b in _blocks(info)))
-
-
-def _blocks(info: MuonParamInfo) -> list[tuple[int, int]]:
-    rows, cols = info.shape
-    if info.qkv_split is None:
-        return [(rows, cols)]
-    groups = rows // sum(info.qkv_split)
-    return [(groups * r, cols) for r in info.qkv_split]
+    return float(sum(ns_flops(*b, steps, form) for b in qkv_blocks(info)))
 
 
 def tp_ns_cost(
-    info: MuonParamInfo, steps: int, mode: str, tp: int, form: str = "standard", gather=True
+    info: MuonParamInfo,
+    steps: int,
+    mode: str,
+    tp: int,
+    form: str = "standard",
+    gather=True,
+    tp_rank=None,
 ) -> float:
     """NS FLOPs each TP rank of the owner executes, per TP mode (tp.py, docs/tp_modes.md).
 
@@ -61,6 +60,7 @@ def tp_ns_cost(
         tp: the tensor-parallel size.
         form: ``OrthoSpec.form`` for whole matrices (distributed runs the standard steps).
         gather: ``distributed_events``' (False: upstream's distributed mode).
+        tp_rank: ``distributed_events``' (None: the busiest TP rank).
 
     Returns:
         Matmul FLOPs of all steps on one TP rank.
@@ -74,9 +74,8 @@ def tp_ns_cost(
         shape = list(info.shape)
         shape[dim] //= tp
         return ns_cost(MuonParamInfo(tuple(shape), info.qkv_split), steps, form)
-    return sum(
-        e for e in distributed_events(info, steps, tp, gather=gather) if isinstance(e, float)
-    )
+    events = distributed_events(info, steps, tp, gather=gather, tp_rank=tp_rank)
+    return sum(e for e in events if isinstance(e, float))
 
 
 def tp_collectives(
@@ -119,9 +118,10 @@ def distributed_events(
     ns_dtype="bfloat16",
     update_dtype="float32",
     gather=True,
+    tp_rank=None,
 ) -> list:
-    """What one TP rank runs, in order, to orthogonalize one TP-sharded matrix in the
-    ``distributed`` mode (tp.py's ``_job``): matmul FLOPs (floats) and ``TPCollective``.
+    """What one TP rank runs to orthogonalize one TP-sharded matrix in the ``distributed`` mode
+    (tp.py's ``_Streamed``), block after block: matmul FLOPs (floats) and ``TPCollective``.
 
     Args:
         info: the matrix's TP-global info (``partition_dim`` set).
@@ -130,36 +130,67 @@ def distributed_events(
         ns_dtype: Newton-Schulz's compute dtype (the polynomial's rows move in it).
         update_dtype: the update's dtype (a gathered block moves in it).
         gather: gather the blocks ``gathers`` (False: split every block, as upstream's mode).
+        tp_rank: the TP rank whose polynomial pieces are counted; None: the largest.
 
     Returns:
         The events.
     """
+    args = (steps, tp, ns_dtype, update_dtype, gather, tp_rank)
+    return [e for block in distributed_block_events(info, *args) for e in block]
+
+
+def distributed_block_events(
+    info: MuonParamInfo, steps: int, tp: int, ns_dtype, update_dtype, gather, tp_rank
+) -> list[list]:
+    """``distributed_events`` per block (``functional.qkv_blocks``), as tp.py's stream runs
+    them (``stream_order``).
+
+    Args:
+        info: as ``distributed_events``.
+        steps: as ``distributed_events``.
+        tp: as ``distributed_events``.
+        ns_dtype: as ``distributed_events``.
+        update_dtype: as ``distributed_events``.
+        gather: as ``distributed_events``.
+        tp_rank: as ``distributed_events``.
+
+    Returns:
+        One list of events per block.
+    """
     dim, out = info.partition_dim, []
-    for rows, cols in _blocks(info):  # Q, K, V blocks all share the Gram side (dim 0)
+    for rows, cols in qkv_blocks(info):  # Q, K, V blocks all share the Gram side (dim 0)
         g, lines = (cols, rows) if dim == 0 else (rows, cols)
         local = lines // tp
         if gather and gathers(g, lines, tp):  # whole on every TP rank
-            out.append(TPCollective("all_gather_into_tensor", local * g, update_dtype, tp))
-            out.append(float(ns_flops(rows, cols, steps, "standard")))
+            gathered = TPCollective("all_gather_into_tensor", local * g, update_dtype, tp)
+            out.append([gathered, float(ns_flops(rows, cols, steps, "standard"))])
             continue
-        out.append(TPCollective("all_reduce", 1, "float32", tp))  # the squared norm
+        block = [TPCollective("all_reduce", 1, "float32", tp)]  # the squared norm
         for _ in range(steps):
-            out += _distributed_step(g, lines, tp, ns_dtype, ours=gather)
+            block += _distributed_step(g, lines, tp, ns_dtype, gather, tp_rank)
+        out.append(block)
     return out
 
 
-def _distributed_step(g: int, lines: int, tp: int, ns_dtype: str, ours: bool) -> list:
+def _distributed_step(g: int, lines: int, tp: int, ns_dtype: str, ours: bool, tp_rank=None) -> list:
     """One Newton-Schulz step of a split block on one TP rank: ours (tp.py's ``_job``) computes
-    the Gram's upper triangle (``upper_gram``) and reassociates where the polynomial does not
-    split (``sharded_step_flops``: no gather); upstream's whole Gram, polynomial always split."""
+    the Gram's upper triangle (``upper_gram``), splits the polynomial in pieces
+    (``polynomial_rows``) and reassociates where that does fewer FLOPs (``sharded_step_flops``:
+    no gather); upstream's whole Gram, polynomial always split in whole rows."""
     local, rows = lines // tp, -(-g // tp)
     split = splits_polynomial(g, lines, tp, ours)
     gram = upper_gram_flops(g, local) if ours else 2 * local * g * g
     out: list = [float(gram), TPCollective("all_reduce", packed_size(g), "float32", tp)]
-    if split:
-        out.append(2.0 * g * g * rows)  # its rows of b G + c G G
-        out.append(TPCollective("all_gather_into_tensor", rows * g, ns_dtype, tp))
+    if split and ours:  # its piece of b G + c G G, the pieces gathered (padded to the largest)
+        sizes = [end - start for start, end in polynomial_ranges(g, tp)]
+        piece = max(sizes)
+        out.append(2.0 * g * (piece if tp_rank is None else sizes[tp_rank]))
+        out.append(TPCollective("all_gather_into_tensor", piece, ns_dtype, tp))
         return out + [2.0 * local * g * g]  # a X + p(G) X
+    if split:  # upstream's: whole rows
+        out.append(2.0 * g * g * rows)
+        out.append(TPCollective("all_gather_into_tensor", rows * g, ns_dtype, tp))
+        return out + [2.0 * local * g * g]
     assert reassociates(g, local), "a block with fewer lines than its Gram side splits"
     return out + [4.0 * local * g * g]  # reassociated: a X + G (b X + c G X)
 
@@ -206,8 +237,14 @@ def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, 
             for info in infos
             if model.tp_of(info) > 1 and bool(getattr(info, "expert", False)) == expert
         ]
-        jobs = [job(distributed_events(i, model.steps, model.tp_of(i), ns_dtype)) for i in sharded]
-        interleave(jobs, post, wait, TP_WINDOW)
+        blocks = [
+            distributed_block_events(
+                i, model.steps, model.tp_of(i), ns_dtype, "float32", True, model.tp_rank
+            )
+            for i in sharded
+        ]
+        order = stream_order(sharded, model.tp_of(sharded[0])) if sharded else []
+        interleave([job(blocks[m][b]) for m, b in order], post, wait, TP_WINDOW)
     return trace, after[0] + sum(model.whole(i) for i in infos if model.tp_of(i) == 1)
 
 
