@@ -197,8 +197,8 @@ def test_projection_owner_mode_balances_the_tp_ranks_of_the_grid():
 def test_by_rank_groups_every_rank_and_its_latest_end_is_the_critical_path():
     """``--by-rank`` at 70B TP 8 x DP 256, ``distributed``: the groups hold every DP rank once,
     each ends at or after its matmuls, the latest end is the row's NS time (the plan's critical
-    path with its TP collectives), and fc1's gang members end last (14 ms of matmuls, done at
-    20: their sums over TP and the gang show), each group's gap its TP and gang time. The owner
+    path with its TP collectives), and fc1's gang members end last (13 ms of matmuls, done at
+    18: their sums over TP and the gang show), each group's gap its TP and gang time. The owner
     mode refuses the flag (its NS is per TP rank)."""
     a = projection.parse_args(["--tp-mode", "distributed", "--dps", "256", "--by-rank"])
     r = projection.project("70B", 256, a)
