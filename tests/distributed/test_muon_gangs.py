@@ -101,7 +101,6 @@ def _split(
         ortho.gangs.make_groups(plan)
         sizes = _gang_sizes(plan)
         assert {2, plan.world} <= sizes, sizes  # same plan on every rank: all or none
-        _one_whole_polynomial(plan)
         assert any(u.splits for m in plan.matrices for u in m.units), "no split polynomial"
         if broken_sum:
             ortho.gangs._gang_sum = functools.partial(_norm_sum_only, ortho.gangs._gang_sum)
@@ -243,21 +242,6 @@ def _own_tp_trace(plan) -> list:
         if len(m.units) == 1:
             m.units = [dataclasses.replace(m.units[0], cost=whole(m.info))]
     return plan_figures.trace(own, plan.rank)
-
-
-def _one_whole_polynomial(plan) -> None:
-    """The first gang that splits its polynomials keeps them whole (reassociated) instead, its
-    units' costs counted again: the pieces cost fewer FLOPs than reassociating in nearly every
-    block of the tiny model, and the counted schedule must cover both forms."""
-    slot = next(m for m in plan.matrices if any(u.splits for u in m.units))
-    slot.units = [
-        dataclasses.replace(
-            u,
-            splits=False,
-            cost=plan.model.member(slot.info, u.axis, u.lines, (*u.part[:2], False)),
-        )
-        for u in slot.units
-    ]
 
 
 def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None):

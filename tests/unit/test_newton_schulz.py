@@ -198,8 +198,8 @@ def test_vector_input_raises():
 def _sharded(x, dim, cuts, reassociate, split=False, drop_gather=False):
     """``sharded_newton_schulz`` on the shards of ``x`` (cut along ``dim`` at ``cuts``), one
     thread per shard, ``reduce`` a sum over the threads: a gang without processes. ``split``:
-    each shard computes its piece of the polynomial, ``gather`` copies the others' pieces in
-    (``drop_gather``: the negative control, the other pieces stay unset)."""
+    each shard computes its rows of the polynomial, ``gather`` copies the others' ranges in
+    (``drop_gather``: the negative control, the other rows stay unset)."""
     shards = list(torch.tensor_split(x, cuts, dim=dim))
     k = len(shards)
     barrier, parts, got = threading.Barrier(k), {}, {}
@@ -250,10 +250,12 @@ def test_sharded_forms_match_float64_reference(shape, dim, cuts, reassociate):
 
 @pytest.mark.parametrize("shape, dim, cuts", [((40, 96), 1, [10, 60]), ((96, 40), 0, [30, 60])])
 def test_split_polynomial_matches_float64_reference(shape, dim, cuts):
-    """Each of 3 shards computes its piece of ``p(G)`` (``polynomial_rows``) and gathers the
-    others' (a 40 x 40 Gram, 96 lines: ``splits_polynomial``); same tolerance as above. Negative
-    control: without the gather the result is far off."""
+    """Each of 3 shards computes rows ``cut(40, 3)[p]`` of ``p(G)`` (``part`` of two: whole
+    rows; the pieces of ``polynomial_rows`` run in the TP tests) and gathers the others' (a 40 x
+    40 Gram, 96 lines: ``splits_polynomial``); same tolerance as above. Negative control:
+    without the gather the result is far off."""
     assert splits_polynomial(40, 96, 3, True) and not splits_polynomial(40, 10, 3, True)
+    assert not splits_polynomial(40, 40, 3, True, pieces=False)  # whole rows: reassociated
     assert splits_polynomial(40, 40, 3, False) and not splits_polynomial(40, 96, 1, False)
     x = _randn(shape)
     got = _sharded(x, dim, cuts, False, split=True)

@@ -351,7 +351,8 @@ def orthogonalize_sharded_steps(
         spec: Newton-Schulz and scale settings.
         dim: 0 for row shards, 1 for column shards.
         reassociate: use the reassociated step where it is cheaper.
-        part: ``(p, k)`` or ``(p, k, slots)``: split polynomials where ``splits_polynomial``.
+        part: ``(p, k)`` (whole rows) or ``(p, k, slots)`` (pieces): split polynomials where
+            ``splits_polynomial``.
         gather: (with ``part``, equal shards) gather a block where ``gathers``.
 
     Returns:
@@ -397,7 +398,7 @@ def sharded_block_steps(
             return False, _scaled(
                 gathered_newton_schulz_steps(block, dim, part, *spec.ns), shape, spec
             )
-        split = part is not None and splits_polynomial(g, lines, k, reassociate)
+        split = part is not None and splits_polynomial(g, lines, k, reassociate, len(part) > 2)
         ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
         steps = sharded_newton_schulz_steps(block, dim, *ns, part=part if split else None)
         return True, _scaled(steps, shape, spec)

@@ -536,8 +536,9 @@ def sharded_newton_schulz_steps(
         precision: a name in ``PRECISIONS``.
         eps: the Frobenius norm's floor.
         reassociate: apply the step reassociated where ``reassociates``.
-        part: ``(p, k)`` or ``(p, k, slots)``: compute piece ``p`` of ``p(G)``
-            (``polynomial_rows``), then yield a gather of the pieces (``polynomial_ranges``).
+        part: ``(p, k)``: compute rows ``cut(g, k)[p]`` of ``p(G)``; ``(p, k, slots)``:
+            its piece ``p`` (``polynomial_rows``, laid out by ``polynomial_ranges``); then
+            yield a gather of the rest.
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -564,7 +565,8 @@ def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
             pieces = _split_polynomial(gram, b, c, *part)
             del gram
             yield GATHER, pieces
-            poly = _joined_polynomial(pieces, buf.shape[1 - dim])
+            g = buf.shape[1 - dim]
+            poly = pieces.flat.view(g, g) if len(part) < 3 else _joined_polynomial(pieces, g)
             del pieces
         elif reassociate and reassociates(buf.shape[1 - dim], buf.shape[dim]):
             buf = _reassociated_step(buf, gram, dim, a, b, c)
@@ -585,13 +587,13 @@ def gathered_newton_schulz_steps(x: Tensor, dim: int, part: tuple[int, int], *ns
     Args:
         x: this place's shard of X, shard ``p`` of ``k`` along ``dim``.
         dim: 0 for row shards, 1 for column shards.
-        part: ``(p, k)``.
+        part: ``(p, k)`` (more entries are ignored).
         *ns: ``newton_schulz``'s settings after ``x``.
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
     """
-    (p, k), lines = part, x.shape[dim]
+    (p, k), lines = part[:2], x.shape[dim]
     rows = x.new_empty((lines * k, x.shape[1 - dim]))
     rows[p * lines : (p + 1) * lines] = x if dim == 0 else x.mT
     size = lines * x.shape[1 - dim]
@@ -768,7 +770,9 @@ def reassociates(gram_side: int, lines: int) -> bool:
     return lines < gram_side
 
 
-def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: bool) -> bool:
+def splits_polynomial(
+    gram_side: int, long_side: int, parts: int, reassociate: bool, pieces: bool = True
+) -> bool:
     """Whether ``parts`` places sharing a Gram split its polynomial by rows (docs/newton_schulz.md);
     shared sizes only, so every place decides alike.
 
@@ -777,15 +781,19 @@ def splits_polynomial(gram_side: int, long_side: int, parts: int, reassociate: b
         long_side: L, the whole matrix's size along the split dimension.
         parts: k, the number of places.
         reassociate: whether the places may run the reassociated step instead.
+        pieces: the polynomial split in pieces (``polynomial_rows``); False: in whole rows,
+            ``cut(g, k)``.
 
     Returns:
         True where the split polynomial does fewer FLOPs on the busiest place: its largest
-        piece, ``2 g P`` (``polynomial_piece_flops``), against the reassociated step's extra
-        ``2 g^2 ceil(L / k)``.
+        piece, ``2 g P`` (``polynomial_piece_flops``; whole rows: ``2 g^2 ceil(g / k)``),
+        against the reassociated step's extra ``2 g^2 ceil(L / k)``.
     """
     if parts < 2:
         return False
     lines = -(-long_side // parts)
+    if not pieces:
+        return not reassociate or -(-gram_side // parts) < lines
     return not reassociate or polynomial_piece_flops(gram_side, parts) < 2 * gram_side**2 * lines
 
 
@@ -883,9 +891,15 @@ def polynomial_piece_flops(g: int, k: int) -> int:
     return 2 * g * max((hi - lo) * (g - lo) for lo, hi in polynomial_rows(g, k))
 
 
-def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int, slots: int = 1) -> Pieces:
-    """Piece ``p`` of ``p(G) = b G + c G G`` (``polynomial_rows``), in a flat buffer of all."""
+def _split_polynomial(gram: Tensor, b: float, c: float, p: int, k: int, slots=None) -> Pieces:
+    """Piece ``p`` of ``p(G) = b G + c G G`` (``polynomial_rows``) in a flat buffer of all, laid
+    out in ``slots``; ``slots`` None: rows ``cut(g, k)[p]``, whole, in the ``g x g`` matrix."""
     g = gram.shape[0]
+    if slots is None:
+        rows = [(q * g // k * g, (q + 1) * g // k * g) for q in range(k)]
+        poly, (lo, hi) = torch.empty_like(gram), (p * g // k, (p + 1) * g // k)
+        torch.addmm(gram[lo:hi], gram[lo:hi], gram, beta=b, alpha=c, out=poly[lo:hi])
+        return Pieces(poly.view(-1), rows)
     (lo, hi), ranges = polynomial_rows(g, k)[p], list(polynomial_ranges(g, k, slots))
     flat = gram.new_empty(polynomial_size(g, k, slots))
     for (_, end), (start, _) in zip(ranges, ranges[1:] + [(flat.numel(), 0)]):

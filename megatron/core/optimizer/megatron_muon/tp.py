@@ -246,7 +246,7 @@ class _Streamed:
             k, p = dist.get_world_size(self.group), dist.get_rank(self.group)
             shard, self.load = self.load(), None
             self.blocks, self.join = sharded_block_steps(
-                shard, self.info, self.spec, self.info.partition_dim, True, (p, k), gather=True
+                shard, self.info, self.spec, self.info.partition_dim, True, (p, k, 1), gather=True
             )
         steps = self.blocks[b][1]
         self.blocks[b] = None  # its working set goes with it

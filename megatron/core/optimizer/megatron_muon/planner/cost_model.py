@@ -255,10 +255,11 @@ class NSCostModel:
         place = max((t * k + p for t in range(tp)), key=lambda q: ranges[q][1] - ranges[q][0])
         return place, tp * k, split
 
-    def slots(self, info) -> int:
-        """The slots a split polynomial's pieces are laid out in (``polynomial_ranges``): one
-        per TP rank where TP ranks each hold a part (``partial``), else 1."""
-        return self.tp_of(info) if self.partial(info) else 1
+    def slots(self, info) -> Optional[int]:
+        """The slots a gang's split polynomial's pieces are laid out in (``polynomial_ranges``):
+        one per TP rank where TP ranks each hold a part (``partial``); else None, whole rows
+        (gangs.py's ``_place``)."""
+        return self.tp_of(info) if self.partial(info) else None
 
     def lines(self, info, local: int, axis: int) -> int:
         """Lines of the block a member's TP rank iterates on, from the TP-local block's.
@@ -299,7 +300,8 @@ class NSCostModel:
         """
         flops = 0.0
         for g in self._grams(info, axis):
-            events = _after_sum(g, lines, info.shape[axis], self.places(info, part))
+            place = self.places(info, part)
+            events = _after_sum(g, lines, info.shape[axis], place, slots=self.slots(info))
             flops += upper_gram_flops(g, lines) + sum(e for e in events if isinstance(e, float))
         return self.steps * flops
 
@@ -466,12 +468,15 @@ def _slice(elements: int) -> int:
     return int(elements) if elements < tp else -(-int(elements) // tp)
 
 
-def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1, slots=1) -> tuple:
+def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1, slots=None) -> tuple:
     """One NS step after the Gram sum, in one of the three forms (docs/gangs.md): FLOPs
     (floats) and, for a split polynomial, its gather (``Gather``: its pieces' buffer, in
-    ``slots`` slots)."""
+    ``slots`` slots; None: whole rows, the ``g x g`` matrix)."""
     p, k, split = part
-    if split and splits_polynomial(g, long_side, k, reassociate=True):
+    if split and slots is None and splits_polynomial(g, long_side, k, True, pieces=False):
+        rows = (p + 1) * g // k - p * g // k
+        return (2.0 * g * g * rows, Gather(g * g, tp), 2.0 * g * g * lines)
+    if split and slots is not None and splits_polynomial(g, long_side, k, reassociate=True):
         start, end = polynomial_ranges(g, k, slots)[p]
         size = polynomial_size(g, k, slots)
         return (2.0 * g * (end - start), Gather(size, tp), 2.0 * g * g * lines)

@@ -89,8 +89,10 @@ class GangRunner:
 
     def _place(self, unit, tp) -> tuple[int, ...]:
         """(place, places[, slots]) of this rank's block in its split polynomials: ``unit.part``'s
-        among the members, or (``partial``) TP rank t's ``t k + p`` of ``tp k`` in ``tp`` slots,
-        so TP rank t's members hold slot t's pieces together (``_gang_gather``)."""
+        among the members (whole rows), or (``partial``) TP rank t's piece ``t k + p`` of ``tp
+        k`` in ``tp`` slots, so TP rank t's members hold slot t's pieces together
+        (``_gang_gather``). Whole rows outside the ``distributed`` TP mode: with pieces the
+        planner picked slower plans at 1B and 8B DP 1024 (bench/README.md, session 28)."""
         p, k, _ = unit.part
         if not self.partial or tp is None:
             return p, k
