@@ -443,8 +443,8 @@ def sharded_newton_schulz(
         precision: a name in ``PRECISIONS``.
         eps: the Frobenius norm's floor.
         reassociate: apply the step reassociated where ``reassociates``.
-        part: ``(p, k, gather)``: compute piece ``p`` of ``p(G)`` (``polynomial_rows``),
-            ``gather`` the rest (a ``Pieces``).
+        part: ``(p, k, gather)``: compute rows ``cut(g, k)[p]`` of ``p(G)``, ``gather`` the
+            rest (a ``Pieces`` of whole rows).
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
