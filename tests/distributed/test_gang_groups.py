@@ -87,7 +87,7 @@ def _fail_while_posted(flag: str):
         raise RuntimeError("out of memory")
         yield  # a generator function
 
-    serve = [{SUM: lambda x: runner._gang_sum(group, (0, 1), None, None, x)}, {}]
+    serve = [{SUM: lambda x: runner._gang_sum(group, (0, 1), None, None, None, x)}, {}]
     try:
         runner._interleave([unit(), failing()], serve, [(0, 1), (0, 1)])
     except RuntimeError as err:

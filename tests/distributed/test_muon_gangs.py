@@ -80,6 +80,7 @@ def _split(
     broken_partial=False,
     fp32_tp=False,
     nodes=(),
+    all_spread=False,
     **kw,
 ):
     """Hook: plan with low targets (gangs of 2 to 4 at DP=4), by FLOPs alone (so gangs split
@@ -91,7 +92,11 @@ def _split(
     partial sums over TP before the gang sum (no rank runs it). ``fp32_tp``: a Gram sum's TP
     collectives (``distributed``: the partials' exchange; the summed slices' all-gather) move
     fp32, not the NS dtype. ``nodes``: pretend the DP ranks sit on
-    these nodes (the plan's model says where)."""
+    these nodes (the plan's model says where). ``all_spread``: every gang sums as a lone gang
+    does (``cost_model.spreads``), in the runner and in the plan's model alike."""
+    if all_spread:
+        for module in (gangs, cost_model, plan_figures):
+            module.lone_gangs = lambda units, split: set(split)
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         model = _flops_only(ortho.plan)
@@ -127,9 +132,9 @@ def _in_flat_dtype(ranges_op):
     return op
 
 
-def _norm_sum_only(gang_sum, group, members, tp, ns_dtype, t):
+def _norm_sum_only(gang_sum, group, members, tp, ns_dtype, spread, t):
     """The squared norm summed; the Gram matrices stay partial (summed on a copy)."""
-    return gang_sum(group, members, tp, ns_dtype, t if t.numel() == 1 else t.clone())
+    return gang_sum(group, members, tp, ns_dtype, spread, t if t.numel() == 1 else t.clone())
 
 
 def _own_rows_only(gather, rank, group, members, tp, pieces):
@@ -244,7 +249,7 @@ def _own_tp_trace(plan) -> list:
     return plan_figures.trace(own, plan.rank)
 
 
-def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None):
+def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None, all_spread=False):
     """One real DP=4 step with gangs (stacked, or ``disjoint`` on the wide one-layer model):
     matmul FLOPs between collectives, the collectives' members and sizes, bytes and the peak of
     the exchange's allocations, next to the plan's."""
@@ -256,7 +261,7 @@ def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None):
     if disjoint:
         _bundle(optimizer)
     else:
-        _split(optimizer, nodes=nodes)
+        _split(optimizer, nodes=nodes, all_spread=all_spread)
     (distopt,) = distopts(optimizer)
     ortho, plan = distopt.optimizer.orthogonalizer, distopt.muon_plan
     counter, trace = MatmulFlops(), []
@@ -304,10 +309,13 @@ def _record_results(runner) -> dict:
     wait = runner._wait
 
     def recorded(posted):
-        wait(posted)
+        then = wait(posted)
+        if posted.then is not None:  # a sum's reduce-scatter: its all-gather ends the sum
+            return then
         bits = posted.tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
         digest = hashlib.sha1(bits).hexdigest()
         got.setdefault(posted.members, []).append((posted.tensor.numel(), digest))
+        return then
 
     runner._wait = recorded
     return got
@@ -335,9 +343,10 @@ def _mark(ortho, name, describe, counter, trace):
 
 @functools.cache
 def counted_split_runs(
-    tp: int = 1, nodes: tuple = (), disjoint: bool = False, tp_mode=None, precision=None
+    tp: int = 1, nodes: tuple = (), disjoint: bool = False, tp_mode=None, precision=None, **kw
 ):
-    args = (nodes, disjoint, tp_mode, precision)
+    args = (nodes, disjoint, tp_mode, precision, kw.pop("all_spread", False))
+    assert not kw, kw
     return run_distributed(_counted_split_step, 4, tp=tp, args=args)
 
 
@@ -365,8 +374,19 @@ TP2 = {"tp": 2, "tp_mode": "distributed"}
 # every slice, the rank's own too)
 TP2_BF16 = {**TP2, "precision": "medium"}
 
+# bf16 Newton-Schulz on the disjoint plan: the gang of ranks 0, 1 runs fc1 alone (a lone gang),
+# the gang of 2, 3 three matrices
+DISJOINT_BF16 = {"disjoint": True, "precision": "medium"}
 
-@pytest.mark.parametrize("case", [{}, {"nodes": NODES}, {"disjoint": True}, TP2, TP2_BF16])
+# TP 2 x DP 2 (``distributed``), bf16 NS, every gang sum as two collectives (forced: the stacked
+# gangs share ranks): reduced over TP, reduce-scattered in fp32 over the gang of 2, all-gathered
+# in bf16 over the gang, then over TP
+TP2_SPREAD = {**TP2_BF16, "all_spread": True}
+
+
+@pytest.mark.parametrize(
+    "case", [{}, {"nodes": NODES}, {"disjoint": True}, TP2, TP2_BF16, DISJOINT_BF16, TP2_SPREAD]
+)
 def test_every_member_of_a_gang_holds_the_same_bits(case):
     """The members' blocks are rows (columns) of one result, so each gang sum (squared norm,
     packed Gram) and gathered polynomial must be bit-identical on every member: torch's
@@ -468,16 +488,23 @@ def test_resume_with_gangs_is_bit_exact(tmp_path):
 WIDE = dict(num_layers=1, ffn_hidden_size=384)
 
 
-def _bundle(optimizer):
-    """Hook: disjoint gangs of up to 3 matrices (``placement.bundle_units``), by FLOPs."""
+def _bundle(optimizer, one_all_reduce=False, broken_spread=False):
+    """Hook: disjoint gangs of up to 3 matrices (``placement.bundle_units``), by FLOPs.
+    ``one_all_reduce``: no lone gang sums in two collectives (``cost_model.spreads``);
+    ``broken_spread``: negative control, a two-collective sum's all-gather lands nowhere (each
+    member keeps its own partials)."""
+    if one_all_reduce:
+        gangs.lone_gangs = lambda units, split: set()
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         plan = ortho.plan.rebuilt(model=_flops_only(ortho.plan), targets=(), bundles=(3,))
         ortho.plan = distopt.muon_plan = plan
         ortho.gangs.make_groups(plan)
-        gangs = [u.members for m in plan.matrices for u in m.units[:1] if u.gang]
-        assert sorted(set(gangs)) == [(0, 1), (2, 3)], gangs  # disjoint member sets
-        assert sorted(gangs.count(g) for g in set(gangs)) == [1, 3]  # fc1 | fc2, QKV, proj
+        if broken_spread:
+            ortho.gangs._reduce = functools.partial(_spread_dropped, ortho.gangs._reduce)
+        sets = [u.members for m in plan.matrices for u in m.units[:1] if u.gang]
+        assert sorted(set(sets)) == [(0, 1), (2, 3)], sets  # disjoint member sets
+        assert sorted(sets.count(g) for g in set(sets)) == [1, 3]  # fc1 | fc2, QKV, proj
 
 
 def test_disjoint_gangs_match_one_process_and_run_the_plans_schedule():
@@ -493,6 +520,70 @@ def test_disjoint_gangs_match_one_process_and_run_the_plans_schedule():
         train, 4, args=(spec, STEPS), kwargs={**kwargs, "optimizer_hook": _bundle}
     )
     assert_close_runs(ref, got, tol=TOL["fp32"], loss_rtol=LOSS_RTOL["fp32"])
+
+
+def _spread_dropped(reduce, *args):
+    """``GangRunner._reduce`` whose all-gather runs but is never copied into the sum."""
+    posted = reduce(*args)
+
+    def then(t):
+        return dataclasses.replace(posted.then(t), fill=None)
+
+    return dataclasses.replace(posted, then=then)
+
+
+def test_a_lone_gang_sums_in_two_collectives_as_the_plan_counts():
+    """bf16 NS: the lone gang sums each packed Gram as an fp32 reduce-scatter, then an
+    all-gather of the sums in bf16 (``cost_model.spreads``: 3/4 of an fp32 all-reduce's
+    bytes); the other gang, whose members run three matrices, keeps one all-reduce per sum.
+    Each rank's FLOPs between collectives, its collectives (both halves posted and waited
+    for) and their ring bytes are the plan's."""
+    runs = counted_split_runs(**DISJOINT_BF16)
+    for r in runs:
+        assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
+        assert _same_sum(*r["sum_bytes"])
+    phases = lambda r: {getattr(n, "phase", None) for _, op, _, n in r["plan_trace"]}  # noqa: E731
+    assert {cost_model.REDUCE, cost_model.SPREAD} <= phases(runs[0])
+    assert cost_model.REDUCE not in phases(runs[2]) and cost_model.ALL_REDUCE in phases(runs[2])
+
+
+def test_a_lone_gangs_two_collectives_change_no_bit():
+    """bf16 NS: the lone gang's sums as two collectives leave every rank's params bit-identical
+    to one fp32 all-reduce each: a gang of 2 adds its two fp32 partials alike in either order,
+    and the Gram's consumer (``unpack_symmetric``) rounds the sum to bf16 either way.
+    Negative control: with the all-gather dropped the params differ."""
+    spec, bf16 = TinyGPT(**WIDE), {**MUON, "muon_fp32_matmul_prec": "medium"}
+    kwargs = {**bf16, "distopt": True, "bucket_size": BUCKET, "overlap": True}
+
+    def run(**hook):
+        hook = functools.partial(_bundle, **hook)
+        args = (spec, CONTROL_STEPS)
+        return run_distributed(train, 4, args=args, kwargs={**kwargs, "optimizer_hook": hook})
+
+    got, one, broken = run(), run(one_all_reduce=True), run(broken_spread=True)
+    for rank, ((_, params, _), (_, other, _)) in enumerate(zip(got, one)):
+        assert params.keys() == other.keys()
+        for name in params:
+            assert torch.equal(params[name], other[name]), (rank, name)
+    assert not all(torch.equal(broken[0][1][n], one[0][1][n]) for n in one[0][1])
+
+
+def test_sums_in_two_collectives_over_tp_change_no_bit_and_are_the_plans():
+    """As a lone gang of 70B fc1 blocks sums in the ``distributed`` mode: every rank's params
+    end bit-identical to one fp32 all-reduce per sum (a gang of 2 adds two fp32 partials alike
+    in either order; the Gram's consumer rounds to bf16 either way), and each TP rank's FLOPs
+    between collectives, its collectives and their ring bytes are the plan's."""
+    for r in counted_split_runs(**TP2_SPREAD):
+        assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
+        assert _same_sum(*r["sum_bytes"])
+        assert cost_model.SPREAD in {getattr(n, "phase", None) for *_, n in r["plan_trace"]}
+    bf16_ns = dict(muon_tp_mode="distributed", muon_fp32_matmul_prec="medium")
+    spread = functools.partial(_split, all_spread=True)
+    got = run_layout("fp32", 4, tp=2, hook=spread, steps=CONTROL_STEPS, **bf16_ns)
+    one = run_layout("fp32", 4, tp=2, hook=_split, steps=CONTROL_STEPS, **bf16_ns)
+    for rank, ((_, params, _), (_, other, _)) in enumerate(zip(got, one)):
+        for name in params:
+            assert torch.equal(params[name], other[name]), (rank, name)
 
 
 def _planning_model(**overrides):

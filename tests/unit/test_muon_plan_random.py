@@ -54,6 +54,7 @@ from megatron.core.optimizer.megatron_muon.planner.cost_model import (
     POST,
     critical_path,
     cut,
+    lone_gangs,
     member_events,
 )
 from megatron.core.optimizer.megatron_muon.planner.placement import (
@@ -393,14 +394,21 @@ def _check_traffic(plan: MuonExchangePlan, ex) -> None:
 def _check_gang_events(plan: MuonExchangePlan, ex) -> None:
     """Every member of a gang runs the same collectives, of the sizes ``gang_sums`` counts."""
     counted = Counter(plan_figures.gang_sums(plan, ex))
+    lone = lone_gangs([m.units for m in plan.matrices], ex.gangs)
     for i in ex.gangs:
         slot = plan.matrices[i]
         runs = set()
         for u in slot.units:
-            events = member_events(plan.model, slot.info, u.axis, u.lines, u.part)
-            runs.add(tuple((type(e), int(e)) for e in events if not isinstance(e, float)))
+            events = member_events(plan.model, slot.info, u.axis, u.lines, u.part, i in lone)
+            runs.add(
+                tuple(
+                    (type(e), getattr(e, "phase", None), int(e))
+                    for e in events
+                    if not isinstance(e, float)
+                )
+            )
         assert len(runs) == 1, f"{slot.name}: members run different collectives"
-        for kind, n in runs.pop():
+        for kind, _, n in runs.pop():
             counted[slot.units[0].members, kind(n)] -= 1
     assert not +counted and not -counted, "gang_sums is not what the members run"
 

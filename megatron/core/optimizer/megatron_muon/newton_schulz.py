@@ -476,19 +476,28 @@ def serve(steps: Generator[Request, None, Tensor], handlers: dict) -> Tensor:
         return done.value
 
 
+class Then(NamedTuple):
+    """``interleave``'s ``wait`` returns it where a request's next collective is posted."""
+
+    handle: object
+
+
 def interleave(
     steps: Sequence[Generator], post: Callable, wait: Callable, window: Optional[int] = None
 ) -> list:
     """Run request generators round-robin, at most ``window`` started and unfinished at once (a
     finished one's place goes to the next, at once): each request is handed to ``post(i, kind,
-    t)``, and ``wait`` gets its handle before generator ``i`` resumes. The posts come in one
+    t)``, and ``wait`` gets its handle before generator ``i`` resumes. A request served in two
+    collectives (a gang sum's reduce-scatter, then its all-gather) has ``wait`` return the
+    second's handle (in a ``Then``), waited for at ``i``'s next turn. The posts come in one
     order, fixed by the generators' requests alone, so peers running the same list post alike
     (docs/gangs.md).
 
     Args:
         steps: the generators.
         post: starts serving request ``(kind, t)`` of generator ``i``; returns a handle.
-        wait: until a handle's request is served.
+        wait: until a handle's collective is done; returns ``Then(handle)`` of the request's
+            next collective, anything else when the request is served.
         window: the most generators running together; None: all.
 
     Returns:
@@ -500,7 +509,11 @@ def interleave(
     while live:
         i = live.popleft()
         if i in pending:
-            wait(pending.pop(i))
+            then = wait(pending.pop(i))
+            if isinstance(then, Then):  # the request's next collective, posted: its own turn
+                pending[i] = then.handle
+                live.append(i)
+                continue
         try:
             kind, t = steps[i].send(None)
         except StopIteration as done:

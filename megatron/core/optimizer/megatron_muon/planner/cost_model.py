@@ -4,7 +4,7 @@ critical path; pure arithmetic (docs/gangs.md)."""
 import dataclasses
 import functools
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -128,8 +128,8 @@ class NSCostModel:
         Returns:
             (slow-link bytes, fast-link bytes) each way per member.
         """
-        size = _itemsize(elements, self.ns_itemsize)
-        return ring_traffic(_slice(elements), size, _passes(elements), self.layout(members))
+        size, layout = _itemsize(elements, self.ns_itemsize), self.layout(members)
+        return ring_traffic(_slice(elements), size, _passes(elements), layout, _nested(elements))
 
     def free_links(self) -> "NSCostModel":
         """A copy with links that cost nothing: the model FLOPs-only candidates are shaped with."""
@@ -203,7 +203,7 @@ class NSCostModel:
         """
         m, n = self.layout(members)
         if m > 1 and n > 1:
-            steps = 2 * (m - 1) + 2 * (n - 1)
+            steps = _nested(elements) * (m - 1 + n - 1)
         else:
             steps = _passes(elements) * (max(m, n) - 1)
         return steps
@@ -354,15 +354,22 @@ class NSCostModel:
         return k > 1 and cost(True) < cost(False)
 
 
+# How a gang sums a tensor (``Sum.phase``): one fp32 all-reduce, or two collectives
+# (``spreads``): an fp32 reduce-scatter, then an all-gather of the summed slices in the NS dtype.
+ALL_REDUCE, REDUCE, SPREAD = "all", "reduce", "spread"
+
+
 class Sum(int):
     """A gang collective's elements, summed: an ``int`` that also carries ``tp``, the TP ranks
-    that each sum one slice of it."""
+    that each sum one slice of it, and ``phase``: the whole sum (``ALL_REDUCE``) or one of its
+    two collectives (``REDUCE``, ``SPREAD``; ``spreads``)."""
 
     tp: int
+    phase: str
 
-    def __new__(cls, elements: int, tp: int = 1) -> "Sum":
+    def __new__(cls, elements: int, tp: int = 1, phase: str = ALL_REDUCE) -> "Sum":
         out = super().__new__(cls, elements)
-        out.tp = tp
+        out.tp, out.phase = tp, phase
         return out
 
 
@@ -374,6 +381,65 @@ class Partial(Sum):
     """A gang sum whose TP ranks each hold a partial sum of the whole tensor (``distributed``):
     reduced over TP into slices (``tp.reduce_scatter_ranges``), each slice summed over the gang,
     all-gathered over TP."""
+
+
+def spreads(elements: int, members: int, ns_itemsize: int) -> bool:
+    """Whether a lone gang (``lone_gangs``) of ``members`` sums a slice of ``elements`` as an
+    fp32 reduce-scatter and an all-gather of the sums in the NS dtype (``REDUCE`` then
+    ``SPREAD``), not one fp32 all-reduce: where the NS dtype is narrower and every member gets
+    elements. Only packed Grams are that large, and their consumer (``unpack_symmetric``)
+    rounds to the NS dtype, so the gather changes no bit and moves ``ns_itemsize / 4`` of the
+    all-reduce's second half; each sum is computed on one member and gathered, so all members
+    hold the same bits.
+
+    Args:
+        elements: the slice's elements (``_slice``).
+        members: the gang's size.
+        ns_itemsize: bytes per element of the NS dtype.
+
+    Returns:
+        True for the two collectives.
+    """
+    return ns_itemsize < 4 and 1 < members <= elements
+
+
+def lone_gangs(units: list, gangs: list[int]) -> set[int]:
+    """The gangs (matrix indices) whose every member runs no other gang unit in the exchange:
+    their sums may be two collectives (``spreads``). A rank running several units posts their
+    collectives one after another on its link, so another unit's would come between a sum's
+    two halves and delay the second (``critical_path``); those keep one all-reduce.
+
+    Args:
+        units: per matrix its ``Unit`` list.
+        gangs: the split matrices' indices.
+
+    Returns:
+        Indices into ``units``.
+    """
+    held = Counter(u.owner for i in gangs for u in units[i])
+    return {i for i in gangs if all(held[u.owner] == 1 for u in units[i])}
+
+
+def sum_events(
+    total: type, elements: int, tp: int, members: int, ns_itemsize: int, lone: bool
+) -> list:
+    """A gang sum of ``elements`` as the collectives a member posts (``spreads``).
+
+    Args:
+        total: ``Sum`` or ``Partial``.
+        elements: the tensor's elements.
+        tp: TP ranks that each sum one slice.
+        members: the gang's size.
+        ns_itemsize: bytes per element of the NS dtype.
+        lone: the gang is one of ``lone_gangs``.
+
+    Returns:
+        One ``total`` whole, or its ``REDUCE`` and ``SPREAD`` phases.
+    """
+    whole = total(elements, tp)
+    if not lone or not spreads(_slice(whole), members, ns_itemsize):
+        return [whole]
+    return [total(elements, tp, REDUCE), total(elements, tp, SPREAD)]
 
 
 def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
@@ -392,17 +458,21 @@ def around_gang(elements: int, ns_dtype: str) -> tuple[list, list]:
         all-reduce; a sliced collective's all-gather of the slices, in the NS dtype (the
         Gram's consumer rounds to it). Lists of ``TPCollective``.
     """
-    tp = getattr(elements, "tp", 1)
+    tp, phase = getattr(elements, "tp", 1), getattr(elements, "phase", ALL_REDUCE)
     if tp == 1:
         return [], []
     n, chunk = int(elements), -(-int(elements) // tp)
     before = []
-    if isinstance(elements, Partial) and n < tp:
+    if phase == SPREAD:
+        pass  # a sum's second collective: its TP reduce ran before the first
+    elif isinstance(elements, Partial) and n < tp:
         before = [TPCollective("all_reduce", n, "float32", tp)]
     elif isinstance(elements, Partial):  # each rank sends tp - 1 chunks, receives as many
         moved = 2 * (tp - 1) * chunk
         before = [TPCollective("all_to_all_single", tp * chunk, ns_dtype, tp, moved)]
-    after = [TPCollective("all_gather_into_tensor", chunk, ns_dtype, tp)] if n >= tp else []
+    after = []
+    if n >= tp and phase != REDUCE:  # a sum's first collective: the slices come after its second
+        after = [TPCollective("all_gather_into_tensor", chunk, ns_dtype, tp)]
     return before, after
 
 
@@ -427,19 +497,26 @@ def node_layout(members: tuple, nodes: tuple) -> tuple[int, int]:
 
 
 def _itemsize(elements: int, ns_itemsize: int) -> int:
-    """Bytes per element of a gang collective: fp32 sums, gathers in the NS dtype."""
-    return ns_itemsize if isinstance(elements, Gather) else 4
+    """Bytes per element of a gang collective: fp32 sums, gathers (and a sum's ``SPREAD``) in
+    the NS dtype."""
+    spread = getattr(elements, "phase", None) == SPREAD
+    return ns_itemsize if isinstance(elements, Gather) or spread else 4
 
 
-def ring_traffic(n: float, itemsize: int, passes: int, layout: tuple[int, int]) -> tuple:
+def ring_traffic(
+    n: float, itemsize: int, passes: int, layout: tuple[int, int], nested: int = 2
+) -> tuple:
     """(slow-link, fast-link) bytes each way per member of a gang collective modeled as rings
-    (also gangs.py's count): one ring per layout, or two passes in a node and over the nodes.
+    (also gangs.py's count): one ring per layout, or ``nested`` passes in a node and over the
+    nodes.
 
     Args:
         n: elements of the (TP slice of the) tensor.
         itemsize: bytes per element.
-        passes: 2 for a sum, 1 for a gather.
+        passes: 2 for a sum, 1 for a gather or one phase of a sum.
         layout: ``node_layout`` of the gang.
+        nested: passes on each level across nodes: 2 for a sum or a gather, 1 for one phase
+            of a sum (its reduce-scatter, or its all-gather).
 
     Returns:
         (slow-link bytes, fast-link bytes).
@@ -449,12 +526,19 @@ def ring_traffic(n: float, itemsize: int, passes: int, layout: tuple[int, int]) 
         return 0.0, _ring_bytes(n, m, itemsize, passes)
     if m == 1:
         return _ring_bytes(n, nodes, itemsize, passes), 0.0
-    return _ring_bytes(n / m, nodes, itemsize, 2), _ring_bytes(n, m, itemsize, 2)
+    return _ring_bytes(n / m, nodes, itemsize, nested), _ring_bytes(n, m, itemsize, nested)
 
 
 def _passes(elements: int) -> int:
-    """Ring passes of a collective: 2 for a sum (reduce-scatter, all-gather), 1 for a gather."""
-    return 1 if isinstance(elements, Gather) else 2
+    """Ring passes of a collective: 2 for a sum (reduce-scatter, all-gather), 1 for a gather or
+    one phase of a sum."""
+    whole = getattr(elements, "phase", ALL_REDUCE) == ALL_REDUCE
+    return 1 if isinstance(elements, Gather) or not whole else 2
+
+
+def _nested(elements: int) -> int:
+    """``ring_traffic``'s passes per level across nodes: 1 for one phase of a sum, else 2."""
+    return 2 if getattr(elements, "phase", ALL_REDUCE) == ALL_REDUCE else 1
 
 
 def _ring_bytes(n: float, k: int, itemsize: int, passes: int) -> float:
@@ -485,7 +569,9 @@ def _after_sum(g: int, lines: int, long_side: int, part: tuple, tp: int = 1, slo
     return (2.0 * g**3 + 2.0 * g * g * lines,)
 
 
-def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) -> list:
+def member_events(
+    model: NSCostModel, info, axis: int, lines: int, part: tuple, lone: bool = False
+) -> list:
     """What a gang member runs, in order: FLOPs (floats) and collectives (``Sum``/``Gather``).
 
     Args:
@@ -494,6 +580,7 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
         axis: the split axis (0: rows, 1: columns).
         lines: the member's lines of the TP-gathered block.
         part: ``Unit.part``.
+        lone: the gang is one of ``lone_gangs`` (its Gram sums may be two collectives).
 
     Returns:
         The member's events in execution order.
@@ -502,10 +589,11 @@ def member_events(model: NSCostModel, info, axis: int, lines: int, part: tuple) 
     tp, place = model.sharing(info), model.places(info, part)
     total = Partial if model.partial(info) else Sum
     for g in model._grams(info, axis):
-        out.append(total(1, tp))  # the squared norm
+        out += sum_events(total, 1, tp, part[1], model.ns_itemsize, lone)  # the squared norm
+        gram = sum_events(total, packed_size(g), tp, part[1], model.ns_itemsize, lone)
         for _ in range(model.steps):
             after = _after_sum(g, lines, info.shape[axis], place, tp, model.slots(info))
-            out += [float(upper_gram_flops(g, lines)), total(packed_size(g), tp), *after]
+            out += [float(upper_gram_flops(g, lines)), *gram, *after]
     return out
 
 
@@ -531,11 +619,11 @@ def exchange_schedule(infos: list, units: list, gangs: list[int], world: int, mo
         One trace per rank.
     """
     held: list[list] = [[] for _ in range(world)]
+    lone = lone_gangs(units, gangs)
     for i in gangs:
         for u in units[i]:
-            held[u.owner].append(
-                (u.members, member_events(model, infos[i], u.axis, u.lines, u.part))
-            )
+            events = member_events(model, infos[i], u.axis, u.lines, u.part, i in lone)
+            held[u.owner].append((u.members, events))
     whole = [0.0] * world
     for matrix_units in units:
         for u in matrix_units:
@@ -725,13 +813,13 @@ def arrival_times(
 
 
 def _priced_once(fn: Callable) -> Callable:
-    """``fn`` computed once per distinct arguments, told apart by type and ``tp`` too: a
-    ``Sum``, a ``Gather`` and a ``Partial`` of one size (or of two TP sizes) are equal ints,
-    but their collectives cost differently."""
+    """``fn`` computed once per distinct arguments, told apart by type, ``tp`` and ``phase`` too:
+    a ``Sum``, a ``Gather`` and a ``Partial`` of one size (or of two TP sizes, or two phases)
+    are equal ints, but their collectives cost differently."""
     done: dict = {}
 
     def priced(*args):
-        key = tuple((type(a), getattr(a, "tp", None), a) for a in args)
+        key = tuple((type(a), getattr(a, "tp", None), getattr(a, "phase", None), a) for a in args)
         if key not in done:
             done[key] = fn(*args)
         return done[key]

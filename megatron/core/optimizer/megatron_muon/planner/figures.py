@@ -15,6 +15,7 @@ from .cost_model import (
     around_gang,
     critical_path,
     exchange_schedule,
+    lone_gangs,
     member_events,
 )
 from .plan import (
@@ -216,10 +217,11 @@ def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...
         (members, elements) per collective (a gather's elements: a ``cost_model.Gather``).
     """
     out = []
+    lone = lone_gangs([m.units for m in plan.matrices], ex.gangs)
     for i in ex.gangs:
         unit = plan.matrices[i].units[0]
         info = plan.matrices[i].info
-        events = member_events(plan.model, info, unit.axis, unit.lines, unit.part)
+        events = member_events(plan.model, info, unit.axis, unit.lines, unit.part, i in lone)
         out += [(unit.members, e) for e in events if not isinstance(e, float)]
     return out
 

@@ -13,9 +13,9 @@ from torch import Tensor
 
 from ..exchange import Exchange
 from ..functional import OrthoSpec, orthogonalize_sharded_steps
-from ..newton_schulz import GATHER, SUM, Pieces, compute_dtype, interleave
+from ..newton_schulz import GATHER, SUM, Pieces, Then, compute_dtype, interleave
 from ..tp import TPOrthogonalizer, all_gather_ranges, post_gather_ranges, reduce_scatter_ranges
-from .cost_model import cut, node_layout, ring_traffic
+from .cost_model import cut, lone_gangs, node_layout, ring_traffic, spreads
 
 
 class GangRunner:
@@ -66,17 +66,21 @@ class GangRunner:
         slots = [self.plan.matrices[i] for i in gangs]
         units = [slot.unit_of(self.plan.rank) for slot in slots]
         ranks = torch.distributed.get_process_group_ranks(ex.group)
+        lone = lone_gangs([m.units for m in plan.matrices], ex.gangs)
 
         def gang_fn(updates: list[Tensor], infos: list) -> list[Tensor]:
             steps, serve, ns_dtype = [], [], compute_dtype(spec.precision)
-            for u, info, unit in zip(updates, infos, units):
+            for i, u, info, unit in zip(gangs, updates, infos, units):
                 members, tp = unit.members, self._sharing(info)
+                spread = ns_dtype if i in lone else None
                 part = self._place(unit, tp) if unit.splits else None
                 steps.append(orthogonalize_sharded_steps(u, info, spec, unit.axis, True, part))
                 group = self._group(ranks, members)
                 serve.append(
                     {
-                        SUM: functools.partial(self._gang_sum, group, members, tp, ns_dtype),
+                        SUM: functools.partial(
+                            self._gang_sum, group, members, tp, ns_dtype, spread
+                        ),
                         GATHER: functools.partial(self._gang_gather, group, members, tp),
                     }
                 )
@@ -118,11 +122,15 @@ class GangRunner:
         """Post ``serve(t)``, a gang collective over ``members``, in place on ``t``."""
         return serve(t)
 
-    def _wait(self, posted: "Posted") -> None:
-        """Until a posted collective is done (on NCCL: the current stream waits for it)."""
+    def _wait(self, posted: "Posted") -> Optional[Then]:
+        """Until a posted collective is done (on NCCL: the current stream waits for it); then
+        its next collective posted (a sum's ``SPREAD``), for ``interleave`` to wait for."""
         posted.work.wait()
         if posted.fill is not None:
             posted.fill()
+        if posted.then is not None:
+            return Then(self._post(posted.then, posted.tensor, posted.members))
+        return None
 
     def _sharing(self, info):
         """The TP group whose ranks each sum a slice over DP: they share the gathered block
@@ -132,13 +140,15 @@ class GangRunner:
             return inner._group(info)
         return None
 
-    def _gang_sum(self, group, members: tuple[int, ...], tp, ns_dtype, t: Tensor) -> "Posted":
+    def _gang_sum(self, group, members, tp, ns_dtype, spread, t: Tensor) -> "Posted":
         """Post ``t``'s sum in place over the gang (per TP slice where TP ranks share the block;
         ``partial``: the TP ranks' parts summed over TP first, as ``cost_model.Partial``). A
         sliced sum is a packed Gram, so its TP collectives move ``ns_dtype`` and change no bit:
         its TP partials are exchanged in it (they are NS-dtype matmul results) and summed in
         fp32, and the summed slices come back in it (their consumer, ``unpack_symmetric``,
-        rounds to it). The squared norm (1 element) is never sliced."""
+        rounds to it). The squared norm (1 element) is never sliced. A lone gang's
+        (``spread``: the NS dtype; else None) large sums are a reduce-scatter and an all-gather
+        in that dtype (``cost_model.spreads``)."""
         flat = t.view(-1)
         lo, hi, slices, p = _tp_slice(flat.numel(), tp)
         if self.partial and tp is not None:
@@ -146,10 +156,44 @@ class GangRunner:
                 reduce_scatter_ranges(flat, slices, p, tp, ns_dtype)
             else:  # too small to slice
                 torch.distributed.all_reduce(flat, group=tp)
+        then = _then_tp(None, flat, slices, p, tp, ns_dtype)
+        busiest = -(-flat.numel() // len(slices)) if slices else flat.numel()
+        if spread is not None and spreads(busiest, len(members), spread.itemsize):
+            return self._reduce(group, members, flat[lo:hi], spread, then, t)
         work = torch.distributed.all_reduce(flat[lo:hi], group=group, async_op=True)
         moved = ring_traffic(hi - lo, t.element_size(), 2, self._layout(members))
         self.sum_bytes += 2 * sum(moved)
-        return Posted(work, _then_tp(None, flat, slices, p, tp, ns_dtype), t, members)
+        return Posted(work, then, t, members)
+
+    def _reduce(self, group, members, flat: Tensor, ns_dtype, then, t: Tensor) -> "Posted":
+        """Post ``flat``'s fp32 sum over the gang as ``cost_model.spreads`` says: a
+        reduce-scatter (``flat`` padded to equal chunks), and for after its wait the all-gather
+        of the summed chunks in ``ns_dtype`` into ``flat``, then ``then``."""
+        k, n = len(members), flat.numel()
+        chunk = -(-n // k)
+        padded = flat.new_zeros(k * chunk)
+        padded[:n] = flat
+        mine = flat.new_empty(chunk)
+        work = torch.distributed.reduce_scatter_tensor(mine, padded, group=group, async_op=True)
+        layout = self._layout(members)
+        for itemsize in (flat.element_size(), ns_dtype.itemsize):  # the two phases
+            self.sum_bytes += 2 * sum(ring_traffic(n, itemsize, 1, layout, nested=1))
+
+        def spread(_: Tensor) -> "Posted":
+            gathered = mine.new_empty(k * chunk, dtype=ns_dtype)
+            ours = mine.to(ns_dtype)
+            work = torch.distributed.all_gather_into_tensor(
+                gathered, ours, group=group, async_op=True
+            )
+
+            def fill() -> None:
+                flat.copy_(gathered[:n])
+                if then is not None:
+                    then()
+
+            return Posted(work, fill, t, members)
+
+        return Posted(work, None, t, members, spread)
 
     def _gang_gather(self, group, members: tuple[int, ...], tp, pieces: Pieces) -> "Posted":
         """Post the gather of a split polynomial's pieces in place over the gang (one padded
@@ -173,12 +217,14 @@ class GangRunner:
 
 @dataclass(frozen=True)
 class Posted:
-    """A posted gang collective: its work, what completes it after the wait, its tensor, gang."""
+    """A posted gang collective: its work, what completes it after the wait, its tensor, gang,
+    and the collective to post after it (``then(tensor)``; a sum's ``SPREAD``), if any."""
 
     work: object
     fill: Optional[Callable[[], None]]
     tensor: Tensor
     members: tuple[int, ...]
+    then: Optional[Callable[[Tensor], "Posted"]] = None
 
 
 def _then_tp(fill, flat: Tensor, slices, p: int, tp, dtype=None) -> Optional[Callable[[], None]]:
