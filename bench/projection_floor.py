@@ -13,14 +13,18 @@ Two bounds, the larger is the floor:
 * the slowest NS block (a matrix, or one Q, K or V block of a fused QKV weight: each is
   orthogonalized alone): split over ``k`` GPUs (any ``k`` up to the GPU count), each runs ``1 / k``
   of its FLOPs, and every NS step sums the block's Gram (``g x g``, ``g`` its short side) over the
-  ``k``: at least one all-reduce of its packed upper triangle in fp32 (the sum every exact split
-  here runs: ``functional.orthogonalize_sharded_steps``; no split avoids it, since each member's
-  block contributes to every Gram element). The all-reduce is hierarchical at its cheapest: a ring
-  inside the node over NVLink (``2 (m - 1) / m`` of the bytes, ``m`` members per node), then across
-  the ``n`` nodes a ring of each GPU's ``1 / m`` slice over its own link (``2 (n - 1) / n`` of
-  that). A gathered block (``newton_schulz.gathers``) is the split over one GPU. Latency, the norm,
-  the polynomial's gather, the exchange and padding are left out, so the floor is below what any
-  schedule of ours (or LayerWise's) takes.
+  ``k`` (the sum every exact split here runs: ``functional.orthogonalize_sharded_steps``; no split
+  avoids it, since each member's block contributes to every Gram element), its packed upper
+  triangle at its cheapest, hierarchical: inside the node over NVLink the ``m`` members exchange
+  their partials in the NS dtype (each is one GPU's NS-dtype matmul result, exact in it) and get
+  the sums back in it (their consumer rounds to it): ``2 (m - 1) / m`` of the NS-dtype bytes;
+  across the ``n`` nodes each GPU's ``1 / m`` slice, a sum of partials no longer exact in the NS
+  dtype, is reduce-scattered in fp32 and gathered back in the NS dtype over its own link:
+  ``(n - 1) / n`` of it at ``4 + ns`` bytes per element (the gangs' Gram sums: planner/gangs.py;
+  before session 29 the floor took one fp32 all-reduce on both levels). A gathered block
+  (``newton_schulz.gathers``) is the split over one GPU. Latency, the norm, the polynomial's
+  gather, the exchange and padding are left out, so the floor is below what any schedule of ours
+  (or LayerWise's) takes.
 """
 
 import argparse
@@ -39,7 +43,7 @@ from megatron.core.optimizer.megatron_muon.newton_schulz import packed_size  # n
 
 def split_seconds(block: tuple[int, int], k: int, a) -> float:
     """The least time of one NS block's NS split over ``k`` GPUs: its FLOPs / k and, where
-    ``k > 1``, one fp32 Gram all-reduce per step, hierarchical over nodes (module docstring).
+    ``k > 1``, one Gram sum per step, hierarchical over nodes (module docstring).
 
     Args:
         block: the block's (rows, cols): a matrix, or one Q, K or V block of a fused QKV weight.
@@ -50,10 +54,10 @@ def split_seconds(block: tuple[int, int], k: int, a) -> float:
         Seconds.
     """
     rate = a.peak_tflops * 1e12 * a.mfu
-    gram = packed_size(min(block)) * 4
+    gram, ns = packed_size(min(block)), a.ns_bytes
     m, n = min(k, a.gpus_per_node), -(-k // a.gpus_per_node)
-    per_step = 2 * (m - 1) / m * gram / (a.tp_link_gbps / 8 * 1e9)
-    per_step += 2 * (n - 1) / n * gram / m / (a.link_gbps / 8 * 1e9)
+    per_step = 2 * (m - 1) / m * gram * ns / (a.tp_link_gbps / 8 * 1e9)
+    per_step += (n - 1) / n * gram / m * (4 + ns) / (a.link_gbps / 8 * 1e9)
     return least_flops(block) / k / rate + NS_STEPS * per_step
 
 
@@ -112,7 +116,8 @@ def main(argv=None) -> list[dict]:
     print(
         f"PROJECTION (a lower bound): {a.peak_tflops:g} TFLOP/s x {a.mfu:g}, NVLink "
         f"{a.tp_link_gbps:g} Gb/s inside {a.gpus_per_node}-GPU nodes, {a.link_gbps:g} Gb/s "
-        f"between, {a.tokens:,} tokens/step, {NS_STEPS} NS steps, fp32 Gram sums"
+        f"between, {a.tokens:,} tokens/step, {NS_STEPS} NS steps, Gram sums: "
+        f"partials in {a.ns_bytes} B in a node, fp32 across nodes, back in {a.ns_bytes} B"
     )
     print(
         "| model | TP x DP (GPUs) | model step | work bound | slowest NS block: best split "
