@@ -31,7 +31,9 @@ It models the schedule the optimizer executes, with the optimizer's own planning
   ``planner/plan.py``'s ``tp_collectives``; tests/distributed/test_muon_tp_collectives.py ties
   the count to a real TP 2 step): ``duplicated``'s all-gather of each owned matrix (and gang
   block) over TP before Newton-Schulz, ``distributed``'s per block norm all-reduce and, per NS
-  step, the packed fp32 Gram all-reduce and the all-gather of the polynomial's rows,
+  step, the packed Gram's sum (in a NS dtype narrower than fp32 its partials' all-to-all and
+  the sums' all-gather in it, ``tp.sums_in``; else an fp32 all-reduce) and the all-gather of
+  the polynomial's pieces,
   ``blockwise``'s none; at ``--tp-link-gbps`` (NVLink, 450 GB/s per direction as the planner's
   ``PlanLinks``), ring bytes each way, on the owner's main thread (no overlap), so it lies on the
   critical path where it runs; ``distributed``'s as its stream posts and waits for them

@@ -13,6 +13,7 @@ import os
 import sys
 
 import pytest
+import torch
 from harness import run_distributed
 from test_muon_distopt import BUCKET, MUON, distopts
 from test_muon_gangs import _split
@@ -87,23 +88,28 @@ def _streamed(optimizer) -> tuple[list, object]:
     from test_muon_distopt import MatmulFlops, count_optimizer_step
 
     from megatron.core.optimizer.megatron_muon import tp
-    from megatron.core.optimizer.megatron_muon.newton_schulz import SUM
+    from megatron.core.optimizer.megatron_muon.newton_schulz import GATHER, SUM
     from megatron.core.optimizer.megatron_muon.planner.cost_model import POST, WAIT
 
     trace, counter = [], MatmulFlops()
     post, wait = tp._post, tp._wait
 
-    def posted(i, kind, t, group):
-        # a gather's input: this rank's range of ``t``'s pieces, padded to the longest
-        n = t.numel() if kind == SUM else max(hi - lo for lo, hi in t.ranges)
+    def posted(i, kind, t, group, ns_dtype=None):
+        # a sum in the NS dtype: its all-to-all's input, the slices padded to the longest, then
+        # the all-gather's, one slice; a gather's: this rank's range of ``t``'s pieces, padded
+        chunk = -(-t.numel() // group.size()) if kind != GATHER else 0
+        if kind == SUM and tp.sums_in(t.numel(), group.size(), ns_dtype):
+            n = group.size() * chunk
+        else:
+            n = {SUM: t.numel(), tp.SUMMED: chunk}.get(kind) or max(b - a for a, b in t.ranges)
         trace.append((counter.flops, POST, n))
         counter.flops = 0.0
-        return post(i, kind, t, group), n
+        return post(i, kind, t, group, ns_dtype), n
 
     def waited(handle):
         trace.append((counter.flops, WAIT, handle[1]))
         counter.flops = 0.0
-        wait(handle[0])
+        return wait(handle[0])  # a sum's second collective: posted through ``posted``
 
     tp._post, tp._wait = posted, waited
     count_optimizer_step(optimizer, counter)
@@ -182,3 +188,43 @@ def test_distributed_mode_runs_the_planned_stream():
         assert r["after"] == after > 0
         ops = [op for _, op, _ in r["trace"]]
         assert ops[:2] == ["post", "post"], ops[:4]  # the second matrix posts before a wait
+
+
+def _stream_sums(optimizer, fp32=False, dropped=False):
+    """Hook: the ``distributed`` stream sums its Grams as one fp32 all-reduce (``fp32``), or
+    (``dropped``: negative control) in the NS dtype with the gathered sums never copied back."""
+    from megatron.core.optimizer.megatron_muon import tp
+
+    if fp32:
+        tp.sums_in = lambda n, k, dtype: False
+    if dropped:
+        post = tp._post
+
+        def no_fill(i, kind, t, group, ns_dtype=None):
+            work, fill, then = post(i, kind, t, group, ns_dtype)
+            return (work, None, then) if kind == tp.SUMMED else (work, fill, then)
+
+        tp._post = no_fill
+
+
+def test_stream_gram_sums_in_the_ns_dtype_change_no_bit():
+    """TP 2 x DP 2 (``distributed``, no gangs), bf16 Newton-Schulz: the stream sums each packed
+    Gram as its bf16 partials exchanged (bf16 matmul results, exact in it) and added in fp32,
+    the sums gathered back in bf16 (``tp.sums_in``: half an fp32 all-reduce's bytes), and every
+    rank's params end bit-identical to one fp32 all-reduce per sum: two partials add alike in
+    either order, and the Gram's consumer rounds to bf16 either way. Negative control: with the
+    gathered sums dropped the params differ."""
+    from test_muon_distopt import CONTROL_STEPS, run_layout
+
+    bf16_ns = dict(muon_tp_mode="distributed", muon_fp32_matmul_prec="medium")
+
+    def run(**hook):
+        hook = functools.partial(_stream_sums, **hook)
+        return run_layout("fp32", 4, tp=2, hook=hook, steps=CONTROL_STEPS, **bf16_ns)
+
+    got, one, broken = run(), run(fp32=True), run(dropped=True)
+    for rank, ((_, params, _), (_, other, _)) in enumerate(zip(got, one)):
+        assert params.keys() == other.keys()
+        for name in params:
+            assert torch.equal(params[name], other[name]), (rank, name)
+    assert not all(torch.equal(broken[0][1][n], one[0][1][n]) for n in one[0][1])

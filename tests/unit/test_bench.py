@@ -105,14 +105,17 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
 
 # 70B fc1 (57344 x 8192, TP rows) and proj (8192 x 8192, TP columns), 5 NS steps, TP 8: what one
 # step's TP collectives are per TP rank (planner/plan.py's ``tp_collectives``; a real TP 2 step
-# checks them: tests/distributed/test_muon_tp_collectives.py). ``distributed``: the packed
-# 8192 x 8192 fp32 Gram (33,558,528 elements, 134 MB; the full one would be 268 MB) all-reduced,
-# then the bf16 polynomial's pieces gathered, each padded to the largest (4,848,263 elements,
-# ``polynomial_rows``: 0.58 of 1024 whole rows), every step: for the square proj too, whose
-# piece costs less than reassociating (``splits_polynomial``).
+# checks them: tests/distributed/test_muon_tp_collectives.py). ``distributed`` (bf16 NS): the
+# packed 8192 x 8192 Gram (33,558,528 elements, 134 MB in fp32; the full one would be 268 MB)
+# summed in bf16, its partials' slices exchanged (8 x 4,194,816, padded) and the summed slices
+# gathered (``tp.sums_in``), then the bf16 polynomial's pieces gathered, each padded to the
+# largest (4,848,263 elements, ``polynomial_rows``: 0.58 of 1024 whole rows), every step: for
+# the square proj too, whose piece costs less than reassociating (``splits_polynomial``).
 GRAM, POLY = 8192 * 8193 // 2, 4848263
+CHUNK = -(-GRAM // 8)
 SPLIT_STEP = [
-    TPCollective("all_reduce", GRAM, "float32", 8),
+    TPCollective("all_to_all_single", 8 * CHUNK, "bfloat16", 8, 2 * 7 * CHUNK),
+    TPCollective("all_gather_into_tensor", CHUNK, "bfloat16", 8),
     TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8),
 ]
 TP_COUNTS = [
@@ -132,9 +135,13 @@ def test_tp_collectives_of_a_70b_matrix(mode, dim, want):
     info = MegatronMuonParamInfo(shape, None, partition_dim=dim)
     got = tp_collectives(info, 5, mode, 8)
     assert got == want
-    if mode == "distributed":  # ring bytes each way: 2 (7/8) x 134 MB + 7 x 9.7 MB, per step
-        step = 2 * 7 / 8 * GRAM * 4 + 7 * POLY * 2
+    if mode == "distributed":  # ring bytes each way: 2 x 7 x 8.4 MB + 7 x 9.7 MB, per step
+        step = 2 * 7 * CHUNK * 2 + 7 * POLY * 2
         assert sum(c.link_bytes() for c in got) == pytest.approx(5 * step + 2 * 7 / 8 * 4)
+        # fp32 NS: one fp32 all-reduce per Gram sum (2 (7/8) x 134 MB: twice the bytes)
+        fp32 = tp_collectives(info, 5, mode, 8, ns_dtype="float32")
+        assert fp32[1] == TPCollective("all_reduce", GRAM, "float32", 8)
+        assert not any(c.op == "all_to_all_single" for c in fp32)
     assert tp_collectives(info, 5, mode, 1) == []  # no TP, no TP collective
 
 

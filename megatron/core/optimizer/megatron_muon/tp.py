@@ -23,7 +23,8 @@ from .functional import (
     sharded_block_steps,
     timed,
 )
-from .newton_schulz import SUM, Pieces, gathers, interleave, ns_flops
+from .newton_schulz import SUM, Pieces, Then, compute_dtype, gathers, interleave, ns_flops
+from .planner.cost_model import cut
 
 
 class TPOrthogonalizer:
@@ -88,7 +89,9 @@ class TPOrthogonalizer:
                     parts = [_Streamed(loads[i], infos[i], spec, group, store, i) for i in idx]
                     order = stream_order([infos[i] for i in idx], group.size())
                     jobs = [parts[m].block(b) for m, b in order]
-                    interleave(jobs, functools.partial(_post, group=group), _wait, TP_WINDOW)
+                    ns_dtype = compute_dtype(spec.precision)
+                    post = functools.partial(_post, group=group, ns_dtype=ns_dtype)
+                    interleave(jobs, post, _wait, TP_WINDOW)
         return [i for i, info in enumerate(infos) if self._group(info) is None]
 
     def _sharded(self, info, expert: bool) -> bool:
@@ -256,18 +259,55 @@ class _Streamed:
             self.results, self.join = {}, None
 
 
-def _post(i: int, kind: str, t, group) -> tuple:
-    """Post request ``(kind, t)`` over ``group``: (work, the fill after its wait or None)."""
+# The stream's second collective of a Gram sum in the NS dtype (``sums_in``): the sums gathered.
+SUMMED = "summed"
+
+
+def _post(i: int, kind: str, t, group, ns_dtype=None) -> tuple:
+    """Post request ``(kind, t)`` over ``group``: (work, the fill after its wait or None, the
+    post of its next collective or None). A sum ``sums_in`` the NS dtype is two: its partials
+    exchanged (``post_reduce_scatter_ranges``), then (``SUMMED``) the sums gathered."""
+    if kind == SUM and sums_in(t.numel(), group.size(), ns_dtype):
+        flat, p = t.view(-1), dist.get_rank(group)
+        work, finish = post_reduce_scatter_ranges(
+            flat, cut(flat.numel(), group.size()), p, group, ns_dtype
+        )
+        return work, finish, lambda: _post(i, SUMMED, t, group, ns_dtype)
     if kind == SUM:
-        return dist.all_reduce(t, group=group, async_op=True), None
-    return post_pieces(t, group)
+        return dist.all_reduce(t, group=group, async_op=True), None, None
+    if kind == SUMMED:
+        flat, p = t.view(-1), dist.get_rank(group)
+        bounds = cut(flat.numel(), group.size())
+        return (*post_gather_ranges(flat, bounds, p, group, ns_dtype), None)
+    return (*post_pieces(t, group), None)
 
 
-def _wait(posted: tuple) -> None:
-    work, fill = posted
+def _wait(posted: tuple) -> Optional[Then]:
+    """Until ``_post``'s collective is done; then its next one posted, if any."""
+    work, fill, then = posted
     work.wait()
     if fill is not None:
         fill()
+    return Then(then()) if then is not None else None
+
+
+def sums_in(n: int, tp: int, ns_dtype) -> bool:
+    """Whether the ``distributed`` stream sums a tensor of ``n`` elements (a packed Gram) over
+    ``tp`` ranks in the NS dtype, as a partial gang sum's TP collectives do
+    (``cost_model.around_gang``): each rank's partials are NS-dtype matmul results, exact in
+    it, exchanged and added in fp32 (``reduce_scatter_ranges``), and the sums come back in it
+    (their consumer, ``unpack_symmetric``, rounds to it): half the bytes of an fp32 all-reduce
+    in bf16, no bit changed. Else (fp32 NS, the squared norm) one fp32 all-reduce.
+
+    Args:
+        n: the tensor's elements.
+        tp: the TP size.
+        ns_dtype: Newton-Schulz's compute dtype (None: fp32).
+
+    Returns:
+        True for the two collectives.
+    """
+    return ns_dtype is not None and ns_dtype.itemsize < 4 and n >= tp
 
 
 def post_pieces(pieces: Pieces, group) -> tuple:
@@ -320,14 +360,39 @@ def reduce_scatter_ranges(
         dtype: the dtype the ranges move in (None: ``flat``'s); exact only where every partial
             is representable in it (a Gram of NS-dtype matmuls, packed in fp32).
     """
+    work, finish = post_reduce_scatter_ranges(flat, bounds, p, group, dtype)
+    work.wait()
+    finish()
+
+
+def post_reduce_scatter_ranges(
+    flat: Tensor, bounds: list[tuple[int, int]], p: int, group, dtype=None
+) -> tuple:
+    """``reduce_scatter_ranges`` posted async.
+
+    Args:
+        flat: as ``reduce_scatter_ranges``.
+        bounds: as ``reduce_scatter_ranges``.
+        p: as ``reduce_scatter_ranges``.
+        group: as ``reduce_scatter_ranges``.
+        dtype: as ``reduce_scatter_ranges``.
+
+    Returns:
+        (the work, a call that sums the received partials into ``flat[bounds[p]]`` after its
+        wait).
+    """
     chunk = max(hi - lo for lo, hi in bounds)
     padded = flat.new_zeros(len(bounds) * chunk, dtype=dtype)
     for q, (lo, hi) in enumerate(bounds):
         padded[q * chunk : q * chunk + hi - lo] = flat[lo:hi]
     parts = torch.empty_like(padded)
-    dist.all_to_all_single(parts, padded, group=group)
-    lo, hi = bounds[p]
-    flat[lo:hi] = parts.view(len(bounds), chunk)[:, : hi - lo].sum(0, dtype=flat.dtype)
+    work = dist.all_to_all_single(parts, padded, group=group, async_op=True)
+
+    def finish() -> None:
+        lo, hi = bounds[p]
+        flat[lo:hi] = parts.view(len(bounds), chunk)[:, : hi - lo].sum(0, dtype=flat.dtype)
+
+    return work, finish
 
 
 def post_gather_ranges(

@@ -23,8 +23,17 @@ from ..newton_schulz import (
     splits_polynomial,
     upper_gram_flops,
 )
-from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells, stream_order
-from .cost_model import NS_DTYPES, POST, WAIT, NSCostModel, PlanLinks, TPCollective
+from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells, stream_order, sums_in
+from .cost_model import (
+    NS_DTYPES,
+    POST,
+    WAIT,
+    NSCostModel,
+    Partial,
+    PlanLinks,
+    TPCollective,
+    around_gang,
+)
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
 
@@ -173,14 +182,21 @@ def distributed_block_events(
 
 
 def _distributed_step(g: int, lines: int, tp: int, ns_dtype: str, ours: bool, tp_rank=None) -> list:
-    """One Newton-Schulz step of a split block on one TP rank: ours (tp.py's ``_job``) computes
-    the Gram's upper triangle (``upper_gram``), splits the polynomial in pieces
-    (``polynomial_rows``) and reassociates where that does fewer FLOPs (``sharded_step_flops``:
-    no gather); upstream's whole Gram, polynomial always split in whole rows."""
+    """One Newton-Schulz step of a split block on one TP rank: ours (tp.py's ``_Streamed``)
+    computes the Gram's upper triangle (``upper_gram``), sums it in the NS dtype where
+    ``tp.sums_in`` (the partials exchanged, the sums gathered: ``around_gang``'s two TP
+    collectives of a partial sum), splits the polynomial in pieces (``polynomial_rows``) and
+    reassociates where that does fewer FLOPs (``sharded_step_flops``: no gather); upstream's
+    whole Gram, one fp32 all-reduce, polynomial always split in whole rows."""
     local, rows = lines // tp, -(-g // tp)
     split = splits_polynomial(g, lines, tp, ours)
     gram = upper_gram_flops(g, local) if ours else 2 * local * g * g
-    out: list = [float(gram), TPCollective("all_reduce", packed_size(g), "float32", tp)]
+    n = packed_size(g)
+    if ours and sums_in(n, tp, getattr(torch, ns_dtype)):
+        summed = [c for side in around_gang(Partial(n, tp), ns_dtype) for c in side]
+    else:
+        summed = [TPCollective("all_reduce", n, "float32", tp)]
+    out: list = [float(gram), *summed]
     if split and ours:  # its piece of b G + c G G, the pieces gathered (padded to the largest)
         sizes = [end - start for start, end in polynomial_ranges(g, tp)]
         piece = max(sizes)
