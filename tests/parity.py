@@ -144,3 +144,15 @@ def split_key_bias(snapshot: dict, groups: int, heads: int) -> tuple:
             keys[name] = rows[:, -2].reshape(-1)
             qv[name] = torch.cat([rows[:, :-2], rows[:, -1:]], dim=1).reshape(-1)
     return qv, keys
+
+
+def first_difference(results, others):
+    """The first (rank, param) whose params differ in any bit between two runs of one layout
+    (``run_distributed``'s results, rank by rank), or None where every rank's are identical."""
+    assert len(results) == len(others)
+    for rank, ((_, params, _), (_, other, _)) in enumerate(zip(results, others)):
+        assert params.keys() == other.keys(), rank
+        for name in params:
+            if not torch.equal(params[name], other[name]):
+                return rank, name
+    return None
