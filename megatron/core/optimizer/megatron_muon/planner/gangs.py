@@ -156,21 +156,26 @@ class GangRunner:
                 reduce_scatter_ranges(flat, slices, p, tp, ns_dtype)
             else:  # too small to slice
                 torch.distributed.all_reduce(flat, group=tp)
-        then = _then_tp(None, flat, slices, p, tp, ns_dtype)
+
+        def then(fill=None):  # ``fill``, then the summed slices all-gathered over TP
+            return _then_tp(fill, flat, slices, p, tp, ns_dtype)
+
         busiest = -(-flat.numel() // len(slices)) if slices else flat.numel()
         if spread is not None and spreads(busiest, len(members), spread.itemsize):
             return self._reduce(group, members, flat[lo:hi], spread, then, t)
         work = torch.distributed.all_reduce(flat[lo:hi], group=group, async_op=True)
         moved = ring_traffic(hi - lo, t.element_size(), 2, self._layout(members))
         self.sum_bytes += 2 * sum(moved)
-        return Posted(work, then, t, members)
+        return Posted(work, then(), t, members)
 
     def _reduce(self, group, members, flat: Tensor, ns_dtype, then, t: Tensor) -> "Posted":
         """Post ``flat``'s fp32 sum over the gang as ``cost_model.spreads`` says: a
         reduce-scatter (``flat`` padded to equal chunks), and for after its wait the all-gather
-        of the summed chunks in ``ns_dtype`` into ``flat``, then ``then``."""
-        k, n = len(members), flat.numel()
+        of the summed chunks in ``ns_dtype`` (``tp.post_gather_ranges``), its fill passed to
+        ``then``."""
+        k, n, p = len(members), flat.numel(), members.index(self.plan.rank)
         chunk = -(-n // k)
+        bounds = [(min(q * chunk, n), min((q + 1) * chunk, n)) for q in range(k)]
         padded = flat.new_zeros(k * chunk)
         padded[:n] = flat
         mine = flat.new_empty(chunk)
@@ -180,18 +185,10 @@ class GangRunner:
             self.sum_bytes += 2 * sum(ring_traffic(n, itemsize, 1, layout, nested=1))
 
         def spread(_: Tensor) -> "Posted":
-            gathered = mine.new_empty(k * chunk, dtype=ns_dtype)
-            ours = mine.to(ns_dtype)
-            work = torch.distributed.all_gather_into_tensor(
-                gathered, ours, group=group, async_op=True
-            )
-
-            def fill() -> None:
-                flat.copy_(gathered[:n])
-                if then is not None:
-                    then()
-
-            return Posted(work, fill, t, members)
+            lo, hi = bounds[p]
+            flat[lo:hi] = mine[: hi - lo]
+            work, fill = post_gather_ranges(flat, bounds, p, group, ns_dtype)
+            return Posted(work, then(fill), t, members)
 
         return Posted(work, None, t, members, spread)
 
