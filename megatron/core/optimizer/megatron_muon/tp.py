@@ -223,13 +223,30 @@ def stream_order(infos: list, tp: int) -> list[tuple[int, int]]:
     """
     out, lagging = [], []
     for m, info in enumerate(infos):
-        dim, sums = info.partition_dim, []
-        for rows, cols in qkv_blocks(info):
-            g, lines = (cols, rows) if dim == 0 else (rows, cols)
-            sums.append(not gathers(g, lines, tp))
-        out += [(m, b) for b, summed in enumerate(sums) if summed] + lagging
-        lagging = [(m, b) for b, summed in enumerate(sums) if not summed]
+        gathered = [whole for _, _, whole in stream_blocks(info, tp)]
+        out += [(m, b) for b, whole in enumerate(gathered) if not whole] + lagging
+        lagging = [(m, b) for b, whole in enumerate(gathered) if whole]
     return out + lagging
+
+
+def stream_blocks(info, tp: int) -> list[tuple[int, int, bool]]:
+    """Each NS block of a TP-sharded matrix (``functional.qkv_blocks`` order) as the
+    ``distributed`` stream sees it: the one rule ``stream_order`` and the planner's count
+    (``plan.distributed_block_events``) share.
+
+    Args:
+        info: the matrix's TP-global info (``partition_dim`` set).
+        tp: the TP size.
+
+    Returns:
+        Per block ``(g, lines, gathered)``: its Gram side, its lines along TP's axis, and
+        whether it is cheaper gathered whole than split (``gathers``: no Gram sum).
+    """
+    dim, out = info.partition_dim, []
+    for rows, cols in qkv_blocks(info):  # Q, K, V blocks all share the Gram side (dim 0)
+        g, lines = (cols, rows) if dim == 0 else (rows, cols)
+        out.append((g, lines, gathers(g, lines, tp)))
+    return out
 
 
 class _Streamed:

@@ -14,7 +14,6 @@ from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece, exchange_dtypes,
 from ..functional import MuonParamInfo, qkv_blocks
 from ..newton_schulz import (
     compute_dtype,
-    gathers,
     interleave,
     ns_flops,
     packed_size,
@@ -23,7 +22,7 @@ from ..newton_schulz import (
     splits_polynomial,
     upper_gram_flops,
 )
-from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells, stream_order, sums_in
+from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells, stream_blocks, stream_order, sums_in
 from .cost_model import (
     NS_DTYPES,
     POST,
@@ -166,13 +165,12 @@ def distributed_block_events(
     Returns:
         One list of events per block.
     """
-    dim, out = info.partition_dim, []
-    for rows, cols in qkv_blocks(info):  # Q, K, V blocks all share the Gram side (dim 0)
-        g, lines = (cols, rows) if dim == 0 else (rows, cols)
+    out = []
+    for g, lines, whole in stream_blocks(info, tp):
         local = lines // tp
-        if gather and gathers(g, lines, tp):  # whole on every TP rank
+        if gather and whole:  # whole on every TP rank
             gathered = TPCollective("all_gather_into_tensor", local * g, update_dtype, tp)
-            out.append([gathered, float(ns_flops(rows, cols, steps, "standard"))])
+            out.append([gathered, float(ns_flops(g, lines, steps, "standard"))])
             continue
         block = [TPCollective("all_reduce", 1, "float32", tp)]  # the squared norm
         for _ in range(steps):
