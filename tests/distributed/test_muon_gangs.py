@@ -49,6 +49,7 @@ from tiny_gpt import (
 )
 
 from megatron.core import parallel_state
+from megatron.core.optimizer.megatron_muon import newton_schulz
 from megatron.core.optimizer.megatron_muon.planner import cost_model, gangs
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import ALL, POST, WAIT, critical_path
@@ -246,18 +247,22 @@ def _own_tp_trace(plan) -> list:
     return plan_figures.trace(own, plan.rank)
 
 
-def _counted_split_step(nodes=(), disjoint=False, tp_mode=None, precision=None, all_spread=False):
+def _counted_split_step(
+    nodes=(), disjoint=False, tp_mode=None, precision=None, all_spread=False, gram_rows=None
+):
     """One real DP=4 step with gangs (stacked, or ``disjoint`` on the wide one-layer model):
     matmul FLOPs between collectives, the collectives' members and sizes, bytes and the peak of
-    the exchange's allocations, next to the plan's."""
+    the exchange's allocations, next to the plan's. ``gram_rows``: ``GRAM_BLOCK_ROWS`` (the
+    model's 64 x 64 Grams in several chunks: a lone gang's staged)."""
     spec = TinyGPT(**WIDE) if disjoint else TinyGPT()
     model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
     muon = dict(MUON, muon_tp_mode=tp_mode) if tp_mode else MUON
     muon = dict(muon, muon_fp32_matmul_prec=precision) if precision else muon
     optimizer = build_optimizer(spec, model, use_distributed_optimizer=True, **muon)
     if disjoint:
-        _bundle(optimizer)
+        _bundle(optimizer, gram_rows=gram_rows)
     else:
+        assert gram_rows is None, "stacked gangs share ranks: none is lone"
         _split(optimizer, nodes=nodes, all_spread=all_spread)
     (distopt,) = distopts(optimizer)
     ortho, plan = distopt.optimizer.orthogonalizer, distopt.muon_plan
@@ -342,7 +347,14 @@ def _mark(ortho, name, describe, counter, trace):
 def counted_split_runs(
     tp: int = 1, nodes: tuple = (), disjoint: bool = False, tp_mode=None, precision=None, **kw
 ):
-    args = (nodes, disjoint, tp_mode, precision, kw.pop("all_spread", False))
+    args = (
+        nodes,
+        disjoint,
+        tp_mode,
+        precision,
+        kw.pop("all_spread", False),
+        kw.pop("gram_rows", None),
+    )
     assert not kw, kw
     return run_distributed(_counted_split_step, 4, tp=tp, args=args)
 
@@ -381,8 +393,24 @@ DISJOINT_BF16 = {"disjoint": True, "precision": "medium"}
 TP2_SPREAD = {**TP2_BF16, "all_spread": True}
 
 
+# The lone gang's 64 x 64 Grams in 16 blocks of 4 rows, computed and summed in 8 chunks of 2
+# blocks (``newton_schulz.gram_chunks``), bf16 NS (each chunk two collectives) or fp32 (one)
+STAGED_BF16 = {**DISJOINT_BF16, "gram_rows": 4}
+STAGED_FP32 = {"disjoint": True, "gram_rows": 4}
+
+
 @pytest.mark.parametrize(
-    "case", [{}, {"nodes": NODES}, {"disjoint": True}, TP2, TP2_BF16, DISJOINT_BF16, TP2_SPREAD]
+    "case",
+    [
+        {},
+        {"nodes": NODES},
+        {"disjoint": True},
+        TP2,
+        TP2_BF16,
+        DISJOINT_BF16,
+        TP2_SPREAD,
+        STAGED_BF16,
+    ],
 )
 def test_every_member_of_a_gang_holds_the_same_bits(case):
     """The members' blocks are rows (columns) of one result, so each gang sum (squared norm,
@@ -485,13 +513,19 @@ def test_resume_with_gangs_is_bit_exact(tmp_path):
 WIDE = dict(num_layers=1, ffn_hidden_size=384)
 
 
-def _bundle(optimizer, one_all_reduce=False, broken_spread=False):
+def _bundle(
+    optimizer, one_all_reduce=False, broken_spread=False, gram_rows=None, broken_staged=False
+):
     """Hook: disjoint gangs of up to 3 matrices (``placement.bundle_units``), by FLOPs.
     ``one_all_reduce``: no lone gang sums in two collectives (``cost_model.spreads``);
     ``broken_spread``: negative control, a two-collective sum's all-gather lands nowhere (each
-    member keeps its own partials)."""
+    member keeps its own partials). ``gram_rows``: ``newton_schulz.GRAM_BLOCK_ROWS`` (small: the
+    lone gang's 64 x 64 Grams computed and summed in chunks, ``staged_gram``);
+    ``broken_staged``: negative control, a staged Gram's last chunk is summed on a copy."""
     if one_all_reduce:
         gangs.lone_gangs = lambda units, split: set()
+    if gram_rows is not None:
+        newton_schulz.GRAM_BLOCK_ROWS = gram_rows
     for distopt in distopts(optimizer):
         ortho = distopt.optimizer.orthogonalizer
         plan = ortho.plan.rebuilt(model=_flops_only(ortho.plan), targets=(), bundles=(3,))
@@ -499,6 +533,8 @@ def _bundle(optimizer, one_all_reduce=False, broken_spread=False):
         ortho.gangs.make_groups(plan)
         if broken_spread:
             ortho.gangs._reduce = functools.partial(_spread_dropped, ortho.gangs._reduce)
+        if broken_staged:
+            ortho.gangs._staged = functools.partial(_last_chunk_unsummed, ortho.gangs._staged)
         sets = [u.members for m in plan.matrices for u in m.units[:1] if u.gang]
         assert sorted(set(sets)) == [(0, 1), (2, 3)], sets  # disjoint member sets
         assert sorted(sets.count(g) for g in set(sets)) == [1, 3]  # fc1 | fc2, QKV, proj
@@ -527,6 +563,18 @@ def _spread_dropped(reduce, *args):
         return dataclasses.replace(posted.then(t), fill=None)
 
     return dataclasses.replace(posted, then=then)
+
+
+def _last_chunk_unsummed(staged_fn, serve, staged, members):
+    """``GangRunner._staged`` whose last chunk is summed on a copy (peers stay paired): each
+    member keeps its own partial rows of the Gram there."""
+    lo, hi = staged.ranges[-1]
+    last = staged.flat[lo:hi].data_ptr()
+
+    def serve_(t):
+        return serve(t.clone() if t.data_ptr() == last else t)
+
+    return staged_fn(serve_, staged, members)
 
 
 def test_a_lone_gang_sums_in_two_collectives_as_the_plan_counts():
@@ -560,6 +608,43 @@ def test_a_lone_gangs_two_collectives_change_no_bit():
     got, one, broken = run(), run(one_all_reduce=True), run(broken_spread=True)
     assert first_difference(got, one) is None
     assert first_difference(broken, one) is not None
+
+
+@pytest.mark.parametrize("case", [STAGED_BF16, STAGED_FP32])
+def test_a_lone_gangs_staged_gram_sums_are_the_plans_schedule(case, monkeypatch):
+    """The lone gang computes each Gram in chunks and posts each chunk's sum as soon as it is
+    computed, then moves every earlier chunk's sum on by one collective
+    (``GangRunner._staged``): each rank's FLOPs between collectives (a chunk's matmuls before
+    its post), its collectives in order and their ring bytes are the plan's
+    (``cost_model.staged_trace``), and the lone gang's members have several sums in flight."""
+    runs = counted_split_runs(**case)
+    for r in runs:
+        assert r["trace"] == r["plan_trace"] and r["after"] == 0.0
+        assert _same_sum(*r["sum_bytes"])
+    lone = [r for r in runs if r["dp_rank"] in (0, 1)]
+    monkeypatch.setattr(newton_schulz, "GRAM_BLOCK_ROWS", case["gram_rows"])
+    chunks = len(newton_schulz.gram_chunks(64))
+    assert chunks == 8 and all(_most_in_flight(r["trace"]) >= 2 for r in lone)
+    grams = [n for _, op, _, n in lone[0]["trace"] if op == POST and n > 1]
+    assert len(grams) >= chunks
+
+
+def test_a_lone_gangs_staged_gram_sums_change_no_bit():
+    """bf16 NS: the staged Grams (the same block matmuls, packed in another order, each element
+    summed by the same two members) leave every rank's params bit-identical to the unstaged
+    sums. Negative control: with a chunk's sum landing on a copy the params differ."""
+    spec, bf16 = TinyGPT(**WIDE), {**MUON, "muon_fp32_matmul_prec": "medium"}
+    kwargs = {**bf16, "distopt": True, "bucket_size": BUCKET, "overlap": True}
+
+    def run(**hook):
+        hook = functools.partial(_bundle, **hook)
+        args = (spec, CONTROL_STEPS)
+        return run_distributed(train, 4, args=args, kwargs={**kwargs, "optimizer_hook": hook})
+
+    got, unstaged = run(gram_rows=4), run()
+    broken = run(gram_rows=4, broken_staged=True)
+    assert first_difference(got, unstaged) is None
+    assert first_difference(broken, unstaged) is not None
 
 
 def test_sums_in_two_collectives_over_tp_change_no_bit_and_are_the_plans():

@@ -52,6 +52,7 @@ from megatron.core.optimizer.megatron_muon.factory import MegatronMuonParamInfo
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures
 from megatron.core.optimizer.megatron_muon.planner.cost_model import (
     POST,
+    collectives,
     critical_path,
     cut,
     lone_gangs,
@@ -401,11 +402,7 @@ def _check_gang_events(plan: MuonExchangePlan, ex) -> None:
         for u in slot.units:
             events = member_events(plan.model, slot.info, u.axis, u.lines, u.part, i in lone)
             runs.add(
-                tuple(
-                    (type(e), getattr(e, "phase", None), int(e))
-                    for e in events
-                    if not isinstance(e, float)
-                )
+                tuple((type(e), getattr(e, "phase", None), int(e)) for e in collectives(events))
             )
         assert len(runs) == 1, f"{slot.name}: members run different collectives"
         for kind, _, n in runs.pop():

@@ -1,6 +1,9 @@
 """The sharded steps' Gram computed as its upper triangle in row blocks (``upper_gram``): the
 same upper triangle as the whole product, the FLOPs counted, what the packing reads."""
 
+import functools
+import threading
+
 import pytest
 import torch
 from test_newton_schulz import _randn, _sharded, reference_ns
@@ -75,3 +78,94 @@ def test_sharded_steps_in_blocks_match_float64_reference(small_blocks, shape, di
     x = _randn(shape)
     got = _sharded(x, dim, cuts, False, split=split)
     torch.testing.assert_close(got.double(), reference_ns(x, "quintic", 5), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("g, lines", [(64, 10), (33, 20), (9, 7)])
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_staged_gram_is_the_packed_upper_gram_in_chunks(small_blocks, g, lines, precision):
+    """A staged Gram (``staged_gram``): its chunks tile the packed vector in order
+    (``staged_size``, ``packed_size(g)`` in all), each chunk's matmul FLOPs are
+    ``staged_gram_flops`` (``upper_gram_flops`` in all), and unpacked it is bit for bit the
+    unstaged ``unpack_symmetric(pack_symmetric(upper_gram))`` in the NS dtype. 64 = 16 blocks
+    of 4 in 8 chunks of 2 (``GRAM_CHUNKS``)."""
+    dtype = ns.compute_dtype(precision)
+    wide = _randn((g, lines)).to(dtype)
+    staged, chunks = ns.staged_gram(wide, precision), ns.gram_chunks(g)
+    assert len(staged.ranges) == len(chunks) == min(len(ns.gram_blocks(g)), ns.GRAM_CHUNKS)
+    assert staged.ranges[0][0] == 0 and staged.ranges[-1][1] == ns.packed_size(g)
+    assert all(a[1] == b[0] for a, b in zip(staged.ranges, staged.ranges[1:]))
+    flops = 0
+    for j, ((lo, hi), (start, end)) in enumerate(zip(chunks, staged.ranges)):
+        assert end - start == ns.staged_size(g, lo, hi)
+        with _MatmulFlops() as counter:
+            staged.fill(j)
+        assert counter.flops == ns.staged_gram_flops(g, lines, lo, hi)
+        flops += counter.flops
+    assert flops == ns.upper_gram_flops(g, lines)
+    unstaged = ns.unpack_symmetric(ns.pack_symmetric(ns.upper_gram(wide)), dtype)
+    assert torch.equal(ns.unpack_staged(staged.flat, g, dtype), unstaged)
+
+
+@pytest.mark.parametrize("shape, dim", [((40, 96), 1), ((96, 40), 0)])
+def test_staged_sharded_steps_are_the_unstaged_bit_for_bit(small_blocks, shape, dim):
+    """Two shards summed (``serve`` runs a ``Staged`` request chunk by chunk): the staged steps
+    give the unstaged steps' result bit for bit, in bf16 and fp32 NS."""
+    x = _randn(shape)
+    for precision in ("medium", "highest"):
+        got = [_two_shards(x, dim, precision, staged) for staged in (False, True)]
+        assert torch.equal(*got)
+
+
+def _two_shards(x, dim: int, precision: str, staged: bool):
+    """``sharded_newton_schulz_steps`` on two shards of ``x``, one thread each, ``serve``d with
+    a sum over the threads (in one order on both)."""
+    shards = torch.tensor_split(x, 2, dim=dim)
+    barrier, parts, out = threading.Barrier(2), {}, [None, None]
+
+    def reduce(i, t):
+        parts[i] = t.clone()
+        barrier.wait()
+        total = parts[0] + parts[1]
+        barrier.wait()
+        t.copy_(total)
+
+    def run(i):
+        steps = ns.sharded_newton_schulz_steps(
+            shards[i], dim, 5, "quintic", precision, 1e-7, staged=staged
+        )
+        out[i] = ns.serve(steps, {ns.SUM: functools.partial(reduce, i)})
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return torch.cat(out, dim=dim)
+
+
+def test_run_staged_waits_in_the_posts_order():
+    """``run_staged`` with sums of two collectives: chunk j's first posted after it is computed,
+    earlier chunks' moved on newest first, every wait in the posts' order, all done at the end.
+    """
+    log, posted = [], []
+
+    def post(handle):
+        log.append(("post", handle))
+        posted.append(handle)
+        return handle
+
+    def wait(handle):
+        assert posted.pop(0) == handle, "waited out of the posts' order"
+        log.append(("wait", handle))
+        j, at = handle
+        return ns.Then(post((j, at + 1))) if at == 0 else None
+
+    rest = ns.run_staged(3, lambda j: log.append(("compute", j)), lambda j: post((j, 0)), wait)
+    assert log == [
+        ("compute", 0), ("post", (0, 0)),
+        ("compute", 1), ("post", (1, 0)), ("wait", (0, 0)), ("post", (0, 1)),
+        ("compute", 2), ("post", (2, 0)), ("wait", (1, 0)), ("post", (1, 1)), ("wait", (0, 1)),
+    ]  # fmt: skip
+    rest()
+    assert log[11:] == [("wait", (2, 0)), ("post", (2, 1)), ("wait", (1, 1)), ("wait", (2, 1))]
+    assert posted == []

@@ -340,6 +340,7 @@ def orthogonalize_sharded_steps(
     reassociate: bool = False,
     part: Optional[tuple[int, ...]] = None,
     gather: bool = False,
+    staged: bool = False,
 ) -> Generator[Request, None, Tensor]:
     """This shard (along ``dim``) of ``s * NS_k(U)`` as a generator of ``SUM``/``GATHER`` requests
     (served by the TP ``distributed`` mode and gangs); a QKV shard holds whole query groups or
@@ -354,11 +355,12 @@ def orthogonalize_sharded_steps(
         part: ``(p, k)`` (whole rows) or ``(p, k, slots)`` (pieces): split polynomials where
             ``splits_polynomial``.
         gather: (with ``part``, equal shards) gather a block where ``gathers``.
+        staged: request the Gram sums as ``newton_schulz.Staged`` (``staged_gram``).
 
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.
     """
-    blocks, join = sharded_block_steps(u, info, spec, dim, reassociate, part, gather)
+    blocks, join = sharded_block_steps(u, info, spec, dim, reassociate, part, gather, staged)
     results = []
     for _, steps in blocks:
         results.append((yield from steps))
@@ -373,6 +375,7 @@ def sharded_block_steps(
     reassociate: bool = False,
     part: Optional[tuple[int, ...]] = None,
     gather: bool = False,
+    staged: bool = False,
 ) -> tuple[list[tuple[bool, Generator]], Callable[[list[Tensor]], Tensor]]:
     """``orthogonalize_sharded_steps`` as one request generator per Q/K/V block (``qkv_blocks``
     order; one for any other matrix), so a caller may run blocks apart (tp.py's stream).
@@ -385,6 +388,7 @@ def sharded_block_steps(
         reassociate: as ``orthogonalize_sharded_steps``.
         part: as ``orthogonalize_sharded_steps``.
         gather: as ``orthogonalize_sharded_steps``.
+        staged: as ``orthogonalize_sharded_steps``.
 
     Returns:
         ``(blocks, join)``: per block whether it sums over the places (False: gathered whole,
@@ -400,7 +404,9 @@ def sharded_block_steps(
             )
         split = part is not None and splits_polynomial(g, lines, k, reassociate, len(part) > 2)
         ns = (spec.steps, spec.coefficients, spec.precision, spec.eps, reassociate)
-        steps = sharded_newton_schulz_steps(block, dim, *ns, part=part if split else None)
+        steps = sharded_newton_schulz_steps(
+            block, dim, *ns, part=part if split else None, staged=staged
+        )
         return True, _scaled(steps, shape, spec)
 
     if info.qkv_split is None:

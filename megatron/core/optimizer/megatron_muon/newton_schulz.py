@@ -417,7 +417,21 @@ class Pieces(NamedTuple):
         return self.flat.numel()
 
 
-Request = tuple[str, Tensor | Pieces]
+class Staged(NamedTuple):
+    """A ``SUM`` request computed and summed in chunks (``staged_gram``): ``fill(j)`` writes
+    chunk ``j`` of ``flat`` (``flat[ranges[j]]``), each chunk summed apart, so its sum may run
+    while the next chunk is computed. Served when every chunk is summed."""
+
+    flat: Tensor
+    ranges: list[tuple[int, int]]
+    fill: Callable[[int], None]
+
+    def numel(self) -> int:
+        """The elements summed (as a tensor request's)."""
+        return self.flat.numel()
+
+
+Request = tuple[str, Tensor | Pieces | Staged]
 
 
 def sharded_newton_schulz(
@@ -470,7 +484,12 @@ def serve(steps: Generator[Request, None, Tensor], handlers: dict) -> Tensor:
     try:
         kind, t = next(steps)
         while True:
-            handlers[kind](t)
+            if isinstance(t, Staged):
+                for j, (lo, hi) in enumerate(t.ranges):
+                    t.fill(j)
+                    handlers[kind](t.flat[lo:hi])
+            else:
+                handlers[kind](t)
             kind, t = steps.send(None)
     except StopIteration as done:
         return done.value
@@ -527,6 +546,47 @@ def interleave(
     return out
 
 
+def run_staged(
+    chunks: int, compute: Callable[[int], None], post: Callable[[int], object], wait: Callable
+) -> Callable[[], None]:
+    """Serve a ``Staged`` sum: chunk ``j`` computed (``compute(j)``), its sum's first collective
+    posted (``post(j)``), then every earlier chunk's sum moved on by one collective, newest
+    first: ``wait`` for its handle returns ``Then(handle)`` of its next collective, posted, or
+    anything else where the sum is done. The waits come in the posts' order. The one rule
+    gangs.py, tp.py's stream and the cost model run (docs/gangs.md, "Staged Gram sums").
+
+    Args:
+        chunks: the number of chunks.
+        compute: computes a chunk.
+        post: posts a chunk's first collective; returns its handle.
+        wait: until a handle's collective is done (``interleave``'s).
+
+    Returns:
+        The rest: those rounds until every chunk's sum is done (run at the request's wait).
+    """
+    live: list = []
+    for j in range(chunks):
+        compute(j)
+        live = [post(j), *_onward(live, wait)]
+
+    def rest() -> None:
+        nonlocal live
+        while live:
+            live = _onward(live, wait)
+
+    return rest
+
+
+def _onward(live: list, wait: Callable) -> list:
+    """Each handle of ``live`` waited for, in order; the next collectives posted, in order."""
+    out = []
+    for handle in live:
+        then = wait(handle)
+        if isinstance(then, Then):
+            out.append(then.handle)
+    return out
+
+
 def sharded_newton_schulz_steps(
     x: Tensor,
     dim: int,
@@ -536,6 +596,7 @@ def sharded_newton_schulz_steps(
     eps: float = DEFAULT_EPS,
     reassociate: bool = False,
     part: Optional[tuple[int, int]] = None,
+    staged: bool = False,
 ) -> Generator[Request, None, Tensor]:
     """``sharded_newton_schulz``'s math as a generator yielding ``(SUM, t)`` and ``(GATHER,
     pieces)`` requests to serve in place, so a caller can interleave matrices
@@ -552,28 +613,38 @@ def sharded_newton_schulz_steps(
         part: ``(p, k)``: compute rows ``cut(g, k)[p]`` of ``p(G)``; ``(p, k, slots)``:
             its piece ``p`` (``polynomial_rows``, laid out by ``polynomial_ranges``); then
             yield a gather of the rest.
+        staged: request each Gram's sum as a ``Staged`` (``staged_gram``), where it has
+            several ``gram_chunks``.
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
     """
     dtype = compute_dtype(precision)
-    steps_ = _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part)
+    chunked = precision if staged else None
+    steps_ = _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, chunked)
     return (yield from _under(steps_, precision, x.device))
 
 
-def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part):
-    """``sharded_newton_schulz_steps``'s body, matmuls in ``dtype``."""
+def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, staged=None):
+    """``sharded_newton_schulz_steps``'s body, matmuls in ``dtype``; ``staged``: the precision
+    a ``Staged`` Gram's chunks are computed under (None: not staged)."""
     buf = x.to(dtype, copy=True)  # cast first, as ``_normalized``
     sq = buf.float().square().sum()
     yield SUM, sq
     buf.div_(sq.sqrt().clamp_min_(eps).to(dtype))
     for a, b, c in coefficient_set(coefficients).schedule(steps):
-        gram = upper_gram(buf.mT if dim == 0 else buf)
-        packed = pack_symmetric(gram)
-        del gram
-        yield SUM, packed
-        gram = unpack_symmetric(packed, dtype)
-        del packed
+        wide = buf.mT if dim == 0 else buf
+        if staged is not None and len(gram_chunks(wide.shape[0])) > 1:
+            packed = staged_gram(wide, staged)
+            yield SUM, packed
+            gram = unpack_staged(packed.flat, wide.shape[0], dtype)
+        else:
+            gram = upper_gram(wide)
+            packed = pack_symmetric(gram)
+            del gram
+            yield SUM, packed
+            gram = unpack_symmetric(packed, dtype)
+        del packed, wide
         if part is not None:
             pieces = _split_polynomial(gram, b, c, *part)
             del gram
@@ -722,18 +793,140 @@ def upper_gram_flops(g: int, lines: int) -> int:
     return sum(2 * lines * (hi - lo) * (g - lo) for lo, hi in gram_blocks(g))
 
 
+# A lone gang's Gram (planner/cost_model.py's ``lone_gangs``) is computed and summed in at most
+# this many chunks of its ``gram_blocks``, each sum posted as soon as its chunk is computed, so
+# it runs under the next chunks' matmuls (docs/gangs.md, "Staged Gram sums").
+GRAM_CHUNKS = 8
+
+
+def gram_chunks(g: int) -> list[tuple[int, int]]:
+    """The row ranges a staged Gram is computed and summed in: ``gram_blocks`` in at most
+    ``GRAM_CHUNKS`` consecutive runs of near-equal block counts.
+
+    Args:
+        g: the Gram's side.
+
+    Returns:
+        (start, end) row ranges covering ``[0, g)`` in order, on block bounds.
+    """
+    blocks = gram_blocks(g)
+    n = len(blocks)
+    k = min(GRAM_CHUNKS, n)
+    return [(blocks[j * n // k][0], blocks[(j + 1) * n // k - 1][1]) for j in range(k)]
+
+
+def staged_size(g: int, lo: int, hi: int) -> int:
+    """Packed elements of a staged Gram's rows ``[lo, hi)`` (on ``gram_blocks`` bounds): per
+    block its diagonal square packed (``packed_size``) and its rectangle right of it; over all
+    rows, ``packed_size(g)``.
+
+    Args:
+        g: the Gram's side.
+        lo: the first row.
+        hi: the row after the last.
+
+    Returns:
+        Elements.
+    """
+    return sum(packed_size(b - a) + (b - a) * (g - b) for a, b in gram_blocks(g) if lo <= a < hi)
+
+
+def staged_gram_flops(g: int, lines: int, lo: int, hi: int) -> int:
+    """Matmul FLOPs of a staged Gram's rows ``[lo, hi)``: ``upper_gram``'s blocks among them.
+
+    Args:
+        g: the Gram's side.
+        lines: the shard's length along the summed dimension.
+        lo: the first row.
+        hi: the row after the last.
+
+    Returns:
+        FLOPs.
+    """
+    return sum(2 * lines * (b - a) * (g - a) for a, b in gram_blocks(g) if lo <= a < hi)
+
+
+def staged_gram(wide: Tensor, precision: str) -> Staged:
+    """``wide @ wide^T``'s upper triangle as a ``Staged`` request: chunk ``j`` is the rows
+    ``gram_chunks(g)[j]``, each block of them computed as ``upper_gram`` does (the same
+    matmuls, the same bits) and packed (``staged_size``), in fp32 like ``pack_symmetric``.
+
+    Args:
+        wide: a ``g x l`` matrix.
+        precision: a name in ``PRECISIONS`` (the chunks' matmuls run under it).
+
+    Returns:
+        The request; ``unpack_staged`` reads its sums.
+    """
+    g = wide.shape[0]
+    flat = torch.empty(packed_size(g), dtype=torch.float32, device=wide.device)
+    chunks = gram_chunks(g)
+    ranges, start = [], 0
+    for lo, hi in chunks:
+        ranges.append((start, start + staged_size(g, lo, hi)))
+        start = ranges[-1][1]
+
+    def fill(j: int) -> None:
+        lo, hi = chunks[j]
+        at = ranges[j][0]
+        with matmul_precision(precision, wide.device):
+            for a, b in (block for block in gram_blocks(g) if lo <= block[0] < hi):
+                rows = torch.mm(wide[a:b], wide[a:].mT)
+                square = packed_size(b - a)
+                pack_symmetric(rows[:, : b - a], out=flat[at : at + square])
+                flat[at + square : at + square + (b - a) * (g - b)].view(b - a, g - b).copy_(
+                    rows[:, b - a :]
+                )
+                at += square + (b - a) * (g - b)
+
+    return Staged(flat, ranges, fill)
+
+
+def unpack_staged(flat: Tensor, g: int, dtype: torch.dtype) -> Tensor:
+    """The ``g x g`` matrix ``staged_gram`` packed (summed), in ``dtype``: each element rounded
+    once, as ``unpack_symmetric`` rounds it.
+
+    Args:
+        flat: the packed vector.
+        g: the Gram's side.
+        dtype: the result's dtype.
+
+    Returns:
+        A new ``g x g`` matrix.
+    """
+    out = torch.empty((g, g), dtype=dtype, device=flat.device)
+    at = 0
+    for a, b in gram_blocks(g):
+        square, rect = packed_size(b - a), (b - a) * (g - b)
+        out[a:b, a:b] = unpack_symmetric(flat[at : at + square], dtype)
+        block = flat[at + square : at + square + rect].view(b - a, g - b)
+        out[a:b, b:] = block
+        out[b:, a:b] = block.mT
+        at += square + rect
+    return out
+
+
 def packed_size(side: int) -> int:
     """Elements of a packed symmetric ``side x side`` matrix: ``g (g + 1) / 2``."""
     return side * (side + 1) // 2
 
 
-def pack_symmetric(a: Tensor) -> Tensor:
-    """A symmetric matrix's upper triangle as one new fp32 vector (half the bytes of a Gram sum);
-    LAPACK's rectangular full packing (docs/newton_schulz.md). Only the upper triangle (diagonal
-    included) is read: ``upper_gram`` leaves the rest unset."""
+def pack_symmetric(a: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """A symmetric matrix's upper triangle as one fp32 vector (half the bytes of a Gram sum),
+    new or ``out``; LAPACK's rectangular full packing (docs/newton_schulz.md). Only the upper
+    triangle (diagonal included) is read: ``upper_gram`` leaves the rest unset.
+
+    Args:
+        a: the ``g x g`` matrix.
+        out: an fp32 vector of ``packed_size(g)`` elements to pack into; None: a new one.
+
+    Returns:
+        The packed vector.
+    """
     g = a.shape[0]
     t, s = g // 2, g - g // 2
-    out = torch.empty(packed_size(g), dtype=torch.float32, device=a.device)
+    if out is None:
+        out = torch.empty(packed_size(g), dtype=torch.float32, device=a.device)
     rect = out[: (t + 1) * s].view(t + 1, s)
     rect[:s].copy_(a[t:, t:]).triu_()  # zeroes (never multiplies) what is below: unset is fine
     rect[s:].zero_()

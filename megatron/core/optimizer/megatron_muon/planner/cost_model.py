@@ -7,14 +7,19 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..newton_schulz import (
+    Then,
+    gram_chunks,
     packed_size,
     polynomial_ranges,
     polynomial_size,
     reassociates,
+    run_staged,
     splits_polynomial,
+    staged_gram_flops,
+    staged_size,
     upper_gram_flops,
 )
 
@@ -590,10 +595,65 @@ def member_events(
     total = Partial if model.partial(info) else Sum
     for g in model._grams(info, axis):
         out += sum_events(total, 1, tp, part[1], model.ns_itemsize, lone)  # the squared norm
-        gram = sum_events(total, packed_size(g), tp, part[1], model.ns_itemsize, lone)
+        if lone and len(gram_chunks(g)) > 1:  # newton_schulz.staged_gram
+            gram = [_staged(total, g, lines, tp, part[1], model.ns_itemsize)]
+        else:
+            sums = sum_events(total, packed_size(g), tp, part[1], model.ns_itemsize, lone)
+            gram = [float(upper_gram_flops(g, lines)), *sums]
         for _ in range(model.steps):
             after = _after_sum(g, lines, info.shape[axis], place, tp, model.slots(info))
-            out += [float(upper_gram_flops(g, lines)), *gram, *after]
+            out += [*gram, *after]
+    return out
+
+
+class Staged(NamedTuple):
+    """A lone gang's Gram sum run in chunks (``newton_schulz.staged_gram``): per chunk its
+    matmul FLOPs and the collectives that sum it (``sum_events``), each chunk's first posted as
+    soon as it is computed (``staged_trace``)."""
+
+    chunks: tuple[tuple[float, tuple], ...]
+
+    def add_flops(self, flops: list) -> Callable[[int], None]:
+        """``run_staged``'s ``compute``: a chunk's FLOPs added to ``flops[0]``."""
+
+        def compute(j: int) -> None:
+            flops[0] += self.chunks[j][0]
+
+        return compute
+
+    def post_first(self, post: Callable[[tuple], tuple]) -> Callable[[int], tuple]:
+        """``run_staged``'s ``post``: a chunk's first collective, by ``post((sums, 0))``."""
+        return lambda j: post((self.chunks[j][1], 0))
+
+
+def _staged(total: type, g: int, lines: int, tp: int, members: int, ns_itemsize: int) -> Staged:
+    """A lone gang's Gram sum as ``newton_schulz.staged_gram`` runs it."""
+    return Staged(
+        tuple(
+            (
+                float(staged_gram_flops(g, lines, lo, hi)),
+                tuple(sum_events(total, staged_size(g, lo, hi), tp, members, ns_itemsize, True)),
+            )
+            for lo, hi in gram_chunks(g)
+        )
+    )
+
+
+def collectives(events: list) -> list:
+    """The collectives among ``member_events``' events, a ``Staged`` sum's chunk by chunk.
+
+    Args:
+        events: the events.
+
+    Returns:
+        ``Sum``/``Gather`` per collective.
+    """
+    out: list = []
+    for e in events:
+        if isinstance(e, Staged):
+            out += [c for _, sums in e.chunks for c in sums]
+        elif not isinstance(e, float):
+            out.append(e)
     return out
 
 
@@ -690,6 +750,9 @@ def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
     """The main thread's trace of a rank's gang units (``(members, member_events)``, gang order)
     run interleaved in rounds as gangs.py runs them (docs/gangs.md): ``(FLOPs before, POST or
     WAIT, members, elements)`` entries, and the FLOPs after the last."""
+    if any(isinstance(e, Staged) for _, events in held for e in events):
+        assert len(held) == 1, "a Staged sum is a lone gang's: its members run no other unit"
+        return staged_trace(*held[0])
     live = [(members, *_rounds(events)) for members, events in held]
     trace, flops, j = [], 0.0, 0
     while live:
@@ -706,6 +769,46 @@ def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
                 live.remove(unit)
         j += 1
     return trace, flops
+
+
+def staged_trace(members: tuple, events: list) -> tuple[list[tuple], float]:
+    """``pipelined``'s trace of a rank's one gang unit, whose Gram sums are ``Staged`` (a lone
+    gang's) as gangs.py's ``GangRunner._staged`` runs them, by the same rule
+    (``newton_schulz.run_staged``): each chunk's FLOPs, its first collective posted, then every
+    earlier chunk's sum moved on by one collective, newest first (its wait, and its next
+    collective's post); after the last chunk, those rounds until all are done. Every other
+    collective is posted and waited for in turn.
+
+    Args:
+        members: the gang's DP ranks.
+        events: the unit's ``member_events``.
+
+    Returns:
+        As ``pipelined``.
+    """
+    trace: list = []
+    flops = [0.0]  # since the last entry
+
+    def post(handle: tuple) -> tuple:  # (a sum's collectives, the one posted)
+        sums, at = handle
+        trace.append((flops[0], POST, members, sums[at]))
+        flops[0] = 0.0
+        return handle
+
+    def wait(handle: tuple) -> Optional[Then]:
+        sums, at = handle
+        trace.append((flops[0], WAIT, members, sums[at]))
+        flops[0] = 0.0
+        return Then(post((sums, at + 1))) if at + 1 < len(sums) else None
+
+    for e in events:
+        if isinstance(e, float):
+            flops[0] += e
+        elif isinstance(e, Staged):
+            run_staged(len(e.chunks), e.add_flops(flops), e.post_first(post), wait)()
+        else:
+            wait(post(((e,), 0)))
+    return trace, flops[0]
 
 
 def _rounds(events: list) -> tuple[list[float], list[int]]:

@@ -13,6 +13,7 @@ from .cost_model import (
     WAIT,
     TPCollective,
     around_gang,
+    collectives,
     critical_path,
     exchange_schedule,
     lone_gangs,
@@ -222,7 +223,7 @@ def gang_sums(plan: MuonExchangePlan, ex: Exchange) -> list[tuple[tuple[int, ...
         unit = plan.matrices[i].units[0]
         info = plan.matrices[i].info
         events = member_events(plan.model, info, unit.axis, unit.lines, unit.part, i in lone)
-        out += [(unit.members, e) for e in events if not isinstance(e, float)]
+        out += [(unit.members, e) for e in collectives(events)]
     return out
 
 
