@@ -521,7 +521,8 @@ def _bundle(
     ``broken_spread``: negative control, a two-collective sum's all-gather lands nowhere (each
     member keeps its own partials). ``gram_rows``: ``newton_schulz.GRAM_BLOCK_ROWS`` (small: the
     lone gang's 64 x 64 Grams computed and summed in chunks, ``staged_gram``);
-    ``broken_staged``: negative control, a staged Gram's last chunk is summed on a copy."""
+    ``broken_staged``: negative control, a staged Gram's chunks after the first are summed on
+    copies."""
     if one_all_reduce:
         gangs.lone_gangs = lambda units, split: set()
     if gram_rows is not None:
@@ -534,7 +535,7 @@ def _bundle(
         if broken_spread:
             ortho.gangs._reduce = functools.partial(_spread_dropped, ortho.gangs._reduce)
         if broken_staged:
-            ortho.gangs._staged = functools.partial(_last_chunk_unsummed, ortho.gangs._staged)
+            ortho.gangs._post = functools.partial(_later_chunks_unsummed, ortho.gangs._post)
         sets = [u.members for m in plan.matrices for u in m.units[:1] if u.gang]
         assert sorted(set(sets)) == [(0, 1), (2, 3)], sets  # disjoint member sets
         assert sorted(sets.count(g) for g in set(sets)) == [1, 3]  # fc1 | fc2, QKV, proj
@@ -565,16 +566,12 @@ def _spread_dropped(reduce, *args):
     return dataclasses.replace(posted, then=then)
 
 
-def _last_chunk_unsummed(staged_fn, serve, staged, members):
-    """``GangRunner._staged`` whose last chunk is summed on a copy (peers stay paired): each
-    member keeps its own partial rows of the Gram there."""
-    lo, hi = staged.ranges[-1]
-    last = staged.flat[lo:hi].data_ptr()
-
-    def serve_(t):
-        return serve(t.clone() if t.data_ptr() == last else t)
-
-    return staged_fn(serve_, staged, members)
+def _later_chunks_unsummed(post, serve, t, members):
+    """``GangRunner._post`` that sums a staged Gram's chunks after the first (views into its
+    packed vector past its start) on copies (peers stay paired): each member keeps its own
+    partial rows of the Gram there."""
+    later = isinstance(t, torch.Tensor) and t.storage_offset() > 0
+    return post(serve, t.clone() if later else t, members)
 
 
 def test_a_lone_gang_sums_in_two_collectives_as_the_plan_counts():
@@ -632,7 +629,8 @@ def test_a_lone_gangs_staged_gram_sums_are_the_plans_schedule(case, monkeypatch)
 def test_a_lone_gangs_staged_gram_sums_change_no_bit():
     """bf16 NS: the staged Grams (the same block matmuls, packed in another order, each element
     summed by the same two members) leave every rank's params bit-identical to the unstaged
-    sums. Negative control: with a chunk's sum landing on a copy the params differ."""
+    sums. Negative control: with the chunks after the first summed on copies the params
+    differ."""
     spec, bf16 = TinyGPT(**WIDE), {**MUON, "muon_fp32_matmul_prec": "medium"}
     kwargs = {**bf16, "distopt": True, "bucket_size": BUCKET, "overlap": True}
 

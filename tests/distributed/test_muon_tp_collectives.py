@@ -41,13 +41,19 @@ def _recorded(obj, name: str, recorder) -> None:
     setattr(obj, name, recorded)
 
 
-def _step(mode: str, gangs: bool) -> dict:
+def _step(mode: str, gangs: bool, gram_rows=None) -> dict:
     """One real step; the TP-group collectives of Muon's inner step and of the whole optimizer
-    step, and the plan's count (also for another mode and one NS step fewer: controls)."""
+    step, and the plan's count (also for another mode and one NS step fewer: controls).
+    ``gram_rows``: ``newton_schulz.GRAM_BLOCK_ROWS`` (small: the stream computes and sums its
+    Grams in chunks, ``staged_gram``)."""
     import torch.distributed as dist
     from collectives import CollectiveRecorder
 
     from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.megatron_muon import newton_schulz
+
+    if gram_rows is not None:
+        newton_schulz.GRAM_BLOCK_ROWS = gram_rows
 
     spec = TinyGPT()
     model = build_model(spec, distopt=True, bucket_size=BUCKET, overlap_grad_reduce=True)
@@ -144,8 +150,12 @@ def _with_model(plan, **changes):
 
 
 @functools.cache
-def _runs(mode: str, gangs: bool = False) -> list[dict]:
-    return run_distributed(_step, 4, tp=2, args=(mode, gangs))
+def _runs(mode: str, gangs: bool = False, gram_rows=None) -> list[dict]:
+    return run_distributed(_step, 4, tp=2, args=(mode, gangs, gram_rows))
+
+
+# The stream's 64 x 64 (and 64 x 128) Grams in blocks of 8 rows, computed and summed in chunks
+STAGED_ROWS = 8
 
 
 CASES = [
@@ -178,22 +188,37 @@ def test_tp_collectives_of_a_step_are_the_counted_ones(mode, gangs):
             assert r["fewer_steps"] != r["counted"]
 
 
-def test_distributed_mode_runs_the_planned_stream():
+@pytest.mark.parametrize("gram_rows", [None, STAGED_ROWS])
+def test_distributed_mode_runs_the_planned_stream(gram_rows):
     """``distributed`` mode: each TP rank's posts and waits, and the matmul FLOPs between them,
     are ``figures.stream_trace``'s (the projection's trace): two matrices in flight at once,
-    one's collectives posted before the other's are waited for."""
-    for rank, r in enumerate(_runs("distributed")):
+    one's collectives posted before the other's are waited for. With small Gram blocks
+    (``gram_rows``) each Gram is computed in chunks, each chunk's sum posted once computed
+    (``EARLY``): more posts than unstaged, each with a chunk's FLOPs before it; the TP
+    collectives (op, elements, dtype, bytes, in order) are still the count's."""
+    for rank, r in enumerate(_runs("distributed", gram_rows=gram_rows)):
         planned, after = r["plan_trace"]
         assert r["trace"] == planned, rank
         assert r["after"] == after > 0
         ops = [op for _, op, _ in r["trace"]]
         assert ops[:2] == ["post", "post"], ops[:4]  # the second matrix posts before a wait
+        assert r["muon"] == r["counted"], rank
+    if gram_rows is not None:
+        for staged, unstaged in zip(
+            _runs("distributed", gram_rows=gram_rows), _runs("distributed")
+        ):
+            assert len(staged["trace"]) > 2 * len(unstaged["trace"])
+            assert staged["after"] == unstaged["after"]
 
 
-def _stream_sums(optimizer, fp32=False, dropped=False):
+def _stream_sums(optimizer, fp32=False, dropped=False, gram_rows=None):
     """Hook: the ``distributed`` stream sums its Grams as one fp32 all-reduce (``fp32``), or
-    (``dropped``: negative control) in the NS dtype with the gathered sums never copied back."""
-    from megatron.core.optimizer.megatron_muon import tp
+    (``dropped``: negative control) in the NS dtype with the gathered sums never copied back;
+    ``gram_rows``: ``newton_schulz.GRAM_BLOCK_ROWS`` (small: each Gram in chunks)."""
+    from megatron.core.optimizer.megatron_muon import newton_schulz, tp
+
+    if gram_rows is not None:
+        newton_schulz.GRAM_BLOCK_ROWS = gram_rows
 
     if fp32:
         tp.sums_in = lambda n, k, dtype: False
@@ -212,8 +237,9 @@ def test_stream_gram_sums_in_the_ns_dtype_change_no_bit():
     Gram as its bf16 partials exchanged (bf16 matmul results, exact in it) and added in fp32,
     the sums gathered back in bf16 (``tp.sums_in``: half an fp32 all-reduce's bytes), and every
     rank's params end bit-identical to one fp32 all-reduce per sum: two partials add alike in
-    either order, and the Gram's consumer rounds to bf16 either way. Negative control: with the
-    gathered sums dropped the params differ."""
+    either order, and the Gram's consumer rounds to bf16 either way. So do the staged Grams
+    (computed and summed in chunks: the same block matmuls, the same sums). Negative control:
+    with the gathered sums dropped the params differ."""
     from test_muon_distopt import CONTROL_STEPS, run_layout
 
     bf16_ns = dict(muon_tp_mode="distributed", muon_fp32_matmul_prec="medium")
@@ -225,3 +251,6 @@ def test_stream_gram_sums_in_the_ns_dtype_change_no_bit():
     got, one, broken = run(), run(fp32=True), run(dropped=True)
     assert first_difference(got, one) is None
     assert first_difference(broken, one) is not None
+    staged, staged_broken = run(gram_rows=STAGED_ROWS), run(gram_rows=STAGED_ROWS, dropped=True)
+    assert first_difference(staged, one) is None
+    assert first_difference(staged_broken, one) is not None

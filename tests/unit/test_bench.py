@@ -21,7 +21,12 @@ import projection_floor  # noqa: E402
 import step_cost  # noqa: E402
 from gather_everything import distopts, use_gather_everything  # noqa: E402
 
+from megatron.core.optimizer.megatron_muon import newton_schulz  # noqa: E402
 from megatron.core.optimizer.megatron_muon.functional import MuonParamInfo  # noqa: E402
+from megatron.core.optimizer.megatron_muon.newton_schulz import (  # noqa: E402
+    gram_chunks,
+    staged_size,
+)
 from megatron.core.optimizer.megatron_muon.planner import figures as plan_figures  # noqa: E402
 from megatron.core.optimizer.megatron_muon.planner import plan as plan_module  # noqa: E402
 from megatron.core.optimizer.megatron_muon.planner.placement import HOLDER_SLACK  # noqa: E402
@@ -107,17 +112,23 @@ def test_projection_counts_match_the_optimizer_and_its_formula():
 # step's TP collectives are per TP rank (planner/plan.py's ``tp_collectives``; a real TP 2 step
 # checks them: tests/distributed/test_muon_tp_collectives.py). ``distributed`` (bf16 NS): the
 # packed 8192 x 8192 Gram (33,558,528 elements, 134 MB in fp32; the full one would be 268 MB)
-# summed in bf16, its partials' slices exchanged (8 x 4,194,816, padded) and the summed slices
-# gathered (``tp.sums_in``), then the bf16 polynomial's pieces gathered, each padded to the
-# largest (4,848,263 elements, ``polynomial_rows``: 0.58 of 1024 whole rows), every step: for
-# the square proj too, whose piece costs less than reassociating (``splits_polynomial``).
+# computed and summed in 8 chunks (``newton_schulz.staged_gram``: 16 blocks of 512 rows, 2 per
+# chunk, 7,864,832 elements in the first, 524,800 in the last), each summed in bf16: its
+# partials' slices exchanged (8 slices, padded) and the summed slices gathered (``tp.sums_in``);
+# then the bf16 polynomial's pieces gathered, each padded to the largest (4,848,263 elements,
+# ``polynomial_rows``: 0.58 of 1024 whole rows), every step: for the square proj too, whose
+# piece costs less than reassociating (``splits_polynomial``).
 GRAM, POLY = 8192 * 8193 // 2, 4848263
-CHUNK = -(-GRAM // 8)
+GRAM_CHUNKS = [staged_size(8192, lo, hi) for lo, hi in gram_chunks(8192)]
+SLICES = [-(-n // 8) for n in GRAM_CHUNKS]
 SPLIT_STEP = [
-    TPCollective("all_to_all_single", 8 * CHUNK, "bfloat16", 8, 2 * 7 * CHUNK),
-    TPCollective("all_gather_into_tensor", CHUNK, "bfloat16", 8),
-    TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8),
-]
+    c
+    for chunk in SLICES
+    for c in (
+        TPCollective("all_to_all_single", 8 * chunk, "bfloat16", 8, 2 * 7 * chunk),
+        TPCollective("all_gather_into_tensor", chunk, "bfloat16", 8),
+    )
+] + [TPCollective("all_gather_into_tensor", POLY, "bfloat16", 8)]
 TP_COUNTS = [
     ("duplicated", 0, [TPCollective("all_gather", 57344 * 1024, "float32", 8)]),
     ("duplicated", 1, [TPCollective("all_gather", 8192 * 1024, "float32", 8)]),
@@ -136,11 +147,15 @@ def test_tp_collectives_of_a_70b_matrix(mode, dim, want):
     got = tp_collectives(info, 5, mode, 8)
     assert got == want
     if mode == "distributed":  # ring bytes each way: 2 x 7 x 8.4 MB + 7 x 9.7 MB, per step
-        step = 2 * 7 * CHUNK * 2 + 7 * POLY * 2
+        assert sum(GRAM_CHUNKS) == GRAM and len(GRAM_CHUNKS) == 8
+        assert (GRAM_CHUNKS[0], GRAM_CHUNKS[-1]) == (7864832, 524800)
+        step = 2 * 7 * sum(SLICES) * 2 + 7 * POLY * 2
         assert sum(c.link_bytes() for c in got) == pytest.approx(5 * step + 2 * 7 / 8 * 4)
-        # fp32 NS: one fp32 all-reduce per Gram sum (2 (7/8) x 134 MB: twice the bytes)
+        # fp32 NS: one fp32 all-reduce per Gram chunk's sum (2 (7/8) x 134 MB in all: twice the
+        # bytes)
         fp32 = tp_collectives(info, 5, mode, 8, ns_dtype="float32")
-        assert fp32[1] == TPCollective("all_reduce", GRAM, "float32", 8)
+        want = [TPCollective("all_reduce", n, "float32", 8) for n in GRAM_CHUNKS]
+        assert fp32[1:9] == want
         assert not any(c.op == "all_to_all_single" for c in fp32)
     assert tp_collectives(info, 5, mode, 1) == []  # no TP, no TP collective
 
@@ -152,11 +167,32 @@ def test_projection_adds_each_ranks_tp_collectives_to_its_critical_path(mode, wi
     """70B TP 8 x DP 8 (exact modes: shard-aligned, nothing moved, every rank runs alone): the NS
     time with TP is the busiest rank's matmuls plus its TP collectives' bytes at the NVLink
     bandwidth; ``blockwise`` has none. ``distributed`` runs two matrices at a time (``TP_WINDOW``),
-    one's collectives under the other's matmuls: less than that sum, more than the matmuls; one
-    at a time, the sum. The gather-everything baseline pays every matrix's, LayerWise its busiest
-    rank's."""
+    one's collectives under the other's matmuls, and each Gram's chunks' sums under its next
+    chunks' matmuls (``staged_gram``): less than that sum, more than the matmuls; one matrix at
+    a time, still less; one at a time and unstaged (``GRAM_CHUNKS`` 1), the sum. The
+    gather-everything baseline pays every matrix's, LayerWise its busiest rank's."""
     monkeypatch.setattr(plan_figures, "TP_WINDOW", window)  # its NS working set
     monkeypatch.setattr(plan_module, "TP_WINDOW", window)  # ``stream_trace``'s
+    if mode == "distributed" and window == 1:
+        r, in_turn = _ns_and_in_turn(mode)
+        assert r["max_flops"] / r["rate"] < r["ns"] < 0.99 * in_turn
+        monkeypatch.setattr(newton_schulz, "GRAM_CHUNKS", 1)  # the control: unstaged
+    r, in_turn = _ns_and_in_turn(mode)
+    has_tp = mode != "blockwise"
+    if window > 1 and mode == "distributed":
+        assert r["max_flops"] / r["rate"] < r["ns"] < 0.99 * in_turn
+    elif has_tp:
+        assert r["ns"] == pytest.approx(in_turn, rel=1e-9)
+    else:
+        assert r["tp"] == [0.0] * 8 and r["ns"] == r["ns_no_tp"]
+    every = sum(projection.matrix_tp_bytes(r["model"], i) for i in r["infos"]) / r["tp_link"]
+    assert r["base_tp"] == pytest.approx(every)
+    assert (r["ns"] > r["ns_no_tp"]) == (r["lw_tp"] > 0) == (r["base_tp"] > 0) == has_tp
+
+
+def _ns_and_in_turn(mode: str) -> tuple[dict, float]:
+    """70B TP 8 x DP 8's projection row (plus what the test compares it with), and its busiest
+    rank's matmuls plus TP collectives' bytes at the NVLink bandwidth, one after another."""
     a = projection.parse_args(["--tp-mode", mode, "--min-efficiency", "0", "--dps", "8"])
     r = projection.project("70B", 8, a)
     has_tp = mode != "blockwise"
@@ -174,16 +210,9 @@ def test_projection_adds_each_ranks_tp_collectives_to_its_critical_path(mode, wi
         for rank in range(8)
     ]
     in_turn = max(f / rate + t for f, t in zip(flops, tp))
-    if window > 1 and mode == "distributed":
-        assert max(flops) / rate < r["ns"] < 0.99 * in_turn
-    elif has_tp:
-        assert r["ns"] == pytest.approx(in_turn, rel=1e-9)
-    else:
-        assert tp == [0.0] * 8 and r["ns"] == r["ns_no_tp"]
     infos = [info for _, _, info in params if info is not None]
-    every = sum(projection.matrix_tp_bytes(model, i) for i in infos) / tp_link
-    assert r["base_tp"] == pytest.approx(every)
-    assert (r["ns"] > r["ns_no_tp"]) == (r["lw_tp"] > 0) == (r["base_tp"] > 0) == has_tp
+    extra = dict(max_flops=max(flops), rate=rate, tp=tp, model=model, infos=infos)
+    return {**r, **extra, "tp_link": tp_link}, in_turn
 
 
 def test_projection_owner_mode_balances_the_tp_ranks_of_the_grid():

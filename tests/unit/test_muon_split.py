@@ -474,8 +474,10 @@ def test_the_planner_times_whole_matrices_with_their_tp_collectives():
     matrix's Gram sums count. The plan it chooses has a shorter projected NS time (with TP
     collectives, ``projection.ns_seconds``) than the one chosen with whole matrices as bare
     FLOPs (``stream`` None, the negative control, which leaves a lone matrix's TP sums
-    exposed): 13.5 ms against 14.6 ms (13.9 against 16.3 before the stream summed its Grams in
-    bf16, half the TP bytes: ``tp.sums_in``)."""
+    exposed): 12.2 ms against 12.6 ms (13.5 against 14.6 before the stream computed and summed
+    its Grams in chunks, ``staged_gram``, which hides most of those sums; 13.9 against 16.3
+    before it summed them in bf16, half the TP bytes: ``tp.sums_in``). Pure arithmetic: the
+    margin is the plans', not noise."""
     a = projection.parse_args(["--tp-mode", "distributed", "--dps", "384"])
     rate, link = a.peak_tflops * 1e12 * a.mfu, a.link_gbps / 8 * 1e9
     links = projection.PlanLinks(rate / 1e12, a.link_gbps, a.tp_link_gbps).link_costs()
@@ -490,7 +492,7 @@ def test_the_planner_times_whole_matrices_with_their_tp_collectives():
         projection.ns_seconds(_projected_plan(384, m), rate, link, a.tp_link_gbps / 8 * 1e9)
         for m in (model, blind)
     ]
-    assert seconds[0] < 0.95 * seconds[1]
+    assert seconds[0] < 0.98 * seconds[1]
 
 
 def test_streamed_traces_keep_each_ranks_flops():

@@ -143,13 +143,22 @@ def _two_shards(x, dim: int, precision: str, staged: bool):
     return torch.cat(out, dim=dim)
 
 
-def test_run_staged_waits_in_the_posts_order():
-    """``run_staged`` with sums of two collectives: chunk j's first posted after it is computed,
-    earlier chunks' moved on newest first, every wait in the posts' order, all done at the end.
-    """
+def test_interleave_moves_early_sums_on_while_their_generator_computes():
+    """``interleave`` with one generator yielding three ``EARLY`` chunks (sums of two
+    collectives) and a last ``SUM``: each chunk's sum posted after it is computed, then the
+    earlier chunks' moved on newest first, every wait in the posts' order; the generator resumes
+    only when all are done."""
     log, posted = [], []
 
-    def post(handle):
+    def steps():
+        for j in range(4):
+            log.append(("compute", j))
+            yield ns.EARLY if j < 3 else ns.SUM, j
+        log.append(("resumed",))
+
+    def post(i, kind, t):
+        assert kind == ns.SUM  # an EARLY request is served as a sum
+        handle = (t, 0) if not isinstance(t, tuple) else t
         log.append(("post", handle))
         posted.append(handle)
         return handle
@@ -158,14 +167,16 @@ def test_run_staged_waits_in_the_posts_order():
         assert posted.pop(0) == handle, "waited out of the posts' order"
         log.append(("wait", handle))
         j, at = handle
-        return ns.Then(post((j, at + 1))) if at == 0 else None
+        return ns.Then(post(0, ns.SUM, (j, 1))) if at == 0 else None
 
-    rest = ns.run_staged(3, lambda j: log.append(("compute", j)), lambda j: post((j, 0)), wait)
+    ns.interleave([steps()], post, wait)
     assert log == [
         ("compute", 0), ("post", (0, 0)),
         ("compute", 1), ("post", (1, 0)), ("wait", (0, 0)), ("post", (0, 1)),
         ("compute", 2), ("post", (2, 0)), ("wait", (1, 0)), ("post", (1, 1)), ("wait", (0, 1)),
+        ("compute", 3), ("post", (3, 0)), ("wait", (2, 0)), ("post", (2, 1)), ("wait", (1, 1)),
+        ("wait", (3, 0)), ("post", (3, 1)), ("wait", (2, 1)),
+        ("wait", (3, 1)),
+        ("resumed",),
     ]  # fmt: skip
-    rest()
-    assert log[11:] == [("wait", (2, 0)), ("post", (2, 1)), ("wait", (1, 1)), ("wait", (2, 1))]
     assert posted == []

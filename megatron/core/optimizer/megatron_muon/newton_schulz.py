@@ -401,8 +401,9 @@ def _iterate(x: Tensor, schedule: list[Triple], tall: bool) -> Tensor:
 
 # What a sharded iteration asks its caller to do, in place, before it resumes
 # (``sharded_newton_schulz_steps``): sum a tensor over all shards, or fill the ``Pieces`` other
-# shards computed (``part``).
-SUM, GATHER = "sum", "gather"
+# shards computed (``part``); ``EARLY``: sum it, but the iteration may resume before the sum is
+# done (a staged Gram's chunk, ``staged_gram``): it is done by the next ``SUM``'s resumption.
+SUM, GATHER, EARLY = "sum", "gather", "early"
 
 
 class Pieces(NamedTuple):
@@ -418,20 +419,16 @@ class Pieces(NamedTuple):
 
 
 class Staged(NamedTuple):
-    """A ``SUM`` request computed and summed in chunks (``staged_gram``): ``fill(j)`` writes
-    chunk ``j`` of ``flat`` (``flat[ranges[j]]``), each chunk summed apart, so its sum may run
-    while the next chunk is computed. Served when every chunk is summed."""
+    """A packed Gram computed in chunks (``staged_gram``): ``fill(j)`` writes chunk ``j`` of
+    ``flat`` (``flat[ranges[j]]``), each chunk summed apart (``EARLY``, the last ``SUM``), so
+    its sum may run while the next chunk is computed."""
 
     flat: Tensor
     ranges: list[tuple[int, int]]
     fill: Callable[[int], None]
 
-    def numel(self) -> int:
-        """The elements summed (as a tensor request's)."""
-        return self.flat.numel()
 
-
-Request = tuple[str, Tensor | Pieces | Staged]
+Request = tuple[str, Tensor | Pieces]
 
 
 def sharded_newton_schulz(
@@ -484,12 +481,7 @@ def serve(steps: Generator[Request, None, Tensor], handlers: dict) -> Tensor:
     try:
         kind, t = next(steps)
         while True:
-            if isinstance(t, Staged):
-                for j, (lo, hi) in enumerate(t.ranges):
-                    t.fill(j)
-                    handlers[kind](t.flat[lo:hi])
-            else:
-                handlers[kind](t)
+            handlers[SUM if kind == EARLY else kind](t)
             kind, t = steps.send(None)
     except StopIteration as done:
         return done.value
@@ -506,11 +498,13 @@ def interleave(
 ) -> list:
     """Run request generators round-robin, at most ``window`` started and unfinished at once (a
     finished one's place goes to the next, at once): each request is handed to ``post(i, kind,
-    t)``, and ``wait`` gets its handle before generator ``i`` resumes. A request served in two
-    collectives (a gang sum's reduce-scatter, then its all-gather) has ``wait`` return the
-    second's handle (in a ``Then``), waited for at ``i``'s next turn. The posts come in one
-    order, fixed by the generators' requests alone, so peers running the same list post alike
-    (docs/gangs.md).
+    t)`` (an ``EARLY`` one as a ``SUM``), and at generator ``i``'s next turn its collectives in
+    flight move on by one, newest first: ``wait`` gets each handle, and returns ``Then(handle)``
+    where the request's next collective is posted (a gang sum's all-gather after its
+    reduce-scatter), anything else where it is served. Generator ``i`` resumes at a turn where
+    none is left, or where its last request was ``EARLY`` (then first: its next request posted,
+    before the older ones move on). The posts come in one order, fixed by the generators'
+    requests alone, so peers running the same list post alike (docs/gangs.md).
 
     Args:
         steps: the generators.
@@ -524,57 +518,30 @@ def interleave(
     """
     out: list = [None] * len(steps)
     later = iter(range(window or len(steps), len(steps)))
-    live, pending = deque(range(min(window or len(steps), len(steps)))), {}
+    live = deque(range(min(window or len(steps), len(steps))))
+    pending: dict = {}  # i: (its collectives in flight, newest first; whether it waits for them)
     while live:
         i = live.popleft()
-        if i in pending:
-            then = wait(pending.pop(i))
-            if isinstance(then, Then):  # the request's next collective, posted: its own turn
-                pending[i] = then.handle
+        handles, blocked = pending.pop(i, ([], False))
+        if blocked:
+            handles = _onward(handles, wait)
+            if handles:
+                pending[i] = handles, True
                 live.append(i)
                 continue
         try:
             kind, t = steps[i].send(None)
         except StopIteration as done:
+            assert not handles, "a generator ended with its sums in flight"
             out[i] = done.value
             nxt = next(later, None)
             if nxt is not None:
                 live.appendleft(nxt)
             continue
-        pending[i] = post(i, kind, t)
+        handle = post(i, SUM if kind == EARLY else kind, t)
+        pending[i] = [handle, *_onward(handles, wait)], kind != EARLY
         live.append(i)
     return out
-
-
-def run_staged(
-    chunks: int, compute: Callable[[int], None], post: Callable[[int], object], wait: Callable
-) -> Callable[[], None]:
-    """Serve a ``Staged`` sum: chunk ``j`` computed (``compute(j)``), its sum's first collective
-    posted (``post(j)``), then every earlier chunk's sum moved on by one collective, newest
-    first: ``wait`` for its handle returns ``Then(handle)`` of its next collective, posted, or
-    anything else where the sum is done. The waits come in the posts' order. The one rule
-    gangs.py, tp.py's stream and the cost model run (docs/gangs.md, "Staged Gram sums").
-
-    Args:
-        chunks: the number of chunks.
-        compute: computes a chunk.
-        post: posts a chunk's first collective; returns its handle.
-        wait: until a handle's collective is done (``interleave``'s).
-
-    Returns:
-        The rest: those rounds until every chunk's sum is done (run at the request's wait).
-    """
-    live: list = []
-    for j in range(chunks):
-        compute(j)
-        live = [post(j), *_onward(live, wait)]
-
-    def rest() -> None:
-        nonlocal live
-        while live:
-            live = _onward(live, wait)
-
-    return rest
 
 
 def _onward(live: list, wait: Callable) -> list:
@@ -613,8 +580,9 @@ def sharded_newton_schulz_steps(
         part: ``(p, k)``: compute rows ``cut(g, k)[p]`` of ``p(G)``; ``(p, k, slots)``:
             its piece ``p`` (``polynomial_rows``, laid out by ``polynomial_ranges``); then
             yield a gather of the rest.
-        staged: request each Gram's sum as a ``Staged`` (``staged_gram``), where it has
-            several ``gram_chunks``.
+        staged: compute each Gram in chunks (``staged_gram``) where it has several
+            ``gram_chunks``, each chunk's sum requested once it is computed (``EARLY``, the
+            last ``SUM``).
 
     Returns:
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
@@ -627,7 +595,7 @@ def sharded_newton_schulz_steps(
 
 def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, staged=None):
     """``sharded_newton_schulz_steps``'s body, matmuls in ``dtype``; ``staged``: the precision
-    a ``Staged`` Gram's chunks are computed under (None: not staged)."""
+    a staged Gram's chunks are computed under (None: not staged)."""
     buf = x.to(dtype, copy=True)  # cast first, as ``_normalized``
     sq = buf.float().square().sum()
     yield SUM, sq
@@ -636,7 +604,9 @@ def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, s
         wide = buf.mT if dim == 0 else buf
         if staged is not None and len(gram_chunks(wide.shape[0])) > 1:
             packed = staged_gram(wide, staged)
-            yield SUM, packed
+            for j, (lo, hi) in enumerate(packed.ranges):
+                packed.fill(j)
+                yield EARLY if j + 1 < len(packed.ranges) else SUM, packed.flat[lo:hi]
             gram = unpack_staged(packed.flat, wide.shape[0], dtype)
         else:
             gram = upper_gram(wide)

@@ -265,8 +265,9 @@ class _Streamed:
         if self.blocks is None:
             k, p = dist.get_world_size(self.group), dist.get_rank(self.group)
             shard, self.load = self.load(), None
+            dim = self.info.partition_dim
             self.blocks, self.join = sharded_block_steps(
-                shard, self.info, self.spec, self.info.partition_dim, True, (p, k, 1), gather=True
+                shard, self.info, self.spec, dim, True, (p, k, 1), gather=True, staged=True
             )
         steps = self.blocks[b][1]
         self.blocks[b] = None  # its working set goes with it

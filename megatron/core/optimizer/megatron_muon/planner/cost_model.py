@@ -5,18 +5,20 @@ import dataclasses
 import functools
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from ..newton_schulz import (
+    EARLY,
+    SUM,
     Then,
     gram_chunks,
+    interleave,
     packed_size,
     polynomial_ranges,
     polynomial_size,
     reassociates,
-    run_staged,
     splits_polynomial,
     staged_gram_flops,
     staged_size,
@@ -613,18 +615,6 @@ class Staged(NamedTuple):
 
     chunks: tuple[tuple[float, tuple], ...]
 
-    def add_flops(self, flops: list) -> Callable[[int], None]:
-        """``run_staged``'s ``compute``: a chunk's FLOPs added to ``flops[0]``."""
-
-        def compute(j: int) -> None:
-            flops[0] += self.chunks[j][0]
-
-        return compute
-
-    def post_first(self, post: Callable[[tuple], tuple]) -> Callable[[int], tuple]:
-        """``run_staged``'s ``post``: a chunk's first collective, by ``post((sums, 0))``."""
-        return lambda j: post((self.chunks[j][1], 0))
-
 
 def _staged(total: type, g: int, lines: int, tp: int, members: int, ns_itemsize: int) -> Staged:
     """A lone gang's Gram sum as ``newton_schulz.staged_gram`` runs it."""
@@ -636,6 +626,23 @@ def _staged(total: type, g: int, lines: int, tp: int, members: int, ns_itemsize:
             )
             for lo, hi in gram_chunks(g)
         )
+    )
+
+
+def matmul_flops(events: list) -> float:
+    """The matmul FLOPs among events (``member_events``', ``plan.distributed_events``'), a
+    ``Staged`` sum's chunks' too.
+
+    Args:
+        events: the events.
+
+    Returns:
+        FLOPs.
+    """
+    return sum(
+        sum(f for f, _ in e.chunks) if isinstance(e, Staged) else e
+        for e in events
+        if isinstance(e, (float, Staged))
     )
 
 
@@ -773,11 +780,10 @@ def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
 
 def staged_trace(members: tuple, events: list) -> tuple[list[tuple], float]:
     """``pipelined``'s trace of a rank's one gang unit, whose Gram sums are ``Staged`` (a lone
-    gang's) as gangs.py's ``GangRunner._staged`` runs them, by the same rule
-    (``newton_schulz.run_staged``): each chunk's FLOPs, its first collective posted, then every
-    earlier chunk's sum moved on by one collective, newest first (its wait, and its next
-    collective's post); after the last chunk, those rounds until all are done. Every other
-    collective is posted and waited for in turn.
+    gang's), run by gangs.py's own ``interleave`` (``event_steps``): each chunk's FLOPs, its sum
+    posted (``EARLY``), then every earlier chunk's sum moved on by one collective, newest first
+    (its wait, and its next collective's post); after the last chunk, those rounds until all
+    are done. Every other collective is posted and waited for in turn.
 
     Args:
         members: the gang's DP ranks.
@@ -787,28 +793,66 @@ def staged_trace(members: tuple, events: list) -> tuple[list[tuple], float]:
         As ``pipelined``.
     """
     trace: list = []
-    flops = [0.0]  # since the last entry
+    clock = [0.0]
+    post, wait = chain_recorder(trace, clock, lambda f, op, c: (f, op, members, c))
+    interleave([event_steps(events, clock)], post, wait)
+    return trace, clock[0]
 
-    def post(handle: tuple) -> tuple:  # (a sum's collectives, the one posted)
-        sums, at = handle
-        trace.append((flops[0], POST, members, sums[at]))
-        flops[0] = 0.0
+
+def event_steps(events: list, clock: list) -> Generator:
+    """A unit's events (``member_events``', ``plan.distributed_block_events``') as the request
+    generator that runs them: its FLOPs added to ``clock[0]`` where the real one computes them,
+    each collective a request ``(SUM, (collectives, 0))``, a ``Staged`` sum's chunks ``EARLY``
+    but the last (``newton_schulz.sharded_newton_schulz_steps``).
+
+    Args:
+        events: the events.
+        clock: FLOPs run since the trace's last entry (``chain_recorder``'s).
+
+    Returns:
+        The generator.
+    """
+    for e in events:
+        if isinstance(e, float):
+            clock[0] += e
+        elif isinstance(e, Staged):
+            for j, (flops, sums) in enumerate(e.chunks):
+                clock[0] += flops
+                yield EARLY if j + 1 < len(e.chunks) else SUM, (sums, 0)
+        else:
+            yield SUM, ((e,), 0)
+
+
+def chain_recorder(trace: list, clock: list, entry: Callable) -> tuple[Callable, Callable]:
+    """``interleave``'s ``post`` and ``wait`` for ``event_steps``' requests, each appending
+    ``entry(FLOPs since the last entry, POST or WAIT, collective)`` to ``trace``; a request of
+    several collectives (a chunk's sum) posts the next at the previous one's wait (``Then``).
+
+    Args:
+        trace: the trace appended to.
+        clock: FLOPs run since the last entry, reset at each.
+        entry: makes an entry.
+
+    Returns:
+        (post, wait).
+    """
+
+    def record(op: str, c) -> None:
+        trace.append(entry(clock[0], op, c))
+        clock[0] = 0.0
+
+    def post(i: int, kind: str, handle: tuple) -> tuple:  # (a sum's collectives, the posted)
+        collectives, at = handle
+        record(POST, collectives[at])
         return handle
 
     def wait(handle: tuple) -> Optional[Then]:
-        sums, at = handle
-        trace.append((flops[0], WAIT, members, sums[at]))
-        flops[0] = 0.0
-        return Then(post((sums, at + 1))) if at + 1 < len(sums) else None
+        collectives, at = handle
+        record(WAIT, collectives[at])
+        more = at + 1 < len(collectives)
+        return Then(post(-1, SUM, (collectives, at + 1))) if more else None
 
-    for e in events:
-        if isinstance(e, float):
-            flops[0] += e
-        elif isinstance(e, Staged):
-            run_staged(len(e.chunks), e.add_flops(flops), e.post_first(post), wait)()
-        else:
-            wait(post(((e,), 0)))
-    return trace, flops[0]
+    return post, wait
 
 
 def _rounds(events: list) -> tuple[list[float], list[int]]:

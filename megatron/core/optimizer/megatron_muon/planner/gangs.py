@@ -13,16 +13,7 @@ from torch import Tensor
 
 from ..exchange import Exchange
 from ..functional import OrthoSpec, orthogonalize_sharded_steps
-from ..newton_schulz import (
-    GATHER,
-    SUM,
-    Pieces,
-    Staged,
-    Then,
-    compute_dtype,
-    interleave,
-    run_staged,
-)
+from ..newton_schulz import GATHER, SUM, Pieces, Then, compute_dtype, interleave
 from ..tp import TPOrthogonalizer, all_gather_ranges, post_gather_ranges, reduce_scatter_ranges
 from .cost_model import cut, lone_gangs, node_layout, ring_traffic, spreads
 
@@ -126,26 +117,10 @@ class GangRunner:
         one global order on every member, so no two gangs wait in a circle. A raise leaves the
         posted collectives to their peers (docs/gangs.md, "A failing rank")."""
 
-        def post(i: int, kind: str, t: Tensor | Staged):
-            if isinstance(t, Staged):
-                return self._staged(serve[i][kind], t, members[i])
+        def post(i: int, kind: str, t: Tensor) -> "Posted":
             return self._post(serve[i][kind], t, members[i])
 
-        def wait(handle):  # a staged sum's handle: the rest of its chunks' collectives
-            return handle() if callable(handle) else self._wait(handle)
-
-        return interleave(steps, post, wait)
-
-    def _staged(self, serve: Callable, staged: Staged, members: tuple) -> Callable[[], None]:
-        """A lone gang's ``Staged`` Gram sum, chunk by chunk (``newton_schulz.run_staged``):
-        each chunk's sum posted once it is computed, earlier chunks' moved on meanwhile. Returns
-        the rest, run at the unit's wait."""
-
-        def post(j: int) -> "Posted":
-            lo, hi = staged.ranges[j]
-            return self._post(serve, staged.flat[lo:hi], members)
-
-        return run_staged(len(staged.ranges), staged.fill, post, self._wait)
+        return interleave(steps, post, lambda posted: self._wait(posted))
 
     def _post(self, serve: Callable, t: Tensor, members: tuple) -> "Posted":
         """Post ``serve(t)``, a gang collective over ``members``, in place on ``t``."""

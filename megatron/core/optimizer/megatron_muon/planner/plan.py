@@ -14,24 +14,30 @@ from ..exchange import BucketSlot, Exchange, MatrixSlot, Piece, exchange_dtypes,
 from ..functional import MuonParamInfo, qkv_blocks
 from ..newton_schulz import (
     compute_dtype,
+    gram_chunks,
     interleave,
     ns_flops,
     packed_size,
     polynomial_ranges,
     reassociates,
     splits_polynomial,
+    staged_gram_flops,
+    staged_size,
     upper_gram_flops,
 )
 from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells, stream_blocks, stream_order, sums_in
 from .cost_model import (
     NS_DTYPES,
-    POST,
-    WAIT,
     NSCostModel,
     Partial,
     PlanLinks,
+    Staged,
     TPCollective,
     around_gang,
+    chain_recorder,
+    collectives,
+    event_steps,
+    matmul_flops,
 )
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
@@ -82,8 +88,7 @@ def tp_ns_cost(
         shape = list(info.shape)
         shape[dim] //= tp
         return ns_cost(MuonParamInfo(tuple(shape), info.qkv_split), steps, form)
-    events = distributed_events(info, steps, tp, gather=gather, tp_rank=tp_rank)
-    return sum(e for e in events if isinstance(e, float))
+    return matmul_flops(distributed_events(info, steps, tp, gather=gather, tp_rank=tp_rank))
 
 
 def tp_collectives(
@@ -115,8 +120,7 @@ def tp_collectives(
         return []
     if mode == "duplicated":
         return [TPCollective("all_gather", math.prod(info.shape) // tp, update_dtype, tp)]
-    events = distributed_events(info, steps, tp, ns_dtype, update_dtype, gather)
-    return [e for e in events if not isinstance(e, float)]
+    return collectives(distributed_events(info, steps, tp, ns_dtype, update_dtype, gather))
 
 
 def distributed_events(
@@ -188,13 +192,15 @@ def _distributed_step(g: int, lines: int, tp: int, ns_dtype: str, ours: bool, tp
     whole Gram, one fp32 all-reduce, polynomial always split in whole rows."""
     local, rows = lines // tp, -(-g // tp)
     split = splits_polynomial(g, lines, tp, ours)
-    gram = upper_gram_flops(g, local) if ours else 2 * local * g * g
-    n = packed_size(g)
-    if ours and sums_in(n, tp, getattr(torch, ns_dtype)):
-        summed = [c for side in around_gang(Partial(n, tp), ns_dtype) for c in side]
+    if ours and len(gram_chunks(g)) > 1:  # newton_schulz.staged_gram: its chunks summed EARLY
+        chunks = [
+            (staged_gram_flops(g, local, lo, hi), staged_size(g, lo, hi))
+            for lo, hi in gram_chunks(g)
+        ]
+        out: list = [Staged(tuple((float(f), _tp_sum(n, tp, ns_dtype, ours)) for f, n in chunks))]
     else:
-        summed = [TPCollective("all_reduce", n, "float32", tp)]
-    out: list = [float(gram), *summed]
+        gram = upper_gram_flops(g, local) if ours else 2 * local * g * g
+        out = [float(gram), *_tp_sum(packed_size(g), tp, ns_dtype, ours)]
     if split and ours:  # its piece of b G + c G G, the pieces gathered (padded to the largest)
         sizes = [end - start for start, end in polynomial_ranges(g, tp)]
         piece = max(sizes)
@@ -207,6 +213,15 @@ def _distributed_step(g: int, lines: int, tp: int, ns_dtype: str, ours: bool, tp
         return out + [2.0 * local * g * g]
     assert reassociates(g, local), "a block with fewer lines than its Gram side splits"
     return out + [4.0 * local * g * g]  # reassociated: a X + G (b X + c G X)
+
+
+def _tp_sum(n: int, tp: int, ns_dtype: str, ours: bool) -> tuple:
+    """The TP collectives of a packed Gram's sum of ``n`` elements in the stream: ours in the NS
+    dtype where ``tp.sums_in`` (the partials exchanged, the sums gathered: ``around_gang``'s two
+    TP collectives of a partial sum), else one fp32 all-reduce."""
+    if ours and sums_in(n, tp, getattr(torch, ns_dtype)):
+        return tuple(c for side in around_gang(Partial(n, tp), ns_dtype) for c in side)
+    return (TPCollective("all_reduce", n, "float32", tp),)
 
 
 def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, float]:
@@ -223,28 +238,8 @@ def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, 
         ``(FLOPs before, POST or WAIT, TPCollective)`` entries, and the FLOPs after the last.
     """
     trace: list = []
-    after = [0.0]  # FLOPs run since the last entry
-
-    def job(events: list):
-        flops, posts = 0.0, [j for j, e in enumerate(events) if not isinstance(e, float)]
-        for j, e in enumerate(events[: posts[-1] + 1]):
-            if isinstance(e, float):
-                flops += e
-                continue
-            tail = sum(events[posts[-1] + 1 :]) if j == posts[-1] else 0.0
-            yield POST, (flops, e, tail)  # the tail runs after the last wait, before the next
-            flops = 0.0
-
-    def post(i: int, kind: str, request: tuple) -> tuple:
-        flops, collective, tail = request
-        trace.append((after[0] + flops, POST, collective))
-        after[0] = 0.0
-        return collective, tail
-
-    def wait(posted: tuple) -> None:
-        trace.append((after[0], WAIT, posted[0]))
-        after[0] = posted[1]
-
+    clock = [0.0]  # FLOPs run since the last entry
+    post, wait = chain_recorder(trace, clock, lambda f, op, c: (f, op, c))
     for expert in (False, True):
         sharded = [
             info
@@ -258,8 +253,9 @@ def stream_trace(infos: list, model, ns_dtype: str = "bfloat16") -> tuple[list, 
             for i in sharded
         ]
         order = stream_order(sharded, model.tp_of(sharded[0])) if sharded else []
-        interleave([job(blocks[m][b]) for m, b in order], post, wait, TP_WINDOW)
-    return trace, after[0] + sum(model.whole(i) for i in infos if model.tp_of(i) == 1)
+        steps = [event_steps(blocks[m][b], clock) for m, b in order]
+        interleave(steps, post, wait, TP_WINDOW)
+    return trace, clock[0] + sum(model.whole(i) for i in infos if model.tp_of(i) == 1)
 
 
 def owner_stream(infos: list, model) -> tuple[list, float]:
