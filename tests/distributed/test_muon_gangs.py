@@ -589,19 +589,21 @@ def test_a_lone_gang_sums_in_two_collectives_as_the_plan_counts():
     assert cost_model.REDUCE not in phases(runs[2]) and cost_model.ALL_REDUCE in phases(runs[2])
 
 
+def _bundled_bf16_runs(**hook) -> list:
+    """Every rank's run of ``CONTROL_STEPS`` on the wide one-layer model at DP 4, bf16 NS, with
+    the disjoint gangs of ``_bundle(**hook)``."""
+    spec, bf16 = TinyGPT(**WIDE), {**MUON, "muon_fp32_matmul_prec": "medium"}
+    kwargs = {**bf16, "distopt": True, "bucket_size": BUCKET, "overlap": True}
+    kwargs["optimizer_hook"] = functools.partial(_bundle, **hook)
+    return run_distributed(train, 4, args=(spec, CONTROL_STEPS), kwargs=kwargs)
+
+
 def test_a_lone_gangs_two_collectives_change_no_bit():
     """bf16 NS: the lone gang's sums as two collectives leave every rank's params bit-identical
     to one fp32 all-reduce each: a gang of 2 adds its two fp32 partials alike in either order,
     and the Gram's consumer (``unpack_symmetric``) rounds the sum to bf16 either way.
     Negative control: with the all-gather dropped the params differ."""
-    spec, bf16 = TinyGPT(**WIDE), {**MUON, "muon_fp32_matmul_prec": "medium"}
-    kwargs = {**bf16, "distopt": True, "bucket_size": BUCKET, "overlap": True}
-
-    def run(**hook):
-        hook = functools.partial(_bundle, **hook)
-        args = (spec, CONTROL_STEPS)
-        return run_distributed(train, 4, args=args, kwargs={**kwargs, "optimizer_hook": hook})
-
+    run = _bundled_bf16_runs
     got, one, broken = run(), run(one_all_reduce=True), run(broken_spread=True)
     assert first_difference(got, one) is None
     assert first_difference(broken, one) is not None
@@ -610,8 +612,8 @@ def test_a_lone_gangs_two_collectives_change_no_bit():
 @pytest.mark.parametrize("case", [STAGED_BF16, STAGED_FP32])
 def test_a_lone_gangs_staged_gram_sums_are_the_plans_schedule(case, monkeypatch):
     """The lone gang computes each Gram in chunks and posts each chunk's sum as soon as it is
-    computed, then moves every earlier chunk's sum on by one collective
-    (``GangRunner._staged``): each rank's FLOPs between collectives (a chunk's matmuls before
+    computed, then moves every earlier chunk's sum on by one collective (``EARLY`` requests in
+    ``newton_schulz.interleave``): each rank's FLOPs between collectives (a chunk's matmuls before
     its post), its collectives in order and their ring bytes are the plan's
     (``cost_model.staged_trace``), and the lone gang's members have several sums in flight."""
     runs = counted_split_runs(**case)
@@ -631,14 +633,7 @@ def test_a_lone_gangs_staged_gram_sums_change_no_bit():
     summed by the same two members) leave every rank's params bit-identical to the unstaged
     sums. Negative control: with the chunks after the first summed on copies the params
     differ."""
-    spec, bf16 = TinyGPT(**WIDE), {**MUON, "muon_fp32_matmul_prec": "medium"}
-    kwargs = {**bf16, "distopt": True, "bucket_size": BUCKET, "overlap": True}
-
-    def run(**hook):
-        hook = functools.partial(_bundle, **hook)
-        args = (spec, CONTROL_STEPS)
-        return run_distributed(train, 4, args=args, kwargs={**kwargs, "optimizer_hook": hook})
-
+    run = _bundled_bf16_runs
     got, unstaged = run(gram_rows=4), run()
     broken = run(gram_rows=4, broken_staged=True)
     assert first_difference(got, unstaged) is None

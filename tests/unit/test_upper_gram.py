@@ -90,7 +90,7 @@ def test_staged_gram_is_the_packed_upper_gram_in_chunks(small_blocks, g, lines, 
     of 4 in 8 chunks of 2 (``GRAM_CHUNKS``)."""
     dtype = ns.compute_dtype(precision)
     wide = _randn((g, lines)).to(dtype)
-    staged, chunks = ns.staged_gram(wide, precision), ns.gram_chunks(g)
+    staged, chunks = ns.staged_gram(wide), ns.gram_chunks(g)
     assert len(staged.ranges) == len(chunks) == min(len(ns.gram_blocks(g)), ns.GRAM_CHUNKS)
     assert staged.ranges[0][0] == 0 and staged.ranges[-1][1] == ns.packed_size(g)
     assert all(a[1] == b[0] for a, b in zip(staged.ranges, staged.ranges[1:]))
@@ -108,7 +108,7 @@ def test_staged_gram_is_the_packed_upper_gram_in_chunks(small_blocks, g, lines, 
 
 @pytest.mark.parametrize("shape, dim", [((40, 96), 1), ((96, 40), 0)])
 def test_staged_sharded_steps_are_the_unstaged_bit_for_bit(small_blocks, shape, dim):
-    """Two shards summed (``serve`` runs a ``Staged`` request chunk by chunk): the staged steps
+    """Two shards summed (``serve`` sums each ``EARLY`` chunk at once): the staged steps
     give the unstaged steps' result bit for bit, in bf16 and fp32 NS."""
     x = _randn(shape)
     for precision in ("medium", "highest"):

@@ -355,7 +355,8 @@ def orthogonalize_sharded_steps(
         part: ``(p, k)`` (whole rows) or ``(p, k, slots)`` (pieces): split polynomials where
             ``splits_polynomial``.
         gather: (with ``part``, equal shards) gather a block where ``gathers``.
-        staged: request the Gram sums as ``newton_schulz.Staged`` (``staged_gram``).
+        staged: compute each Gram in chunks, each chunk's sum requested once it is computed
+            (``newton_schulz.staged_gram``, ``EARLY``).
 
     Returns:
         This shard of ``s * NS_k(U)``, laid out like ``u``.

@@ -588,22 +588,21 @@ def sharded_newton_schulz_steps(
         This shard of ``NS_k(X)``, same shape and dtype as ``x``.
     """
     dtype = compute_dtype(precision)
-    chunked = precision if staged else None
-    steps_ = _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, chunked)
+    steps_ = _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, staged)
     return (yield from _under(steps_, precision, x.device))
 
 
-def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, staged=None):
-    """``sharded_newton_schulz_steps``'s body, matmuls in ``dtype``; ``staged``: the precision
-    a staged Gram's chunks are computed under (None: not staged)."""
+def _sharded_steps(x, dim, steps, coefficients, dtype, eps, reassociate, part, staged=False):
+    """``sharded_newton_schulz_steps``'s body, matmuls in ``dtype`` (its stretches run under
+    the precision: ``_under``, a staged Gram's chunks too)."""
     buf = x.to(dtype, copy=True)  # cast first, as ``_normalized``
     sq = buf.float().square().sum()
     yield SUM, sq
     buf.div_(sq.sqrt().clamp_min_(eps).to(dtype))
     for a, b, c in coefficient_set(coefficients).schedule(steps):
         wide = buf.mT if dim == 0 else buf
-        if staged is not None and len(gram_chunks(wide.shape[0])) > 1:
-            packed = staged_gram(wide, staged)
+        if staged and len(gram_chunks(wide.shape[0])) > 1:
+            packed = staged_gram(wide)
             for j, (lo, hi) in enumerate(packed.ranges):
                 packed.fill(j)
                 yield EARLY if j + 1 < len(packed.ranges) else SUM, packed.flat[lo:hi]
@@ -763,9 +762,10 @@ def upper_gram_flops(g: int, lines: int) -> int:
     return sum(2 * lines * (hi - lo) * (g - lo) for lo, hi in gram_blocks(g))
 
 
-# A lone gang's Gram (planner/cost_model.py's ``lone_gangs``) is computed and summed in at most
-# this many chunks of its ``gram_blocks``, each sum posted as soon as its chunk is computed, so
-# it runs under the next chunks' matmuls (docs/gangs.md, "Staged Gram sums").
+# A staged Gram (a lone gang's, planner/cost_model.py's ``lone_gangs``; the ``distributed`` TP
+# stream's) is computed and summed in at most this many chunks of its ``gram_blocks``, each sum
+# posted as soon as its chunk is computed, so it runs under the next chunks' matmuls
+# (docs/gangs.md, "Staged Gram sums").
 GRAM_CHUNKS = 8
 
 
@@ -816,17 +816,18 @@ def staged_gram_flops(g: int, lines: int, lo: int, hi: int) -> int:
     return sum(2 * lines * (b - a) * (g - a) for a, b in gram_blocks(g) if lo <= a < hi)
 
 
-def staged_gram(wide: Tensor, precision: str) -> Staged:
-    """``wide @ wide^T``'s upper triangle as a ``Staged`` request: chunk ``j`` is the rows
-    ``gram_chunks(g)[j]``, each block of them computed as ``upper_gram`` does (the same
-    matmuls, the same bits) and packed (``staged_size``), in fp32 like ``pack_symmetric``.
+def staged_gram(wide: Tensor) -> Staged:
+    """``wide @ wide^T``'s upper triangle, to compute in chunks (``Staged``): chunk ``j`` is
+    the rows ``gram_chunks(g)[j]``, each block of them computed as ``upper_gram`` does (the
+    same matmuls, the same bits) and packed (``staged_size``), in fp32 like ``pack_symmetric``.
+    Its matmuls run under whatever precision holds where ``fill`` is called (in
+    ``sharded_newton_schulz_steps``: ``_under``'s).
 
     Args:
         wide: a ``g x l`` matrix.
-        precision: a name in ``PRECISIONS`` (the chunks' matmuls run under it).
 
     Returns:
-        The request; ``unpack_staged`` reads its sums.
+        The chunks to fill; ``unpack_staged`` reads their sums.
     """
     g = wide.shape[0]
     flat = torch.empty(packed_size(g), dtype=torch.float32, device=wide.device)
@@ -839,15 +840,12 @@ def staged_gram(wide: Tensor, precision: str) -> Staged:
     def fill(j: int) -> None:
         lo, hi = chunks[j]
         at = ranges[j][0]
-        with matmul_precision(precision, wide.device):
-            for a, b in (block for block in gram_blocks(g) if lo <= block[0] < hi):
-                rows = torch.mm(wide[a:b], wide[a:].mT)
-                square = packed_size(b - a)
-                pack_symmetric(rows[:, : b - a], out=flat[at : at + square])
-                flat[at + square : at + square + (b - a) * (g - b)].view(b - a, g - b).copy_(
-                    rows[:, b - a :]
-                )
-                at += square + (b - a) * (g - b)
+        for a, b in (block for block in gram_blocks(g) if lo <= block[0] < hi):
+            rows = torch.mm(wide[a:b], wide[a:].mT)
+            square, rect = packed_size(b - a), (b - a) * (g - b)
+            pack_symmetric(rows[:, : b - a], out=flat[at : at + square])
+            flat[at + square : at + square + rect].view(b - a, g - b).copy_(rows[:, b - a :])
+            at += square + rect
 
     return Staged(flat, ranges, fill)
 

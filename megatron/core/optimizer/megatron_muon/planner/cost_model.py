@@ -598,7 +598,8 @@ def member_events(
     for g in model._grams(info, axis):
         out += sum_events(total, 1, tp, part[1], model.ns_itemsize, lone)  # the squared norm
         if lone and len(gram_chunks(g)) > 1:  # newton_schulz.staged_gram
-            gram = [_staged(total, g, lines, tp, part[1], model.ns_itemsize)]
+            each = dict(tp=tp, members=part[1], ns_itemsize=model.ns_itemsize, lone=True)
+            gram = [staged_sum(g, lines, functools.partial(sum_events, total, **each))]
         else:
             sums = sum_events(total, packed_size(g), tp, part[1], model.ns_itemsize, lone)
             gram = [float(upper_gram_flops(g, lines)), *sums]
@@ -608,22 +609,29 @@ def member_events(
     return out
 
 
-class Staged(NamedTuple):
-    """A lone gang's Gram sum run in chunks (``newton_schulz.staged_gram``): per chunk its
-    matmul FLOPs and the collectives that sum it (``sum_events``), each chunk's first posted as
-    soon as it is computed (``staged_trace``)."""
+class StagedSum(NamedTuple):
+    """A Gram computed and summed in chunks (``newton_schulz.staged_gram``; a lone gang's, the
+    ``distributed`` stream's): per chunk its matmul FLOPs and the collectives that sum it, each
+    chunk's sum requested as soon as it is computed (``event_steps``)."""
 
     chunks: tuple[tuple[float, tuple], ...]
 
 
-def _staged(total: type, g: int, lines: int, tp: int, members: int, ns_itemsize: int) -> Staged:
-    """A lone gang's Gram sum as ``newton_schulz.staged_gram`` runs it."""
-    return Staged(
+def staged_sum(g: int, lines: int, chunk_sum: Callable[[int], Sequence]) -> StagedSum:
+    """A ``g x g`` Gram of ``lines`` lines as ``newton_schulz.staged_gram`` computes it, each
+    chunk summed by the collectives ``chunk_sum(elements)`` gives.
+
+    Args:
+        g: the Gram's side.
+        lines: the shard's length along the summed dimension.
+        chunk_sum: a chunk's collectives, from its packed elements.
+
+    Returns:
+        The events' ``StagedSum``.
+    """
+    return StagedSum(
         tuple(
-            (
-                float(staged_gram_flops(g, lines, lo, hi)),
-                tuple(sum_events(total, staged_size(g, lo, hi), tp, members, ns_itemsize, True)),
-            )
+            (float(staged_gram_flops(g, lines, lo, hi)), tuple(chunk_sum(staged_size(g, lo, hi))))
             for lo, hi in gram_chunks(g)
         )
     )
@@ -631,7 +639,7 @@ def _staged(total: type, g: int, lines: int, tp: int, members: int, ns_itemsize:
 
 def matmul_flops(events: list) -> float:
     """The matmul FLOPs among events (``member_events``', ``plan.distributed_events``'), a
-    ``Staged`` sum's chunks' too.
+    ``StagedSum``'s chunks' too.
 
     Args:
         events: the events.
@@ -640,14 +648,14 @@ def matmul_flops(events: list) -> float:
         FLOPs.
     """
     return sum(
-        sum(f for f, _ in e.chunks) if isinstance(e, Staged) else e
+        sum(f for f, _ in e.chunks) if isinstance(e, StagedSum) else e
         for e in events
-        if isinstance(e, (float, Staged))
+        if isinstance(e, (float, StagedSum))
     )
 
 
 def collectives(events: list) -> list:
-    """The collectives among ``member_events``' events, a ``Staged`` sum's chunk by chunk.
+    """The collectives among ``member_events``' events, a ``StagedSum``'s chunk by chunk.
 
     Args:
         events: the events.
@@ -657,7 +665,7 @@ def collectives(events: list) -> list:
     """
     out: list = []
     for e in events:
-        if isinstance(e, Staged):
+        if isinstance(e, StagedSum):
             out += [c for _, sums in e.chunks for c in sums]
         elif not isinstance(e, float):
             out.append(e)
@@ -757,8 +765,8 @@ def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
     """The main thread's trace of a rank's gang units (``(members, member_events)``, gang order)
     run interleaved in rounds as gangs.py runs them (docs/gangs.md): ``(FLOPs before, POST or
     WAIT, members, elements)`` entries, and the FLOPs after the last."""
-    if any(isinstance(e, Staged) for _, events in held for e in events):
-        assert len(held) == 1, "a Staged sum is a lone gang's: its members run no other unit"
+    if any(isinstance(e, StagedSum) for _, events in held for e in events):
+        assert len(held) == 1, "a staged sum is a lone gang's: its members run no other unit"
         return staged_trace(*held[0])
     live = [(members, *_rounds(events)) for members, events in held]
     trace, flops, j = [], 0.0, 0
@@ -779,7 +787,7 @@ def pipelined(held: list[tuple]) -> tuple[list[tuple], float]:
 
 
 def staged_trace(members: tuple, events: list) -> tuple[list[tuple], float]:
-    """``pipelined``'s trace of a rank's one gang unit, whose Gram sums are ``Staged`` (a lone
+    """``pipelined``'s trace of a rank's one gang unit, whose Gram sums are staged (a lone
     gang's), run by gangs.py's own ``interleave`` (``event_steps``): each chunk's FLOPs, its sum
     posted (``EARLY``), then every earlier chunk's sum moved on by one collective, newest first
     (its wait, and its next collective's post); after the last chunk, those rounds until all
@@ -802,7 +810,7 @@ def staged_trace(members: tuple, events: list) -> tuple[list[tuple], float]:
 def event_steps(events: list, clock: list) -> Generator:
     """A unit's events (``member_events``', ``plan.distributed_block_events``') as the request
     generator that runs them: its FLOPs added to ``clock[0]`` where the real one computes them,
-    each collective a request ``(SUM, (collectives, 0))``, a ``Staged`` sum's chunks ``EARLY``
+    each collective a request ``(SUM, (collectives, 0))``, a ``StagedSum``'s chunks ``EARLY``
     but the last (``newton_schulz.sharded_newton_schulz_steps``).
 
     Args:
@@ -815,7 +823,7 @@ def event_steps(events: list, clock: list) -> Generator:
     for e in events:
         if isinstance(e, float):
             clock[0] += e
-        elif isinstance(e, Staged):
+        elif isinstance(e, StagedSum):
             for j, (flops, sums) in enumerate(e.chunks):
                 clock[0] += flops
                 yield EARLY if j + 1 < len(e.chunks) else SUM, (sums, 0)

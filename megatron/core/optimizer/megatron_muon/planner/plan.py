@@ -21,8 +21,6 @@ from ..newton_schulz import (
     polynomial_ranges,
     reassociates,
     splits_polynomial,
-    staged_gram_flops,
-    staged_size,
     upper_gram_flops,
 )
 from ..tp import TP_WINDOW, TPOrthogonalizer, owner_cells, stream_blocks, stream_order, sums_in
@@ -31,13 +29,13 @@ from .cost_model import (
     NSCostModel,
     Partial,
     PlanLinks,
-    Staged,
     TPCollective,
     around_gang,
     chain_recorder,
     collectives,
     event_steps,
     matmul_flops,
+    staged_sum,
 )
 from .placement import BUNDLES, TARGETS, Work, assign_units
 
@@ -193,11 +191,7 @@ def _distributed_step(g: int, lines: int, tp: int, ns_dtype: str, ours: bool, tp
     local, rows = lines // tp, -(-g // tp)
     split = splits_polynomial(g, lines, tp, ours)
     if ours and len(gram_chunks(g)) > 1:  # newton_schulz.staged_gram: its chunks summed EARLY
-        chunks = [
-            (staged_gram_flops(g, local, lo, hi), staged_size(g, lo, hi))
-            for lo, hi in gram_chunks(g)
-        ]
-        out: list = [Staged(tuple((float(f), _tp_sum(n, tp, ns_dtype, ours)) for f, n in chunks))]
+        out: list = [staged_sum(g, local, lambda n: _tp_sum(n, tp, ns_dtype, ours))]
     else:
         gram = upper_gram_flops(g, local) if ours else 2 * local * g * g
         out = [float(gram), *_tp_sum(packed_size(g), tp, ns_dtype, ours)]
